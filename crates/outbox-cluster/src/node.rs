@@ -1,0 +1,222 @@
+//! A clustered node: registry heartbeats, partition ownership and the processor, started and stopped
+//! together.
+//!
+//! Tasks (each `run(…, CancellationToken)`):
+//! - **heartbeat**: renews the lease every `heartbeat_interval`, on its own task so it never waits behind
+//!   deliveries; if no renewal succeeded for longer than the self-fence deadline, it empties the
+//!   assignment so the processor stops (self-fencing; safety still comes from the epoch);
+//! - **ownership**: every `rebalance_interval`, acquires free partitions and those of dead instances,
+//!   and publishes what the database says this instance owns;
+//! - **processor** and **purge** from `outbox-core`.
+//!
+//! Graceful shutdown: stop fetching, finish and complete in-flight records, release every partition
+//! (epoch + 1, so others take them at once instead of after the stale timeout), deregister.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{Assignment, Handlers, Outbox, Processor};
+use sqlx::PgPool;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use crate::config::ClusterConfig;
+use crate::registry::{self, InstanceInfo};
+use crate::sql::Sql;
+use crate::{Error, Result, ownership};
+
+/// What a node currently holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeStatus {
+    /// Instance id.
+    pub id: Uuid,
+    /// Partitions and epochs handed to the processor.
+    pub assignment: Assignment,
+}
+
+/// A running node. Dropping it without [`Node::shutdown`] stops nothing; call `shutdown` (or
+/// [`Node::kill`] in tests) to end it.
+pub struct Node {
+    id: Uuid,
+    pool: PgPool,
+    sql: Arc<Sql>,
+    assignment: watch::Receiver<Assignment>,
+    stop_processor: CancellationToken,
+    stop_background: CancellationToken,
+    background: TaskTracker,
+    processor: JoinHandle<outbox_core::Result<()>>,
+}
+
+impl Node {
+    /// Validates `config`, registers the instance and starts its tasks.
+    pub async fn start(outbox: Outbox, pool: PgPool, handlers: Handlers, config: ClusterConfig) -> Result<Node> {
+        config.validate()?;
+        let id = Uuid::now_v7();
+        let sql = Arc::new(Sql::new(&outbox.config().schema));
+        registry::register(&pool, &sql, id, &config.name, config.stale_timeout).await.map_err(|e| not_migrated(&outbox, e))?;
+        info!(instance = %id, name = %config.name, "instance registered");
+
+        let (assign_tx, assignment) = watch::channel(Assignment::new());
+        let assign_tx = Arc::new(assign_tx);
+        let (beat_tx, beat_rx) = watch::channel(Instant::now());
+        let stop_processor = CancellationToken::new();
+        let stop_background = CancellationToken::new();
+        let background = TaskTracker::new();
+
+        let processor = Processor::new(outbox.clone(), pool.clone(), handlers, id, assignment.clone());
+        let processor = tokio::spawn(processor.run(stop_processor.clone()));
+        let ctx = Ctx { id, pool: pool.clone(), sql: sql.clone(), config, assign: assign_tx };
+        background.spawn(ctx.clone().heartbeat(beat_tx, stop_background.clone()));
+        background.spawn(ctx.ownership(beat_rx, stop_background.clone()));
+        background.spawn(outbox.clone().run_purge(pool.clone(), stop_background.clone()));
+        background.close();
+        Ok(Node { id, pool, sql, assignment, stop_processor, stop_background, background, processor })
+    }
+
+    /// This instance's id.
+    pub fn id(&self) -> Uuid {
+        self.id
+    }
+
+    /// The partitions (and epochs) currently handed to the processor.
+    pub fn assignment(&self) -> watch::Receiver<Assignment> {
+        self.assignment.clone()
+    }
+
+    /// Registered instances with their lease state, for status output.
+    pub async fn instances(&self) -> Result<Vec<InstanceInfo>> {
+        registry::instances(&self.pool, &self.sql).await
+    }
+
+    /// Graceful stop: finish and complete in-flight records (bounded by the outbox `shutdown_timeout`),
+    /// release all partitions, deregister.
+    pub async fn shutdown(self) -> Result<()> {
+        self.stop_processor.cancel();
+        let processed = self.processor.await.map_err(|e| Error::Task(e.to_string()))?;
+        self.stop_background.cancel();
+        self.background.wait().await;
+        let owned = ownership::owned(&self.pool, &self.sql, self.id).await?;
+        ownership::release(&self.pool, &self.sql, self.id, &owned).await?;
+        registry::deregister(&self.pool, &self.sql, self.id).await?;
+        info!(instance = %self.id, "instance stopped and deregistered");
+        processed.map_err(Error::Core)
+    }
+
+    /// Stops every task at once without completing, releasing or deregistering: what a crash looks like
+    /// to the rest of the cluster (for tests and demos).
+    pub fn kill(self) {
+        self.processor.abort();
+        self.stop_background.cancel();
+    }
+}
+
+fn not_migrated(outbox: &Outbox, e: Error) -> Error {
+    match e {
+        Error::Database(sqlx::Error::Database(db)) if matches!(db.code().as_deref(), Some("42P01" | "3F000")) => {
+            Error::Core(outbox_core::Error::NotMigrated { schema: outbox.config().schema.clone() })
+        }
+        other => other,
+    }
+}
+
+#[derive(Clone)]
+struct Ctx {
+    id: Uuid,
+    pool: PgPool,
+    sql: Arc<Sql>,
+    config: ClusterConfig,
+    assign: Arc<watch::Sender<Assignment>>,
+}
+
+impl Ctx {
+    /// Deadline after the last successful heartbeat's *send* time: one heartbeat before the lease can
+    /// expire, so this instance stops before anyone may take its partitions.
+    fn self_fence_after(&self) -> Duration {
+        self.config.stale_timeout.saturating_sub(self.config.heartbeat_interval)
+    }
+
+    async fn heartbeat(self, beat: watch::Sender<Instant>, shutdown: CancellationToken) {
+        let mut ticker = tokio::time::interval(self.config.heartbeat_interval);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            let sent = Instant::now();
+            let renewed = tokio::time::timeout(
+                self.config.heartbeat_interval,
+                registry::heartbeat(&self.pool, &self.sql, self.id, self.config.stale_timeout),
+            )
+            .await;
+            match renewed {
+                Ok(Ok(true)) => {
+                    beat.send_replace(sent);
+                }
+                Ok(Ok(false)) => {
+                    warn!(instance = %self.id, "instance was declared dead by the cluster; re-registering");
+                    self.fence("instance was declared dead");
+                    match registry::register(&self.pool, &self.sql, self.id, &self.config.name, self.config.stale_timeout).await {
+                        Ok(()) => {
+                            beat.send_replace(sent);
+                        }
+                        Err(e) => warn!(instance = %self.id, error = %e, "re-registration failed"),
+                    }
+                }
+                Ok(Err(e)) => warn!(instance = %self.id, error = %e, "heartbeat failed"),
+                Err(_) => warn!(instance = %self.id, "heartbeat timed out"),
+            }
+            if beat.borrow().elapsed() > self.self_fence_after() {
+                self.fence("no successful heartbeat within the lease");
+            }
+            if let Err(e) = registry::reap(&self.pool, &self.sql, self.config.stale_timeout).await {
+                warn!(instance = %self.id, error = %e, "reaping dead instances failed");
+            }
+        }
+    }
+
+    fn fence(&self, reason: &str) {
+        self.assign.send_if_modified(|current| {
+            if current.is_empty() {
+                return false;
+            }
+            warn!(instance = %self.id, partitions = current.len(), reason, "self-fencing: processing stopped");
+            current.clear();
+            true
+        });
+    }
+
+    async fn ownership(self, beat: watch::Receiver<Instant>, shutdown: CancellationToken) {
+        let mut ticker = tokio::time::interval(self.config.rebalance_interval);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            if beat.borrow().elapsed() > self.self_fence_after() {
+                continue;
+            }
+            let result = async {
+                ownership::acquire(&self.pool, &self.sql, self.id).await?;
+                ownership::owned(&self.pool, &self.sql, self.id).await
+            }
+            .await;
+            match result {
+                Ok(owned) => {
+                    self.assign.send_if_modified(|current| {
+                        let changed = *current != owned;
+                        *current = owned;
+                        changed
+                    });
+                }
+                Err(e) => warn!(instance = %self.id, error = %e, "ownership round failed"),
+            }
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! Instance registry: register, heartbeat (lease renewal by database time), deregister, reap the dead.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgPool, Row};
+use uuid::Uuid;
+
+use crate::Result;
+use crate::sql::{Sql, millis, stmt};
+
+/// One registered instance, as status shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstanceInfo {
+    /// Instance id (new on every start).
+    pub id: Uuid,
+    /// Name given in its config.
+    pub name: String,
+    /// When it registered.
+    pub started_at: DateTime<Utc>,
+    /// Its last heartbeat.
+    pub heartbeat_at: DateTime<Utc>,
+    /// Whether its lease is still valid by database time.
+    pub live: bool,
+    /// Partitions it owns.
+    pub partitions: i64,
+}
+
+pub(crate) async fn register(pool: &PgPool, sql: &Sql, id: Uuid, name: &str, lease: Duration) -> Result<()> {
+    sqlx::query(stmt(&sql.register)).bind(id).bind(name).bind(millis(lease)).execute(pool).await?;
+    Ok(())
+}
+
+/// Renews the lease; `false` when the instance is no longer registered (declared dead by others).
+pub(crate) async fn heartbeat(pool: &PgPool, sql: &Sql, id: Uuid, lease: Duration) -> Result<bool> {
+    let row = sqlx::query(stmt(&sql.heartbeat)).bind(id).bind(millis(lease)).fetch_optional(pool).await?;
+    Ok(row.is_some())
+}
+
+pub(crate) async fn deregister(pool: &PgPool, sql: &Sql, id: Uuid) -> Result<()> {
+    sqlx::query(stmt(&sql.deregister)).bind(id).execute(pool).await?;
+    Ok(())
+}
+
+/// Deletes instances whose lease expired more than `grace` ago.
+pub(crate) async fn reap(pool: &PgPool, sql: &Sql, grace: Duration) -> Result<u64> {
+    Ok(sqlx::query(stmt(&sql.reap)).bind(millis(grace)).execute(pool).await?.rows_affected())
+}
+
+pub(crate) async fn instances(pool: &PgPool, sql: &Sql) -> Result<Vec<InstanceInfo>> {
+    let rows = sqlx::query(stmt(&sql.instances)).fetch_all(pool).await?;
+    rows.iter()
+        .map(|row| {
+            Ok(InstanceInfo {
+                id: row.try_get("id")?,
+                name: row.try_get("name")?,
+                started_at: row.try_get("started_at")?,
+                heartbeat_at: row.try_get("heartbeat_at")?,
+                live: row.try_get("live")?,
+                partitions: row.try_get("partitions")?,
+            })
+        })
+        .collect()
+}

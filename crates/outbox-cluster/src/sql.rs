@@ -1,0 +1,84 @@
+//! Every SQL statement of `outbox-cluster`, in one place (`{s}` is the outbox schema).
+
+use std::sync::Arc;
+
+use sqlx::AssertSqlSafe;
+
+const REGISTER: &str = "INSERT INTO {s}.instances (id, name, expires_at)
+VALUES ($1, $2, now() + $3 * interval '1 millisecond')";
+
+/// Renews the lease by database time; no row means the instance was declared dead and removed.
+const HEARTBEAT: &str = "UPDATE {s}.instances
+SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond'
+WHERE id = $1 RETURNING id";
+
+const DEREGISTER: &str = "DELETE FROM {s}.instances WHERE id = $1";
+
+/// Removes instances whose lease expired long ago (their partitions are already free to take).
+const REAP: &str = "DELETE FROM {s}.instances WHERE expires_at < now() - $1 * interval '1 millisecond'";
+
+/// Acquires every partition that is free, or whose owner has no live lease by database time. Each
+/// acquisition bumps the epoch, fencing out whatever the previous owner still tries to write.
+/// Returns (partition, epoch, previous owner).
+const ACQUIRE: &str = "WITH taken AS (
+    SELECT p.partition, p.owner FROM {s}.partitions p
+    WHERE p.owner IS DISTINCT FROM $1
+      AND (p.owner IS NULL OR NOT EXISTS (
+          SELECT 1 FROM {s}.instances i WHERE i.id = p.owner AND i.expires_at > now()))
+    FOR UPDATE OF p SKIP LOCKED
+)
+UPDATE {s}.partitions p SET owner = $1, epoch = p.epoch + 1, changed_at = now()
+FROM taken WHERE p.partition = taken.partition
+RETURNING p.partition, p.epoch, taken.owner";
+
+/// What this instance owns according to the database.
+const OWNED: &str = "SELECT partition, epoch FROM {s}.partitions WHERE owner = $1 ORDER BY partition";
+
+/// Releases partitions held at the given epochs (`$2`, `$3`); bumps the epoch so the next owner is fenced
+/// apart from this one.
+const RELEASE: &str = "UPDATE {s}.partitions p SET owner = NULL, epoch = p.epoch + 1, changed_at = now()
+FROM unnest($2::smallint[], $3::bigint[]) AS r(partition, epoch)
+WHERE p.partition = r.partition AND p.epoch = r.epoch AND p.owner = $1
+RETURNING p.partition";
+
+/// Instances with their lease state and partition counts, for status.
+const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > now() AS live,
+    (SELECT count(*) FROM {s}.partitions p WHERE p.owner = i.id) AS partitions
+FROM {s}.instances i ORDER BY i.started_at";
+
+#[derive(Debug)]
+pub(crate) struct Sql {
+    pub(crate) register: Arc<str>,
+    pub(crate) heartbeat: Arc<str>,
+    pub(crate) deregister: Arc<str>,
+    pub(crate) reap: Arc<str>,
+    pub(crate) acquire: Arc<str>,
+    pub(crate) owned: Arc<str>,
+    pub(crate) release: Arc<str>,
+    pub(crate) instances: Arc<str>,
+}
+
+impl Sql {
+    /// `schema` comes from a validated outbox `Config`.
+    pub(crate) fn new(schema: &str) -> Self {
+        let build = |text: &str| -> Arc<str> { text.replace("{s}", schema).into() };
+        Self {
+            register: build(REGISTER),
+            heartbeat: build(HEARTBEAT),
+            deregister: build(DEREGISTER),
+            reap: build(REAP),
+            acquire: build(ACQUIRE),
+            owned: build(OWNED),
+            release: build(RELEASE),
+            instances: build(INSTANCES),
+        }
+    }
+}
+
+pub(crate) fn stmt(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
+    AssertSqlSafe(Arc::clone(text))
+}
+
+pub(crate) fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,194 @@
+//! Configuration: plain data with serde (humantime strings for durations), named defaults, `validate()`.
+//!
+//! ```toml
+//! schema = "outbox"
+//! poll_interval = "100ms"
+//! concurrency = 256
+//! [retry]
+//! max_retries = 5
+//! backoff = { kind = "exponential", initial = "200ms", multiplier = 2.0 }
+//! ```
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::retry::RetryPolicy;
+
+/// Objects live in their own schema so they never collide with the host application's tables.
+pub const DEFAULT_SCHEMA: &str = "outbox";
+/// 1 MiB: the default NATS max payload, so anything accepted here can be published there.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+/// Polling is the correctness path for new and due records; 100 ms bounds the added latency while an idle
+/// instance sends ten cheap index probes a second.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// Heads (one record per key) read per fetch: one round trip feeds many keys.
+pub const DEFAULT_BATCH_SIZE: usize = 500;
+/// Keys in flight at once. A slow key occupies one slot, never the others.
+pub const DEFAULT_CONCURRENCY: usize = 256;
+/// A handler that has not answered in 30 s is treated as a retryable failure.
+pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Completed records stay an hour for inspection and replay, then are purged.
+pub const DEFAULT_COMPLETED_RETENTION: Duration = Duration::from_secs(3600);
+/// Purge once a minute.
+pub const DEFAULT_PURGE_INTERVAL: Duration = Duration::from_secs(60);
+/// Rows deleted per purge statement: short transactions that never hold locks for long.
+pub const DEFAULT_PURGE_BATCH_SIZE: usize = 5_000;
+/// A graceful stop waits this long for in-flight deliveries before giving up (they will be redelivered).
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What happens to a record once delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Completion {
+    /// Move it to the `completed` table, purged after `completed_retention`.
+    Keep,
+    /// Delete it: the fewest database writes per record.
+    Delete,
+}
+
+/// Configuration of the outbox: schema, limits and the processor's tunables.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// PostgreSQL schema holding the outbox tables.
+    pub schema: String,
+    /// Largest accepted payload.
+    pub max_payload_bytes: usize,
+    /// How often the processor looks for new or due records when nothing woke it.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// Heads fetched per round trip.
+    pub batch_size: usize,
+    /// Keys in flight at once.
+    pub concurrency: usize,
+    /// Time limit of one handler call; exceeding it is a retryable failure.
+    #[serde(with = "humantime_serde")]
+    pub handler_timeout: Duration,
+    /// Hold back a key's later records while an earlier one is failing (default on).
+    pub stop_on_first_failure: bool,
+    /// Default retry policy (handlers may register their own).
+    pub retry: RetryPolicy,
+    /// Keep or delete delivered records.
+    pub completion: Completion,
+    /// How long completed records are kept before the purge deletes them.
+    #[serde(with = "humantime_serde")]
+    pub completed_retention: Duration,
+    /// How often the purge runs.
+    #[serde(with = "humantime_serde")]
+    pub purge_interval: Duration,
+    /// Rows per purge statement.
+    pub purge_batch_size: usize,
+    /// How long a graceful stop waits for in-flight deliveries.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            schema: DEFAULT_SCHEMA.into(),
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+            batch_size: DEFAULT_BATCH_SIZE,
+            concurrency: DEFAULT_CONCURRENCY,
+            handler_timeout: DEFAULT_HANDLER_TIMEOUT,
+            stop_on_first_failure: true,
+            retry: RetryPolicy::default(),
+            completion: Completion::Keep,
+            completed_retention: DEFAULT_COMPLETED_RETENTION,
+            purge_interval: DEFAULT_PURGE_INTERVAL,
+            purge_batch_size: DEFAULT_PURGE_BATCH_SIZE,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+        }
+    }
+}
+
+impl Config {
+    /// Checks every value and the relations between them; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::Config(msg));
+        if !is_identifier(&self.schema) {
+            return bad(format!(
+                "schema must be a lowercase SQL identifier ([a-z_][a-z0-9_]*, at most 63 bytes), got {:?}",
+                self.schema
+            ));
+        }
+        if self.max_payload_bytes == 0 || self.max_payload_bytes > 256 * 1024 * 1024 {
+            return bad(format!("max_payload_bytes must be within 1..=268435456, got {}", self.max_payload_bytes));
+        }
+        for (name, value) in [
+            ("poll_interval", self.poll_interval),
+            ("handler_timeout", self.handler_timeout),
+            ("purge_interval", self.purge_interval),
+            ("shutdown_timeout", self.shutdown_timeout),
+        ] {
+            if value.is_zero() {
+                return bad(format!("{name} must be > 0"));
+            }
+        }
+        for (name, value, max) in [
+            ("batch_size", self.batch_size, 100_000),
+            ("concurrency", self.concurrency, 100_000),
+            ("purge_batch_size", self.purge_batch_size, 1_000_000),
+        ] {
+            if value == 0 || value > max {
+                return bad(format!("{name} must be within 1..={max}, got {value}"));
+            }
+        }
+        self.retry.validate()
+    }
+}
+
+/// A lowercase, unquoted SQL identifier, so it can be spliced into statements without quoting.
+pub(crate) fn is_identifier(s: &str) -> bool {
+    let mut bytes = s.bytes();
+    matches!(bytes.next(), Some(b'a'..=b'z' | b'_'))
+        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+        && s.len() <= 63
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_round_trip_through_toml() {
+        let config = Config::default();
+        config.validate().unwrap();
+        let text = toml::to_string(&config).unwrap();
+        assert!(text.contains("poll_interval = \"100ms\""), "{text}");
+        assert_eq!(toml::from_str::<Config>(&text).unwrap(), config);
+    }
+
+    #[test]
+    fn partial_toml_keeps_defaults_and_unknown_fields_are_rejected() {
+        let config: Config = toml::from_str(
+            "poll_interval = \"250ms\"\n[retry]\nmax_retries = 2\nbackoff = { kind = \"fixed\", delay = \"1s\" }\n",
+        )
+        .unwrap();
+        assert_eq!(config.poll_interval, Duration::from_millis(250));
+        assert_eq!(config.retry.max_retries, 2);
+        assert_eq!(config.batch_size, DEFAULT_BATCH_SIZE);
+        let err = toml::from_str::<Config>("pol_interval = \"1s\"").unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+
+    #[test]
+    fn validate_names_the_bad_field() {
+        let cases: [(fn(&mut Config), &str); 5] = [
+            (|c| c.schema = "Outbox; drop".into(), "schema"),
+            (|c| c.poll_interval = Duration::ZERO, "poll_interval"),
+            (|c| c.concurrency = 0, "concurrency"),
+            (|c| c.max_payload_bytes = 0, "max_payload_bytes"),
+            (|c| c.retry.jitter = -1.0, "jitter"),
+        ];
+        for (mutate, field) in cases {
+            let mut config = Config::default();
+            mutate(&mut config);
+            let err = config.validate().unwrap_err().to_string();
+            assert!(err.contains(field), "{err} should name {field}");
+        }
+    }
+}

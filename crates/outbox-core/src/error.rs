@@ -1,0 +1,135 @@
+//! The one error type of `outbox-core`.
+
+use std::time::Duration;
+
+use uuid::Uuid;
+
+/// Everything that can go wrong in `outbox-core`.
+///
+/// Match on the variant, never on the message; [`Error::is_transient`] says whether retrying the same
+/// call later may succeed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The record key is empty.
+    #[error("record key is empty")]
+    EmptyKey,
+    /// The record key is longer than [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES).
+    #[error("record key is {len} bytes, over the limit of {max} bytes")]
+    KeyTooLong {
+        /// Length of the rejected key in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The record key contains a NUL character, which PostgreSQL text cannot store.
+    #[error("record key contains a NUL character")]
+    KeyHasNul,
+    /// The event type is empty or longer than [`MAX_EVENT_TYPE_BYTES`](crate::MAX_EVENT_TYPE_BYTES).
+    #[error("event type for key {key:?} must be 1 to {max} bytes, got {len}")]
+    BadEventType {
+        /// Key of the rejected record.
+        key: String,
+        /// Length of the rejected event type in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The payload is larger than the configured `max_payload_bytes`.
+    #[error("payload of {len} bytes for key {key:?} is over the limit of {max} bytes")]
+    PayloadTooLarge {
+        /// Key of the rejected record.
+        key: String,
+        /// Payload size in bytes.
+        len: usize,
+        /// The configured limit.
+        max: usize,
+    },
+    /// A header name or value cannot be carried (names: visible ASCII without `:`; values: no CR/LF).
+    #[error("invalid header {name:?} for key {key:?}: {reason}")]
+    BadHeader {
+        /// Key of the rejected record.
+        key: String,
+        /// The offending header name.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A payload could not be serialised to JSON.
+    #[error("payload for key {key:?} could not be serialised to JSON: {source}")]
+    Json {
+        /// Key of the rejected record.
+        key: String,
+        /// The serde error.
+        source: serde_json::Error,
+    },
+    /// A configuration value is invalid; the message names the field.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The schema has not been migrated (or is older than this library).
+    #[error(
+        "the outbox schema {schema:?} is missing or not migrated: run the migrator (Outbox::migrate) first"
+    )]
+    NotMigrated {
+        /// The configured schema name.
+        schema: String,
+    },
+    /// The database holds a migration this library does not know (a newer version ran against it), or a
+    /// known migration whose text changed.
+    #[error("migration {version} in schema {schema:?}: {reason}")]
+    Migration {
+        /// The configured schema name.
+        schema: String,
+        /// Migration version.
+        version: i64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No record with this id is in the state the operation needs (e.g. requeue of a record that is not FAILED).
+    #[error("record {id} not found in state {state}")]
+    RecordNotFound {
+        /// The record id.
+        id: Uuid,
+        /// The state the operation looked for.
+        state: &'static str,
+    },
+    /// The graceful stop did not finish within its timeout; unfinished records will be redelivered.
+    #[error("graceful stop did not finish within {0:?}")]
+    ShutdownTimeout(Duration),
+    /// A database error.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl Error {
+    /// Whether retrying the same operation later may succeed (connection trouble, timeouts, serialisation
+    /// failures, deadlocks). Input and configuration errors are never transient.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Database(e) => is_transient_db(e),
+            _ => false,
+        }
+    }
+}
+
+fn is_transient_db(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Tls(_) => true,
+        // SQLSTATE classes: 08 connection exception, 40 transaction rollback (serialization failure,
+        // deadlock), 53 insufficient resources, 57P01..03 admin shutdown / crash / cannot connect now.
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            code.starts_with("08")
+                || code.starts_with("40")
+                || code.starts_with("53")
+                || code.starts_with("57P")
+        }),
+        _ => false,
+    }
+}
+
+/// Result alias of `outbox-core`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

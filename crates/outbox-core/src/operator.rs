@@ -1,0 +1,154 @@
+//! Operator functions: inspect and resolve FAILED records, and watch the backlog.
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgPool, Row};
+use tracing::{info, instrument};
+use uuid::Uuid;
+
+use crate::Outbox;
+use crate::error::{Error, Result};
+use crate::partition::Partition;
+use crate::sql::stmt;
+
+/// A FAILED record, without its payload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FailedRecord {
+    /// Record id.
+    pub id: Uuid,
+    /// Partition.
+    pub partition: Partition,
+    /// Key.
+    pub key: String,
+    /// Per-key sequence.
+    pub seq: i64,
+    /// Event type.
+    pub event_type: String,
+    /// Failed deliveries.
+    pub attempts: i32,
+    /// The last error (handler, and fallback if one ran).
+    pub last_error: Option<String>,
+    /// When it was scheduled.
+    pub created_at: DateTime<Utc>,
+    /// When it became FAILED.
+    pub failed_at: DateTime<Utc>,
+}
+
+/// Backlog of one partition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartitionStats {
+    /// Partition.
+    pub partition: Partition,
+    /// Records waiting for delivery (including those backing off).
+    pub pending: i64,
+    /// FAILED records.
+    pub failed: i64,
+    /// Age of the oldest pending record, by database time.
+    pub oldest_pending: Option<std::time::Duration>,
+}
+
+/// Which FAILED records to list.
+#[derive(Debug, Clone, Default)]
+pub struct FailedFilter {
+    /// Only this key.
+    pub key: Option<String>,
+    /// Only this partition.
+    pub partition: Option<Partition>,
+    /// At most this many (default 100).
+    pub limit: Option<i64>,
+}
+
+impl Outbox {
+    /// Lists FAILED records in (partition, key, seq) order.
+    #[instrument(skip_all)]
+    pub async fn failed(&self, pool: &PgPool, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
+        let rows = sqlx::query(stmt(&self.sql().list_failed))
+            .bind(filter.key.as_deref())
+            .bind(filter.partition.map(i16::from))
+            .bind(filter.limit.unwrap_or(100))
+            .fetch_all(pool)
+            .await
+            .map_err(|e| self.db_error(e))?;
+        rows.iter()
+            .map(|row| {
+                Ok(FailedRecord {
+                    id: row.try_get("id")?,
+                    partition: partition_from_db(row.try_get("partition")?)?,
+                    key: row.try_get("key")?,
+                    seq: row.try_get("seq")?,
+                    event_type: row.try_get("event_type")?,
+                    attempts: row.try_get("attempts")?,
+                    last_error: row.try_get("last_error")?,
+                    created_at: row.try_get("created_at")?,
+                    failed_at: row.try_get("failed_at")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Requeues one FAILED record with a fresh retry budget; its key unblocks when it is delivered.
+    #[instrument(skip(self, pool))]
+    pub async fn requeue(&self, pool: &PgPool, id: Uuid) -> Result<()> {
+        let n = self.requeue_where(pool, Some(id), None).await?;
+        if n == 0 {
+            return Err(Error::RecordNotFound { id, state: "FAILED" });
+        }
+        Ok(())
+    }
+
+    /// Requeues every FAILED record of `key`; returns how many.
+    #[instrument(skip(self, pool))]
+    pub async fn requeue_key(&self, pool: &PgPool, key: &str) -> Result<u64> {
+        self.requeue_where(pool, None, Some(key)).await
+    }
+
+    async fn requeue_where(&self, pool: &PgPool, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
+        let done = sqlx::query(stmt(&self.sql().requeue))
+            .bind(id)
+            .bind(key)
+            .execute(pool)
+            .await
+            .map_err(|e| self.db_error(e))?;
+        info!(?id, ?key, requeued = done.rows_affected(), "requeued FAILED records");
+        Ok(done.rows_affected())
+    }
+
+    /// Skips one FAILED record: it counts as handled (kept in `completed` as `skipped`), and the next
+    /// record of its key proceeds.
+    #[instrument(skip(self, pool))]
+    pub async fn skip(&self, pool: &PgPool, id: Uuid) -> Result<()> {
+        let skipped = sqlx::query(stmt(&self.sql().skip))
+            .bind(id)
+            .fetch_optional(pool)
+            .await
+            .map_err(|e| self.db_error(e))?;
+        if skipped.is_none() {
+            return Err(Error::RecordNotFound { id, state: "FAILED" });
+        }
+        info!(%id, "skipped FAILED record");
+        Ok(())
+    }
+
+    /// Pending and FAILED counts per partition (only partitions holding records), with the age of the
+    /// oldest pending record.
+    #[instrument(skip_all)]
+    pub async fn stats(&self, pool: &PgPool) -> Result<Vec<PartitionStats>> {
+        let rows = sqlx::query(stmt(&self.sql().stats)).fetch_all(pool).await.map_err(|e| self.db_error(e))?;
+        rows.iter()
+            .map(|row| {
+                let oldest: Option<f64> = row.try_get("oldest_pending_secs")?;
+                Ok(PartitionStats {
+                    partition: partition_from_db(row.try_get("partition")?)?,
+                    pending: row.try_get("pending")?,
+                    failed: row.try_get("failed")?,
+                    oldest_pending: oldest.map(|s| std::time::Duration::from_secs_f64(s.max(0.0))),
+                })
+            })
+            .collect()
+    }
+}
+
+/// Converts the stored `smallint` (checked 0..=255 by the schema).
+pub(crate) fn partition_from_db(value: i16) -> Result<Partition> {
+    Partition::try_from(value)
+        .map_err(|_| Error::Database(sqlx::Error::Decode(format!("partition {value} out of range").into())))
+}

@@ -1,0 +1,467 @@
+//! The processor: delivers the records of the partitions this instance owns.
+//!
+//! One loop per instance keeps three things going at once, never waiting on each other:
+//! - **fetch**: one round trip reads the head record of up to `batch_size` keys (one per key, keys in
+//!   flight excluded, blocked keys passed over) from the owned partitions;
+//! - **deliver**: each head goes to its handler in its own task, up to `concurrency` keys at once; a
+//!   key's next record is fetched only after this one is completed in the database, so a key never has
+//!   two records in flight and a slow key holds only its own slot;
+//! - **complete**: outcomes are written in batches, each statement fenced by (owner, epoch) per
+//!   partition: a worker that lost a partition changes nothing.
+//!
+//! Which partitions it owns, and at which epoch, comes from an [`Assignment`] watch channel fed by the
+//! ownership layer (`outbox-cluster`). When a partition leaves the assignment the processor stops
+//! fetching it at once; [`Processor::busy_partitions`] tells when its in-flight records are done, so the
+//! partition can be released (release-before-acquire).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Row};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, instrument, warn};
+use uuid::Uuid;
+
+use crate::Outbox;
+use crate::error::{Error, Result};
+use crate::handler::{FailureKind, HandlerError, Handlers};
+use crate::operator::partition_from_db;
+use crate::partition::Partition;
+use crate::record::{Headers, Record};
+use crate::sql::stmt;
+
+/// The partitions an instance may process, with the epoch it holds for each.
+pub type Assignment = BTreeMap<Partition, i64>;
+
+/// Delivers the records of the assigned partitions. See the [module docs](self).
+pub struct Processor {
+    outbox: Outbox,
+    pool: PgPool,
+    handlers: Arc<Handlers>,
+    owner: Uuid,
+    assignment: watch::Receiver<Assignment>,
+    busy: watch::Sender<BTreeSet<Partition>>,
+}
+
+/// What happened to one delivery.
+#[derive(Debug)]
+enum Verdict {
+    Delivered,
+    Fallback,
+    Retry { delay: Duration, error: String },
+    Failed { error: String },
+}
+
+#[derive(Debug)]
+struct Outcome {
+    id: Uuid,
+    partition: Partition,
+    epoch: i64,
+    key: String,
+    /// Failed deliveries including this one (unchanged on success).
+    attempts: i32,
+    verdict: Verdict,
+}
+
+/// What one flush wrote.
+struct Flushed {
+    outcomes: Vec<Outcome>,
+    /// Ids the database accepted; the rest were fenced out.
+    written: BTreeSet<Uuid>,
+}
+
+/// A flush hands its outcomes back on error, so nothing is forgotten.
+type FlushResult = std::result::Result<Flushed, (Vec<Outcome>, Error)>;
+
+type Pending<T> = Option<Pin<Box<dyn Future<Output = T> + Send>>>;
+
+impl Processor {
+    /// A processor delivering through `handlers` for `owner`, processing what `assignment` holds.
+    pub fn new(
+        outbox: Outbox,
+        pool: PgPool,
+        handlers: Handlers,
+        owner: Uuid,
+        assignment: watch::Receiver<Assignment>,
+    ) -> Self {
+        Self { outbox, pool, handlers: Arc::new(handlers), owner, assignment, busy: watch::Sender::default() }
+    }
+
+    /// Partitions with records in flight (delivering or awaiting completion). A partition that left the
+    /// assignment can be released once it is absent here.
+    pub fn busy_partitions(&self) -> watch::Receiver<BTreeSet<Partition>> {
+        self.busy.subscribe()
+    }
+
+    /// Runs until `shutdown`, then stops fetching, lets in-flight deliveries finish, completes them and
+    /// returns. Gives up after `shutdown_timeout` with [`Error::ShutdownTimeout`]; what was not completed
+    /// is delivered again later (at least once).
+    ///
+    /// # Cancel safety
+    /// Dropping the future abandons in-flight deliveries without completing them; they are redelivered.
+    #[instrument(skip_all, fields(instance = %self.owner))]
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<()> {
+        let config = self.outbox.config().clone();
+        let mut ticker = tokio::time::interval(config.poll_interval);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+
+        // Keys dispatched and not yet completed in the database, with their partition.
+        let mut in_flight: HashMap<String, Partition> = HashMap::new();
+        let mut deliveries: JoinSet<Outcome> = JoinSet::new();
+        let mut outcomes: Vec<Outcome> = Vec::new();
+        let mut fetch: Pending<(usize, Result<Vec<(Record, i64)>>)> = None;
+        let mut flush: Pending<FlushResult> = None;
+        let mut flush_backoff = FLUSH_RETRY_MIN;
+        let mut flush_not_before = Instant::now();
+        // Partitions whose completion was fenced out at this epoch: not fetched again until the
+        // assignment gives a new epoch.
+        let mut fenced: BTreeMap<Partition, i64> = BTreeMap::new();
+        let mut want_fetch = true;
+        let mut next_due: Option<Instant> = None;
+        let mut rotation = 0usize;
+        let mut stop_deadline: Option<Instant> = None;
+
+        loop {
+            let stopping = stop_deadline.is_some();
+            if !stopping && want_fetch && fetch.is_none() && in_flight.len() < config.concurrency {
+                let assignment = self.assignment.borrow().clone();
+                let partitions: Vec<i16> = rotate(
+                    assignment.iter().filter(|&(p, e)| fenced.get(p) != Some(e)).map(|(&p, _)| i16::from(p)),
+                    &mut rotation,
+                );
+                want_fetch = false;
+                if !partitions.is_empty() {
+                    let limit = config.batch_size.min(config.concurrency - in_flight.len());
+                    let exclude: Vec<String> = in_flight.keys().cloned().collect();
+                    let (outbox, pool) = (self.outbox.clone(), self.pool.clone());
+                    fetch = Some(Box::pin(async move {
+                        let fetched = fetch_heads(&outbox, &pool, &partitions, &exclude, limit).await;
+                        (limit, fetched.map(|records| with_epochs(records, &assignment)))
+                    }));
+                }
+            }
+            if flush.is_none() && !outcomes.is_empty() && Instant::now() >= flush_not_before {
+                let batch = std::mem::take(&mut outcomes);
+                let (outbox, pool, owner) = (self.outbox.clone(), self.pool.clone(), self.owner);
+                flush = Some(Box::pin(async move { complete(&outbox, &pool, owner, batch).await }));
+            }
+            if stopping && in_flight.is_empty() && fetch.is_none() && flush.is_none() {
+                info!("processor stopped: in-flight records completed");
+                return Ok(());
+            }
+
+            tokio::select! {
+                () = shutdown.cancelled(), if !stopping => {
+                    info!(in_flight = in_flight.len(), "processor stopping: no new fetches, finishing in-flight records");
+                    stop_deadline = Some(Instant::now() + config.shutdown_timeout);
+                    fetch = None;
+                }
+                () = sleep_until_opt(stop_deadline) => {
+                    warn!(in_flight = in_flight.len(), "graceful stop timed out; unfinished records will be redelivered");
+                    deliveries.abort_all();
+                    return Err(Error::ShutdownTimeout(config.shutdown_timeout));
+                }
+                Some(joined) = deliveries.join_next() => match joined {
+                    Ok(outcome) => outcomes.push(outcome),
+                    // Only an abort gets here (panics are caught inside the task); nothing to complete.
+                    Err(e) => error!(error = %e, "delivery task ended without an outcome"),
+                },
+                (limit, fetched) = poll_opt(&mut fetch) => {
+                    fetch = None;
+                    match fetched {
+                        Ok(records) => {
+                            want_fetch = records.len() == limit;
+                            let current = self.assignment.borrow().clone();
+                            for (record, epoch) in records {
+                                // The assignment may have changed while the fetch ran.
+                                if current.get(&record.partition) != Some(&epoch) {
+                                    continue;
+                                }
+                                in_flight.insert(record.key.clone(), record.partition);
+                                deliveries.spawn(deliver(self.handlers.clone(), config.clone(), record, epoch));
+                            }
+                            self.publish_busy(&in_flight);
+                        }
+                        Err(e) => warn!(error = %e, "fetch failed; retrying at the next poll"),
+                    }
+                }
+                flushed = poll_opt(&mut flush) => {
+                    flush = None;
+                    match flushed {
+                        Ok(Flushed { outcomes: done, written }) => {
+                            flush_backoff = FLUSH_RETRY_MIN;
+                            for outcome in done {
+                                in_flight.remove(&outcome.key);
+                                if !written.contains(&outcome.id) {
+                                    if fenced.insert(outcome.partition, outcome.epoch) != Some(outcome.epoch) {
+                                        warn!(partition = outcome.partition, epoch = outcome.epoch, record = %outcome.id,
+                                            key = %outcome.key, "fenced out: partition has a new owner or epoch; stopped processing it");
+                                    }
+                                } else if let Verdict::Retry { delay, .. } = outcome.verdict {
+                                    let due = Instant::now() + delay;
+                                    next_due = Some(next_due.map_or(due, |d| d.min(due)));
+                                }
+                            }
+                            self.publish_busy(&in_flight);
+                            want_fetch = true;
+                        }
+                        Err((batch, e)) if e.is_transient() => {
+                            warn!(error = %e, records = batch.len(), retry_in = ?flush_backoff, "completion failed; retrying");
+                            outcomes.extend(batch);
+                            flush_not_before = Instant::now() + flush_backoff;
+                            flush_backoff = (flush_backoff * 2).min(FLUSH_RETRY_MAX);
+                        }
+                        Err((batch, e)) => {
+                            // Not worth retrying: leave the records pending; they will be delivered again.
+                            error!(error = %e, records = batch.len(), "completion failed; records will be redelivered");
+                            for outcome in batch {
+                                in_flight.remove(&outcome.key);
+                            }
+                            self.publish_busy(&in_flight);
+                        }
+                    }
+                }
+                () = tokio::time::sleep_until(flush_not_before), if !outcomes.is_empty() && flush.is_none() => {}
+                () = sleep_until_opt(next_due) => { next_due = None; want_fetch = true; }
+                _ = ticker.tick() => want_fetch = true,
+                changed = self.assignment.changed() => {
+                    if changed.is_err() {
+                        // The ownership layer is gone: nothing may be processed any more.
+                        shutdown.cancel();
+                    }
+                    let current = self.assignment.borrow();
+                    fenced.retain(|p, e| current.get(p) == Some(e));
+                    want_fetch = true;
+                }
+            }
+        }
+    }
+
+    fn publish_busy(&self, in_flight: &HashMap<String, Partition>) {
+        let busy: BTreeSet<Partition> = in_flight.values().copied().collect();
+        self.busy.send_if_modified(|current| {
+            let changed = *current != busy;
+            *current = busy;
+            changed
+        });
+    }
+}
+
+const FLUSH_RETRY_MIN: Duration = Duration::from_millis(100);
+const FLUSH_RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// Starts the partition list at a different place each fetch, so no partition is always served last.
+fn rotate(partitions: impl Iterator<Item = i16>, rotation: &mut usize) -> Vec<i16> {
+    let mut list: Vec<i16> = partitions.collect();
+    if !list.is_empty() {
+        *rotation = (*rotation + 1) % list.len();
+        list.rotate_left(*rotation);
+    }
+    list
+}
+
+fn with_epochs(records: Vec<Record>, assignment: &Assignment) -> Vec<(Record, i64)> {
+    records
+        .into_iter()
+        .filter_map(|r| assignment.get(&r.partition).map(|&epoch| (r, epoch)))
+        .collect()
+}
+
+async fn poll_opt<T>(pending: &mut Pending<T>) -> T {
+    match pending {
+        Some(future) => future.await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[instrument(skip_all, fields(partitions = partitions.len(), limit))]
+async fn fetch_heads(
+    outbox: &Outbox,
+    pool: &PgPool,
+    partitions: &[i16],
+    exclude: &[String],
+    limit: usize,
+) -> Result<Vec<Record>> {
+    let rows = sqlx::query(stmt(&outbox.sql().fetch))
+        .bind(partitions)
+        .bind(exclude)
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .fetch_all(pool)
+        .await
+        .map_err(|e| outbox.db_error(e))?;
+    let records = rows.iter().map(record_from_row).collect::<Result<Vec<_>>>()?;
+    debug!(fetched = records.len(), "fetched heads");
+    Ok(records)
+}
+
+fn record_from_row(row: &PgRow) -> Result<Record> {
+    let payload: Vec<u8> = row.try_get("payload")?;
+    let headers: sqlx::types::Json<Headers> = row.try_get("headers")?;
+    Ok(Record {
+        id: row.try_get("id")?,
+        partition: partition_from_db(row.try_get("partition")?)?,
+        key: row.try_get("key")?,
+        seq: row.try_get("seq")?,
+        event_type: row.try_get("event_type")?,
+        payload: payload.into(),
+        headers: headers.0,
+        attempts: row.try_get("attempts")?,
+    })
+}
+
+/// Delivers one record: handler (with timeout), then retry decision, then fallback. Never panics and
+/// always returns an outcome, so no record is forgotten.
+async fn deliver(handlers: Arc<Handlers>, config: crate::Config, record: Record, epoch: i64) -> Outcome {
+    let route = handlers.get(&record.event_type);
+    let timeout = config.handler_timeout;
+    let result = match route {
+        None => Err(HandlerError::permanent(format!("no handler for event type {:?}", record.event_type))),
+        Some(route) => guarded(timeout, route.handler.handle(&record)).await,
+    };
+    let (verdict, attempts) = match result {
+        Ok(()) => (Verdict::Delivered, record.attempts),
+        Err(failure) => {
+            let attempts = record.attempts.saturating_add(1);
+            let route_retry = route.and_then(|r| r.retry.as_ref());
+            let policy = route_retry.unwrap_or(&config.retry);
+            let retries = u32::try_from(attempts).unwrap_or(u32::MAX);
+            let verdict = if failure.kind() == FailureKind::Retryable && policy.may_retry(retries) {
+                let delay = failure
+                    .retry_after()
+                    .map_or_else(|| policy.delay(record.id, retries), |d| d.min(policy.max_delay));
+                warn!(record = %record.id, key = %record.key, partition = record.partition, attempts,
+                    retry_in = ?delay, error = %failure, "delivery failed; will retry");
+                Verdict::Retry { delay, error: failure.to_string() }
+            } else {
+                match route.and_then(|r| r.fallback.as_ref()) {
+                    Some(fallback) => match guarded(timeout, fallback.handle(&record, &failure)).await {
+                        Ok(()) => {
+                            info!(record = %record.id, key = %record.key, partition = record.partition, attempts,
+                                error = %failure, "delivery failed; the fallback handled the record");
+                            Verdict::Fallback
+                        }
+                        Err(fallback_failure) => {
+                            failed(&record, attempts, format!("{failure}; fallback: {fallback_failure}"))
+                        }
+                    },
+                    None => failed(&record, attempts, failure.to_string()),
+                }
+            };
+            (verdict, attempts)
+        }
+    };
+    Outcome { id: record.id, partition: record.partition, epoch, key: record.key, attempts, verdict }
+}
+
+fn failed(record: &Record, attempts: i32, error: String) -> Verdict {
+    error!(record = %record.id, key = %record.key, partition = record.partition, attempts, error = %error,
+        "record FAILED; its key is blocked until an operator requeues or skips it");
+    Verdict::Failed { error }
+}
+
+/// Runs a handler future with a timeout, turning a timeout or a panic into a retryable failure.
+async fn guarded(
+    timeout: Duration,
+    call: BoxFuture<'_, std::result::Result<(), HandlerError>>,
+) -> std::result::Result<(), HandlerError> {
+    match tokio::time::timeout(timeout, AssertUnwindSafe(call).catch_unwind()).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(_panic)) => Err(HandlerError::retryable("handler panicked")),
+        Err(_) => Err(HandlerError::retryable(format!("handler timed out after {timeout:?}"))),
+    }
+}
+
+/// Writes a batch of outcomes: completions in one fenced statement, failures in another.
+async fn complete(
+    outbox: &Outbox,
+    pool: &PgPool,
+    owner: Uuid,
+    outcomes: Vec<Outcome>,
+) -> FlushResult {
+    match write_outcomes(outbox, pool, owner, &outcomes).await {
+        Ok(written) => Ok(Flushed { outcomes, written }),
+        Err(e) => Err((outcomes, e)),
+    }
+}
+
+async fn write_outcomes(outbox: &Outbox, pool: &PgPool, owner: Uuid, outcomes: &[Outcome]) -> Result<BTreeSet<Uuid>> {
+    let (done, failures): (Vec<&Outcome>, Vec<&Outcome>) =
+        outcomes.iter().partition(|o| matches!(o.verdict, Verdict::Delivered | Verdict::Fallback));
+    let mut written = BTreeSet::new();
+    if !done.is_empty() {
+        let (partitions, epochs) = fence_params(&done);
+        let ids: Vec<Uuid> = done.iter().map(|o| o.id).collect();
+        let outcome_names: Vec<&str> = done
+            .iter()
+            .map(|o| if matches!(o.verdict, Verdict::Fallback) { "fallback" } else { "delivered" })
+            .collect();
+        let attempts: Vec<i32> = done.iter().map(|o| o.attempts).collect();
+        let rows: Vec<(Uuid,)> = sqlx::query_as(stmt(&outbox.sql().complete))
+            .bind(&partitions)
+            .bind(&epochs)
+            .bind(owner)
+            .bind(&ids)
+            .bind(&outcome_names)
+            .bind(&attempts)
+            .fetch_all(pool)
+            .await
+            .map_err(|e| outbox.db_error(e))?;
+        written.extend(rows.into_iter().map(|(id,)| id));
+    }
+    if !failures.is_empty() {
+        let (partitions, epochs) = fence_params(&failures);
+        let mut ids = Vec::new();
+        let mut attempts = Vec::new();
+        let mut errors = Vec::new();
+        let mut delays = Vec::new();
+        let mut is_failed = Vec::new();
+        for o in &failures {
+            let (error, delay, failed) = match &o.verdict {
+                Verdict::Retry { delay, error } => (error.as_str(), *delay, false),
+                Verdict::Failed { error } => (error.as_str(), Duration::ZERO, true),
+                Verdict::Delivered | Verdict::Fallback => continue,
+            };
+            ids.push(o.id);
+            attempts.push(o.attempts);
+            errors.push(error);
+            delays.push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+            is_failed.push(failed);
+        }
+        let rows: Vec<(Uuid,)> = sqlx::query_as(stmt(&outbox.sql().fail))
+            .bind(&partitions)
+            .bind(&epochs)
+            .bind(owner)
+            .bind(&ids)
+            .bind(&attempts)
+            .bind(&errors)
+            .bind(&delays)
+            .bind(&is_failed)
+            .fetch_all(pool)
+            .await
+            .map_err(|e| outbox.db_error(e))?;
+        written.extend(rows.into_iter().map(|(id,)| id));
+    }
+    Ok(written)
+}
+
+/// The distinct (partition, epoch) pairs of a batch, as the fence's parameter arrays.
+fn fence_params(outcomes: &[&Outcome]) -> (Vec<i16>, Vec<i64>) {
+    let pairs: BTreeSet<(Partition, i64)> = outcomes.iter().map(|o| (o.partition, o.epoch)).collect();
+    pairs.into_iter().map(|(p, e)| (i16::from(p), e)).unzip()
+}

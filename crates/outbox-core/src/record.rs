@@ -1,0 +1,154 @@
+//! The record model: what a caller schedules ([`NewRecord`]) and what a handler receives ([`Record`]).
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::partition::{Partition, partition_of};
+
+/// Longest accepted key, in bytes. Keys are stored in a btree index and carried in a NATS header; 512
+/// bytes leaves room for composite keys while keeping index entries small.
+pub const MAX_KEY_BYTES: usize = 512;
+
+/// Longest accepted event type, in bytes.
+pub const MAX_EVENT_TYPE_BYTES: usize = 256;
+
+/// Record headers (e.g. trace context), carried to the handler unchanged. Ordered for stable output.
+pub type Headers = BTreeMap<String, String>;
+
+/// A record to schedule inside the caller's transaction.
+#[derive(Debug, Clone)]
+pub struct NewRecord {
+    /// Ordering key: records of one key are delivered one at a time, in commit order.
+    pub key: String,
+    /// Event type; handlers are routed by it.
+    pub event_type: String,
+    /// Payload bytes, delivered unchanged.
+    pub payload: Bytes,
+    /// Headers, delivered unchanged.
+    pub headers: Headers,
+}
+
+impl NewRecord {
+    /// A record with raw payload bytes.
+    pub fn new(key: impl Into<String>, event_type: impl Into<String>, payload: impl Into<Bytes>) -> Self {
+        Self { key: key.into(), event_type: event_type.into(), payload: payload.into(), headers: Headers::new() }
+    }
+
+    /// A record whose payload is `value` serialised as JSON.
+    pub fn json<T: Serialize + ?Sized>(
+        key: impl Into<String>,
+        event_type: impl Into<String>,
+        value: &T,
+    ) -> Result<Self> {
+        let key = key.into();
+        let payload = serde_json::to_vec(value).map_err(|source| Error::Json { key: key.clone(), source })?;
+        Ok(Self::new(key, event_type, payload))
+    }
+
+    /// Adds a header.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Checks the record against the limits, before anything is written.
+    pub(crate) fn validate(&self, max_payload_bytes: usize) -> Result<()> {
+        let key = &self.key;
+        if key.is_empty() {
+            return Err(Error::EmptyKey);
+        }
+        if key.len() > MAX_KEY_BYTES {
+            return Err(Error::KeyTooLong { len: key.len(), max: MAX_KEY_BYTES });
+        }
+        if key.contains('\0') {
+            // PostgreSQL text cannot hold NUL; say so instead of failing inside the caller's transaction.
+            return Err(Error::KeyHasNul);
+        }
+        let len = self.event_type.len();
+        if len == 0 || len > MAX_EVENT_TYPE_BYTES || self.event_type.contains('\0') {
+            return Err(Error::BadEventType { key: key.clone(), len, max: MAX_EVENT_TYPE_BYTES });
+        }
+        if self.payload.len() > max_payload_bytes {
+            return Err(Error::PayloadTooLarge { key: key.clone(), len: self.payload.len(), max: max_payload_bytes });
+        }
+        for (name, value) in &self.headers {
+            let bad = |reason| Err(Error::BadHeader { key: key.clone(), name: name.clone(), reason });
+            if name.is_empty() {
+                return bad("empty name");
+            }
+            // NATS and HTTP header names: visible ASCII, no ':' (RFC 7230 field-name is stricter still).
+            if !name.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
+                return bad("name must be visible ASCII without ':'");
+            }
+            if value.contains(['\r', '\n', '\0']) {
+                return bad("value must not contain CR, LF or NUL");
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn partition(&self) -> Partition {
+        partition_of(&self.key)
+    }
+}
+
+/// A stored record as handed to a handler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// Stable id (UUID v7). Use it for deduplication downstream (it is the JetStream message id).
+    pub id: Uuid,
+    /// `xxh3_64(key) % 256`.
+    pub partition: Partition,
+    /// Ordering key.
+    pub key: String,
+    /// Per-key sequence, 1, 2, 3, … in commit order, without gaps.
+    pub seq: i64,
+    /// Event type.
+    pub event_type: String,
+    /// Payload bytes.
+    pub payload: Bytes,
+    /// Headers.
+    pub headers: Headers,
+    /// Failed deliveries so far (0 on the first delivery).
+    pub attempts: i32,
+}
+
+/// Where a scheduled record landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scheduled {
+    /// The record's stable id.
+    pub id: Uuid,
+    /// Its partition.
+    pub partition: Partition,
+    /// Its per-key sequence number.
+    pub seq: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(r: NewRecord) -> Result<()> {
+        r.validate(16)
+    }
+
+    #[test]
+    fn rejects_bad_input_with_typed_errors() {
+        assert!(matches!(check(NewRecord::new("", "t", "")), Err(Error::EmptyKey)));
+        let long = "k".repeat(MAX_KEY_BYTES + 1);
+        assert!(matches!(check(NewRecord::new(long, "t", "")), Err(Error::KeyTooLong { len: 513, .. })));
+        assert!(check(NewRecord::new("k".repeat(MAX_KEY_BYTES), "t", "")).is_ok());
+        assert!(matches!(check(NewRecord::new("k", "", "")), Err(Error::BadEventType { .. })));
+        assert!(matches!(check(NewRecord::new("k", "t", vec![0u8; 17])), Err(Error::PayloadTooLarge { len: 17, .. })));
+        assert!(check(NewRecord::new("k", "t", vec![0u8; 16])).is_ok());
+        for name in ["", "a b", "a:b", "é"] {
+            assert!(matches!(check(NewRecord::new("k", "t", "").header(name, "v")), Err(Error::BadHeader { .. })), "{name:?}");
+        }
+        assert!(matches!(check(NewRecord::new("k", "t", "").header("h", "a\r\nb")), Err(Error::BadHeader { .. })));
+        assert!(check(NewRecord::new("k", "t", "").header("traceparent", "00-ab-cd-01")).is_ok());
+    }
+}

@@ -1,0 +1,211 @@
+//! Retry policies: the delay before retry `n` is a pure function of `n` and the record id (the jitter is
+//! derived from both), so a schedule can be documented, tested, and recomputed after a restart.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::error::{Error, Result};
+
+/// First retry after 100 ms: most transient faults (a broker failover, a dropped connection) are over by then.
+pub const DEFAULT_INITIAL_DELAY: Duration = Duration::from_millis(100);
+/// Doubling reaches the cap in about nine steps.
+pub const DEFAULT_MULTIPLIER: f64 = 2.0;
+/// Retries never wait longer than a minute, so a recovered downstream is noticed quickly.
+pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(60);
+/// Ten retries with the defaults cover roughly three minutes of outage before the fallback / FAILED.
+pub const DEFAULT_MAX_RETRIES: u32 = 10;
+/// Up to 20 % less than the nominal delay, so keys that failed together do not retry in lockstep.
+pub const DEFAULT_JITTER: f64 = 0.2;
+
+/// How the nominal delay grows with the retry number `n` (1 for the first retry).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Backoff {
+    /// `delay` every time.
+    Fixed {
+        /// The delay.
+        #[serde(with = "humantime_serde")]
+        delay: Duration,
+    },
+    /// `initial + (n - 1) × increment`.
+    Linear {
+        /// Delay before the first retry.
+        #[serde(with = "humantime_serde")]
+        initial: Duration,
+        /// Added for each further retry.
+        #[serde(with = "humantime_serde")]
+        increment: Duration,
+    },
+    /// `initial × multiplier^(n - 1)`.
+    Exponential {
+        /// Delay before the first retry.
+        #[serde(with = "humantime_serde")]
+        initial: Duration,
+        /// Growth factor, ≥ 1.
+        multiplier: f64,
+    },
+}
+
+/// A retry policy: backoff, cap, jitter and how many retries before the fallback runs.
+///
+/// The handler runs at most `1 + max_retries` times for one record.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryPolicy {
+    /// Growth of the delay.
+    pub backoff: Backoff,
+    /// Retries after the first failed delivery; 0 sends a failure straight to the fallback.
+    pub max_retries: u32,
+    /// Cap on any delay, including a handler's retry-after.
+    #[serde(with = "humantime_serde")]
+    pub max_delay: Duration,
+    /// Fraction in `[0, 1]` by which a delay may be shortened at random (derived from the record id).
+    pub jitter: f64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            backoff: Backoff::Exponential { initial: DEFAULT_INITIAL_DELAY, multiplier: DEFAULT_MULTIPLIER },
+            max_retries: DEFAULT_MAX_RETRIES,
+            max_delay: DEFAULT_MAX_DELAY,
+            jitter: DEFAULT_JITTER,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// A policy with a fixed delay and no jitter.
+    pub fn fixed(delay: Duration, max_retries: u32) -> Self {
+        Self { backoff: Backoff::Fixed { delay }, max_retries, max_delay: delay.max(DEFAULT_MAX_DELAY), jitter: 0.0 }
+    }
+
+    /// A policy with a linear delay and no jitter.
+    pub fn linear(initial: Duration, increment: Duration, max_retries: u32) -> Self {
+        Self { backoff: Backoff::Linear { initial, increment }, max_retries, max_delay: DEFAULT_MAX_DELAY, jitter: 0.0 }
+    }
+
+    /// A policy with an exponential delay and no jitter.
+    pub fn exponential(initial: Duration, multiplier: f64, max_retries: u32) -> Self {
+        Self {
+            backoff: Backoff::Exponential { initial, multiplier },
+            max_retries,
+            max_delay: DEFAULT_MAX_DELAY,
+            jitter: 0.0,
+        }
+    }
+
+    /// Sets the jitter fraction.
+    pub fn with_jitter(mut self, jitter: f64) -> Self {
+        self.jitter = jitter;
+        self
+    }
+
+    /// Sets the cap on delays.
+    pub fn with_max_delay(mut self, max_delay: Duration) -> Self {
+        self.max_delay = max_delay;
+        self
+    }
+
+    /// Checks the values.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::Config(msg));
+        if !(0.0..=1.0).contains(&self.jitter) {
+            return bad(format!("retry.jitter must be within 0..=1, got {}", self.jitter));
+        }
+        if self.max_delay.is_zero() {
+            return bad("retry.max_delay must be > 0".into());
+        }
+        if let Backoff::Exponential { multiplier, .. } = self.backoff
+            && !(multiplier.is_finite() && multiplier >= 1.0)
+        {
+            return bad(format!("retry.backoff.multiplier must be a finite number >= 1, got {multiplier}"));
+        }
+        Ok(())
+    }
+
+    /// The nominal delay before retry `n` (`n` ≥ 1), capped, without jitter.
+    pub fn nominal_delay(&self, n: u32) -> Duration {
+        let steps = n.saturating_sub(1);
+        let delay = match self.backoff {
+            Backoff::Fixed { delay } => delay,
+            Backoff::Linear { initial, increment } => initial.saturating_add(increment.saturating_mul(steps)),
+            Backoff::Exponential { initial, multiplier } => {
+                // Compute in f64 seconds and cap before converting, so huge exponents cannot overflow.
+                let secs = initial.as_secs_f64() * multiplier.powi(steps.min(1024) as i32);
+                Duration::try_from_secs_f64(secs.min(self.max_delay.as_secs_f64())).unwrap_or(self.max_delay)
+            }
+        };
+        delay.min(self.max_delay)
+    }
+
+    /// The delay before retry `n` of record `id`: the nominal delay shortened by up to `jitter`, by a
+    /// fraction derived from `(id, n)`.
+    pub fn delay(&self, id: Uuid, n: u32) -> Duration {
+        let nominal = self.nominal_delay(n);
+        if self.jitter == 0.0 {
+            return nominal;
+        }
+        let unit = (xxh3_64_with_seed(id.as_bytes(), u64::from(n)) >> 11) as f64 / (1u64 << 53) as f64;
+        nominal.mul_f64(1.0 - self.jitter * unit)
+    }
+
+    /// Whether a record that has now failed `attempts` times may be retried.
+    pub fn may_retry(&self, attempts: u32) -> bool {
+        attempts <= self.max_retries
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[test]
+    fn schedules_follow_the_documented_formulas() {
+        let fixed = RetryPolicy::fixed(MS(50), 3);
+        assert_eq!((1..=3).map(|n| fixed.nominal_delay(n)).collect::<Vec<_>>(), [MS(50); 3]);
+        let linear = RetryPolicy::linear(MS(10), MS(20), 3);
+        assert_eq!((1..=3).map(|n| linear.nominal_delay(n)).collect::<Vec<_>>(), [MS(10), MS(30), MS(50)]);
+        let exp = RetryPolicy::exponential(MS(10), 3.0, 5).with_max_delay(MS(200));
+        assert_eq!(
+            (1..=5).map(|n| exp.nominal_delay(n)).collect::<Vec<_>>(),
+            [MS(10), MS(30), MS(90), MS(200), MS(200)]
+        );
+        assert_eq!(exp.nominal_delay(u32::MAX), MS(200), "huge retry numbers stay capped");
+    }
+
+    #[test]
+    fn jitter_is_bounded_and_deterministic() {
+        let p = RetryPolicy::fixed(MS(1000), 3).with_jitter(0.5);
+        let mut distinct = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            let id = Uuid::now_v7();
+            let d = p.delay(id, 1);
+            assert!(d <= MS(1000) && d >= MS(500), "{d:?}");
+            assert_eq!(d, p.delay(id, 1));
+            distinct.insert(d);
+        }
+        assert!(distinct.len() > 100, "jitter should spread delays");
+    }
+
+    #[test]
+    fn max_retries_counts_retries_not_attempts() {
+        let p = RetryPolicy::fixed(MS(1), 2);
+        assert!(p.may_retry(1) && p.may_retry(2) && !p.may_retry(3));
+        assert!(!RetryPolicy::fixed(MS(1), 0).may_retry(1));
+    }
+
+    #[test]
+    fn validate_rejects_nonsense() {
+        assert!(RetryPolicy::default().validate().is_ok());
+        assert!(RetryPolicy::default().with_jitter(1.5).validate().is_err());
+        assert!(RetryPolicy::exponential(MS(1), 0.5, 1).validate().is_err());
+        assert!(RetryPolicy::exponential(MS(1), f64::NAN, 1).validate().is_err());
+        assert!(RetryPolicy::default().with_max_delay(Duration::ZERO).validate().is_err());
+    }
+}

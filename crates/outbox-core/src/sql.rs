@@ -1,0 +1,197 @@
+//! Every SQL statement of `outbox-core`, in one place.
+//!
+//! Statements are written with a `{s}` placeholder for the configured schema and built once per
+//! [`Outbox`](crate::Outbox) (the schema name is validated as a plain identifier, so splicing it is safe).
+
+use std::sync::Arc;
+
+use sqlx::AssertSqlSafe;
+
+/// The fence: lock the partition rows this worker believes it owns, at the epochs it believes it holds,
+/// `FOR SHARE`. An epoch bump (release, steal) waits for the share lock, and a zombie's statement that
+/// races a bump re-checks the row after the bump commits and matches nothing. `FOR KEY SHARE` would not
+/// block the bump. `$1` partitions, `$2` epochs, `$3` owner.
+const FENCE: &str = "fence AS MATERIALIZED (
+    SELECT p.partition FROM {s}.partitions p
+    JOIN unnest($1::smallint[], $2::bigint[]) AS o(partition, epoch)
+      ON o.partition = p.partition AND o.epoch = p.epoch
+    WHERE p.owner = $3
+    FOR SHARE OF p)";
+
+/// Schedules records inside the caller's transaction. Upserting each key's counter row takes its row
+/// lock until commit, so writers of one key serialise and sequence order equals commit order. Keys are
+/// locked in sorted order so two multi-key batches cannot deadlock.
+const SCHEDULE: &str = "WITH input AS (
+    SELECT * FROM unnest($1::uuid[], $2::smallint[], $3::text[], $4::text[], $5::bytea[], $6::text[])
+        WITH ORDINALITY AS t(id, partition, key, event_type, payload, headers, ord)
+), counters AS (
+    INSERT INTO {s}.keys AS k (key, last_seq)
+    SELECT key, count(*) FROM input GROUP BY key ORDER BY key
+    ON CONFLICT (key) DO UPDATE SET last_seq = k.last_seq + EXCLUDED.last_seq
+    RETURNING k.key, k.last_seq
+)
+INSERT INTO {s}.records (id, partition, key, seq, event_type, payload, headers)
+SELECT i.id, i.partition, i.key,
+       c.last_seq - count(*) OVER (PARTITION BY i.key) + row_number() OVER (PARTITION BY i.key ORDER BY i.ord),
+       i.event_type, i.payload, i.headers::jsonb
+FROM input i JOIN counters c ON c.key = i.key
+RETURNING id, seq";
+
+const RECORD_COLUMNS: &str =
+    "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.failed_at, r.next_attempt_at";
+
+const DUE: &str = "r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())";
+
+/// Fetches up to `$3` head records, one per key, from partitions `$1`, skipping keys `$2` (in flight).
+///
+/// A loose index scan: for each partition, walk its keys in index order, one probe per key, taking the
+/// key's first row. The cost grows with the number of keys, not records, and the walk stops as soon as
+/// the batch is full. With stop-on-first-failure the head is the key's lowest sequence, and a key whose
+/// head is FAILED or backing off is passed over (so blocked keys never fill a batch); without it, the
+/// walk takes each key's first *due* record.
+const FETCH: &str = "SELECT h.id, h.partition, h.key, h.seq, h.event_type, h.payload, h.headers, h.attempts
+FROM unnest($1::smallint[]) AS p(part)
+CROSS JOIN LATERAL (
+    WITH RECURSIVE walk AS (
+        (SELECT {cols} FROM {s}.records r WHERE r.partition = p.part {step_due} ORDER BY r.key, r.seq LIMIT 1)
+        UNION ALL
+        SELECT n.* FROM walk w CROSS JOIN LATERAL (
+            SELECT {cols} FROM {s}.records r
+            WHERE r.partition = w.partition AND r.key > w.key {step_due}
+            ORDER BY r.key, r.seq LIMIT 1) n
+    )
+    SELECT * FROM walk
+) h
+WHERE {head_due} AND h.key <> ALL($2::text[])
+LIMIT $3";
+
+/// Completes delivered records (fenced): delete, and copy to `completed` when keeping them.
+/// `$4` ids, `$5` outcomes, `$6` attempts.
+const COMPLETE_KEEP: &str = "WITH {fence}, done AS (
+    DELETE FROM {s}.records r USING unnest($4::uuid[], $5::text[], $6::int[]) AS d(id, outcome, attempts)
+    WHERE r.id = d.id AND r.partition IN (SELECT partition FROM fence)
+    RETURNING r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.created_at, d.attempts, d.outcome
+)
+INSERT INTO {s}.completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
+SELECT * FROM done
+RETURNING id";
+
+const COMPLETE_DELETE: &str = "WITH {fence}
+DELETE FROM {s}.records r USING unnest($4::uuid[]) AS d(id)
+WHERE r.id = d.id AND r.partition IN (SELECT partition FROM fence)
+RETURNING r.id";
+
+/// Records failed deliveries (fenced): a retry at `now() + delay` (database time), or FAILED.
+/// `$4` ids, `$5` attempts, `$6` errors, `$7` delays in ms, `$8` failed flags.
+const FAIL: &str = "WITH {fence}
+UPDATE {s}.records r SET
+    attempts = u.attempts,
+    last_error = u.error,
+    next_attempt_at = CASE WHEN u.failed THEN NULL ELSE now() + u.delay_ms * interval '1 millisecond' END,
+    failed_at = CASE WHEN u.failed THEN now() END
+FROM unnest($4::uuid[], $5::int[], $6::text[], $7::bigint[], $8::bool[]) AS u(id, attempts, error, delay_ms, failed)
+WHERE r.id = u.id AND r.partition IN (SELECT partition FROM fence)
+RETURNING r.id";
+
+const FAILED_COLUMNS: &str =
+    "id, partition, key, seq, event_type, attempts, last_error, created_at, failed_at";
+
+/// Lists FAILED records, optionally of one key (`$1`) or partition (`$2`), at most `$3`.
+const LIST_FAILED: &str = "SELECT {failed_cols} FROM {s}.records
+WHERE failed_at IS NOT NULL AND ($1::text IS NULL OR key = $1) AND ($2::smallint IS NULL OR partition = $2)
+ORDER BY partition, key, seq LIMIT $3";
+
+/// Requeues FAILED records (one id `$1`, or all of key `$2`) with a fresh retry budget. Not fenced:
+/// owners never write FAILED rows, so operator and owner cannot race on them.
+const REQUEUE: &str = "UPDATE {s}.records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL
+WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)
+RETURNING id";
+
+/// Skips a FAILED record: it leaves the queue, and the `completed` table keeps it as `skipped`.
+const SKIP: &str = "WITH d AS (
+    DELETE FROM {s}.records WHERE id = $1 AND failed_at IS NOT NULL
+    RETURNING id, partition, key, seq, event_type, payload, headers, created_at, attempts
+)
+INSERT INTO {s}.completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
+SELECT *, 'skipped' FROM d
+RETURNING id";
+
+/// Per-partition counts and the oldest pending record's age (database time).
+const STATS: &str = "SELECT partition,
+    count(*) FILTER (WHERE failed_at IS NULL) AS pending,
+    count(*) FILTER (WHERE failed_at IS NOT NULL) AS failed,
+    EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE failed_at IS NULL))::float8 AS oldest_pending_secs
+FROM {s}.records GROUP BY partition ORDER BY partition";
+
+/// Deletes at most `$2` completed records older than `$1` ms. `= ANY(ARRAY(…))` evaluates the limited
+/// subquery once (an `IN (… LIMIT)` may be re-planned to delete more).
+const PURGE: &str = "DELETE FROM {s}.completed WHERE id = ANY(ARRAY(
+    SELECT id FROM {s}.completed WHERE completed_at < now() - $1 * interval '1 millisecond'
+    ORDER BY completed_at LIMIT $2))";
+
+/// Tracking table of the library's own migrations (never the host's `_sqlx_migrations`).
+const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}.schema_migrations (
+    version    bigint      PRIMARY KEY,
+    name       text        NOT NULL,
+    checksum   bigint      NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now())";
+
+/// A statement ready to hand to `sqlx::query` without copying.
+pub(crate) type Stmt = AssertSqlSafe<Arc<str>>;
+
+/// The statements, built for one schema.
+#[derive(Debug)]
+pub(crate) struct Sql {
+    schema: String,
+    pub(crate) schedule: Arc<str>,
+    pub(crate) fetch: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    pub(crate) fail: Arc<str>,
+    pub(crate) list_failed: Arc<str>,
+    pub(crate) requeue: Arc<str>,
+    pub(crate) skip: Arc<str>,
+    pub(crate) stats: Arc<str>,
+    pub(crate) purge: Arc<str>,
+    pub(crate) migrations_table: Arc<str>,
+}
+
+impl Sql {
+    /// `schema` must already be validated as an identifier.
+    pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
+        let build = |text: &str| -> Arc<str> {
+            text.replace("{fence}", FENCE)
+                .replace("{cols}", RECORD_COLUMNS)
+                .replace("{failed_cols}", FAILED_COLUMNS)
+                .replace("{s}", schema)
+                .into()
+        };
+        let (step_due, head_due) = if stop_on_first_failure {
+            (String::new(), DUE.replace("r.", "h."))
+        } else {
+            (format!("AND {DUE}"), "true".to_string())
+        };
+        let fetch = FETCH.replace("{step_due}", &step_due).replace("{head_due}", &head_due);
+        Self {
+            schema: schema.to_string(),
+            schedule: build(SCHEDULE),
+            fetch: build(&fetch),
+            complete: build(if keep_completed { COMPLETE_KEEP } else { COMPLETE_DELETE }),
+            fail: build(FAIL),
+            list_failed: build(LIST_FAILED),
+            requeue: build(REQUEUE),
+            skip: build(SKIP),
+            stats: build(STATS),
+            purge: build(PURGE),
+            migrations_table: build(MIGRATIONS_TABLE),
+        }
+    }
+
+    pub(crate) fn schema(&self) -> &str {
+        &self.schema
+    }
+}
+
+/// Wraps a prebuilt statement for sqlx.
+pub(crate) fn stmt(text: &Arc<str>) -> Stmt {
+    AssertSqlSafe(Arc::clone(text))
+}
