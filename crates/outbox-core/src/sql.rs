@@ -195,3 +195,46 @@ impl Sql {
 pub(crate) fn stmt(text: &Arc<str>) -> Stmt {
     AssertSqlSafe(Arc::clone(text))
 }
+
+#[cfg(test)]
+mod tests {
+    use sqlx::PgPool;
+
+    use crate::{Config, Outbox};
+
+    async fn plan(pool: &PgPool, sql: &str, partitions: &[i16]) -> String {
+        let explain = format!("EXPLAIN (FORMAT TEXT) {sql}");
+        let rows: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(explain))
+            .bind(partitions)
+            .bind(Vec::<String>::new())
+            .bind(100_i64)
+            .fetch_all(pool)
+            .await
+            .unwrap();
+        rows.into_iter().map(|(line,)| line).collect::<Vec<_>>().join("\n")
+    }
+
+    /// The fetch must probe the (partition, key, seq) index once per key, never scan the table, in both
+    /// stop-on-first-failure modes, on a table big enough for the planner to care.
+    #[sqlx::test(migrations = false)]
+    async fn fetch_walks_the_index_without_scanning_records(pool: PgPool) {
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        sqlx::query(
+            "INSERT INTO outbox.records (id, partition, key, seq, event_type, payload)
+             SELECT gen_random_uuid(), k % 256, 'key-' || k, s, 't', '\\x00'
+             FROM generate_series(1, 2000) k, generate_series(1, 20) s",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query("ANALYZE outbox.records").execute(&pool).await.unwrap();
+        for stop_on_first_failure in [true, false] {
+            let sql = super::Sql::new("outbox", stop_on_first_failure, true);
+            let plan = plan(&pool, &sql.fetch, &[0, 1, 2]).await;
+            assert!(plan.contains("Index Scan using records_partition_key_seq"), "{plan}");
+            assert!(!plan.contains("Seq Scan on records"), "{plan}");
+            assert!(plan.contains("Recursive Union"), "{plan}");
+        }
+    }
+}
