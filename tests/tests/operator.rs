@@ -12,7 +12,12 @@ use sqlx::PgPool;
 #[sqlx::test(migrations = false)]
 async fn stats_count_pending_and_failed_per_partition_with_the_oldest_age(pool: PgPool) {
     let outbox = outbox(&pool, |_| {}).await;
-    commit(&outbox, &pool, vec![NewRecord::new("a", "t", ""), NewRecord::new("a", "t", ""), NewRecord::new("b", "t", "")]).await;
+    commit(
+        &outbox,
+        &pool,
+        vec![NewRecord::new("a", "t", ""), NewRecord::new("a", "t", ""), NewRecord::new("b", "t", "")],
+    )
+    .await;
     sqlx::query("UPDATE outbox.records SET created_at = now() - interval '90 seconds' WHERE key = 'a' AND seq = 1")
         .execute(&pool)
         .await
@@ -30,7 +35,12 @@ async fn stats_count_pending_and_failed_per_partition_with_the_oldest_age(pool: 
 async fn purge_deletes_only_expired_completed_records_in_bounded_batches(pool: PgPool) {
     let outbox = outbox(&pool, |_| {}).await;
     commit(&outbox, &pool, (0..25).map(|i| NewRecord::new(format!("k{i}"), "t", "")).collect()).await;
-    let node = start(&outbox, &pool, Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) })))).await;
+    let node = start(
+        &outbox,
+        &pool,
+        Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) }))),
+    )
+    .await;
     drained(&pool, Duration::from_secs(60)).await;
     node.shutdown().await.unwrap();
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox.completed").await, 25);
@@ -49,7 +59,12 @@ async fn purge_deletes_only_expired_completed_records_in_bounded_batches(pool: P
 async fn delete_on_complete_keeps_no_completed_rows(pool: PgPool) {
     let outbox = outbox(&pool, |c| c.completion = Completion::Delete).await;
     commit(&outbox, &pool, (0..10).map(|i| NewRecord::new(format!("k{i}"), "t", "")).collect()).await;
-    let node = start(&outbox, &pool, Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) })))).await;
+    let node = start(
+        &outbox,
+        &pool,
+        Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) }))),
+    )
+    .await;
     drained(&pool, Duration::from_secs(60)).await;
     node.shutdown().await.unwrap();
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox.completed").await, 0);

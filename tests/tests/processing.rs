@@ -12,8 +12,7 @@ use std::time::Duration;
 use common::*;
 use outbox_core::operator::FailedFilter;
 use outbox_core::{
-    Assignment, HandlerError, Handlers, NewRecord, Processor, RetryPolicy, Route, fallback_fn, handler_fn,
-    partition_of,
+    Assignment, HandlerError, Handlers, NewRecord, Processor, RetryPolicy, Route, fallback_fn, handler_fn, partition_of,
 };
 use rand::RngExt;
 use sqlx::PgPool;
@@ -121,7 +120,10 @@ async fn retries_wait_the_policy_delays_then_succeed(pool: PgPool) {
     let second = sink.of_key("k").into_iter().filter(|d| d.seq == 2).collect::<Vec<_>>();
     assert!(second[0].at > first[2].at);
     let attempts: Vec<(i64, i32, String)> =
-        sqlx::query_as("SELECT seq, attempts, outcome FROM outbox.completed ORDER BY seq").fetch_all(&pool).await.unwrap();
+        sqlx::query_as("SELECT seq, attempts, outcome FROM outbox.completed ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     assert_eq!(attempts, [(1, 2, "delivered".into()), (2, 0, "delivered".into())]);
 }
 
@@ -177,15 +179,16 @@ async fn exhausted_retries_go_to_the_fallback_or_to_failed(pool: PgPool) {
                 .retry(RetryPolicy::fixed(Duration::from_millis(5), 1))
                 .fallback(fallback_fn(|_, _| async { Err(HandlerError::permanent("archive full")) })),
         )
-        .route(
-            "malformed",
-            Route::new(handler_fn(|_| async { Err::<(), _>(HandlerError::permanent("bad schema")) })),
-        );
+        .route("malformed", Route::new(handler_fn(|_| async { Err::<(), _>(HandlerError::permanent("bad schema")) })));
     commit(
         &outbox,
         &pool,
-        vec![NewRecord::new("a", "rescued", ""), NewRecord::new("b", "doomed", ""), NewRecord::new("c", "malformed", ""),
-             NewRecord::new("d", "unrouted", "")],
+        vec![
+            NewRecord::new("a", "rescued", ""),
+            NewRecord::new("b", "doomed", ""),
+            NewRecord::new("c", "malformed", ""),
+            NewRecord::new("d", "unrouted", ""),
+        ],
     )
     .await;
     let node = start(&outbox, &pool, handlers).await;
@@ -318,7 +321,8 @@ async fn slow_and_blocked_keys_do_not_stall_other_keys(pool: PgPool) {
             Ok(())
         }
     })));
-    let blocked: Vec<_> = (0..10).flat_map(|i| (0..2).map(move |_| NewRecord::new(format!("blocked-{i}"), "t", ""))).collect();
+    let blocked: Vec<_> =
+        (0..10).flat_map(|i| (0..2).map(move |_| NewRecord::new(format!("blocked-{i}"), "t", ""))).collect();
     commit(&outbox, &pool, blocked).await;
     let node = start(&outbox, &pool, handlers).await;
     wait_for("ten FAILED heads", LONG, || async {
@@ -452,6 +456,10 @@ async fn graceful_stop_completes_in_flight_records(pool: PgPool) {
     release.add_permits(5);
     stopping.await.unwrap().unwrap();
     assert_eq!(pending(&pool).await, 0, "in-flight records were completed before returning");
-    assert_eq!(count(&pool, "SELECT count(*) FROM outbox.partitions WHERE owner IS NOT NULL").await, 0, "partitions released");
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM outbox.partitions WHERE owner IS NOT NULL").await,
+        0,
+        "partitions released"
+    );
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox.instances").await, 0, "deregistered");
 }

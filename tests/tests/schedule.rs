@@ -14,7 +14,8 @@ use sqlx::PgPool;
 async fn committed_records_exist_and_rolled_back_ones_do_not(pool: PgPool) {
     let outbox = outbox(&pool, |_| {}).await;
     let mut tx = pool.begin().await.unwrap();
-    let kept = outbox.schedule(&mut tx, NewRecord::new("k", "t", "kept").header("traceparent", "00-1-2-01")).await.unwrap();
+    let kept =
+        outbox.schedule(&mut tx, NewRecord::new("k", "t", "kept").header("traceparent", "00-1-2-01")).await.unwrap();
     tx.commit().await.unwrap();
 
     let mut tx = pool.begin().await.unwrap();
@@ -23,7 +24,10 @@ async fn committed_records_exist_and_rolled_back_ones_do_not(pool: PgPool) {
     tx.rollback().await.unwrap();
 
     let rows: Vec<(uuid::Uuid, i16, String, i64, Vec<u8>, serde_json::Value)> =
-        sqlx::query_as("SELECT id, partition, key, seq, payload, headers FROM outbox.records").fetch_all(&pool).await.unwrap();
+        sqlx::query_as("SELECT id, partition, key, seq, payload, headers FROM outbox.records")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     assert_eq!(rows.len(), 1);
     let (id, partition, key, seq, payload, headers) = &rows[0];
     assert_eq!((*id, *partition, key.as_str(), *seq), (kept.id, i16::from(partition_of("k")), "k", 1));
@@ -47,7 +51,7 @@ async fn batch_gives_consecutive_sequences_per_key(pool: PgPool) {
     tx.commit().await.unwrap();
     assert_eq!(first.seq, 1);
     assert_eq!(scheduled.iter().map(|s| s.seq).collect::<Vec<_>>(), [1, 2, 2, 3, 1]);
-    assert_eq!(outbox.schedule_batch(&mut *pool.acquire().await.unwrap(), &[]).await.unwrap(), []);
+    assert_eq!(outbox.schedule_batch(&mut pool.acquire().await.unwrap(), &[]).await.unwrap(), []);
 }
 
 /// Two transactions write the same key; the one that schedules first holds the key until it commits,
@@ -67,7 +71,12 @@ async fn concurrent_writers_of_one_key_commit_in_sequence_order(pool: PgPool) {
     });
     // Forced interleaving: the second writer is observed blocked on the first one's lock.
     wait_for("second writer blocked on the key lock", Duration::from_secs(10), || async {
-        count(&pool, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%outbox.keys%'").await == 1
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%outbox.keys%'",
+        )
+        .await
+            == 1
     })
     .await;
     assert!(!second.is_finished());
@@ -86,7 +95,12 @@ async fn concurrent_writers_of_one_key_commit_in_sequence_order(pool: PgPool) {
         b
     });
     wait_for("writer blocked behind the doomed one", Duration::from_secs(10), || async {
-        count(&pool, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%outbox.keys%'").await == 1
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%outbox.keys%'",
+        )
+        .await
+            == 1
     })
     .await;
     first.rollback().await.unwrap();
@@ -138,7 +152,10 @@ async fn migrations_are_idempotent_concurrent_and_use_their_own_table(pool: PgPo
     outbox.migrate(&pool).await.unwrap();
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox.schema_migrations").await, 1);
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox.partitions").await, 256);
-    assert_eq!(count(&pool, "SELECT count(*) FROM information_schema.tables WHERE table_name = '_sqlx_migrations'").await, 0);
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM information_schema.tables WHERE table_name = '_sqlx_migrations'").await,
+        0
+    );
 
     // A second outbox in another schema lives beside the first.
     let other = Outbox::new(Config { schema: "events".into(), ..Config::default() }).unwrap();

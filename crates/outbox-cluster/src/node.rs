@@ -58,7 +58,9 @@ impl Node {
         config.validate()?;
         let id = Uuid::now_v7();
         let sql = Arc::new(Sql::new(&outbox.config().schema));
-        registry::register(&pool, &sql, id, &config.name, config.stale_timeout).await.map_err(|e| not_migrated(&outbox, e))?;
+        registry::register(&pool, &sql, id, &config.name, config.stale_timeout)
+            .await
+            .map_err(|e| not_migrated(&outbox, e))?;
         info!(instance = %id, name = %config.name, "instance registered");
 
         let (assign_tx, assignment) = watch::channel(Assignment::new());
@@ -161,7 +163,15 @@ impl Ctx {
                 Ok(Ok(false)) => {
                     warn!(instance = %self.id, "instance was declared dead by the cluster; re-registering");
                     self.fence("instance was declared dead");
-                    match registry::register(&self.pool, &self.sql, self.id, &self.config.name, self.config.stale_timeout).await {
+                    match registry::register(
+                        &self.pool,
+                        &self.sql,
+                        self.id,
+                        &self.config.name,
+                        self.config.stale_timeout,
+                    )
+                    .await
+                    {
                         Ok(()) => {
                             beat.send_replace(sent);
                         }

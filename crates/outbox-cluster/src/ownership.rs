@@ -16,7 +16,9 @@ pub(crate) async fn acquire(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Assign
     for (partition, epoch, previous) in rows {
         let partition = to_partition(partition)?;
         match previous {
-            Some(previous) => info!(partition, epoch, instance = %me, %previous, reason = "owner lease expired", "partition stolen"),
+            Some(previous) => {
+                info!(partition, epoch, instance = %me, %previous, reason = "owner lease expired", "partition stolen")
+            }
             None => info!(partition, epoch, instance = %me, reason = "free", "partition acquired"),
         }
         acquired.insert(partition, epoch);

@@ -177,7 +177,8 @@ mod tests {
 
     #[test]
     fn validate_names_the_bad_field() {
-        let cases: [(fn(&mut Config), &str); 5] = [
+        type Mutate = fn(&mut Config);
+        let cases: [(Mutate, &str); 5] = [
             (|c| c.schema = "Outbox; drop".into(), "schema"),
             (|c| c.poll_interval = Duration::ZERO, "poll_interval"),
             (|c| c.concurrency = 0, "concurrency"),

@@ -67,9 +67,7 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
     /// The schema has not been migrated (or is older than this library).
-    #[error(
-        "the outbox schema {schema:?} is missing or not migrated: run the migrator (Outbox::migrate) first"
-    )]
+    #[error("the outbox schema {schema:?} is missing or not migrated: run the migrator (Outbox::migrate) first")]
     NotMigrated {
         /// The configured schema name.
         schema: String,
@@ -122,10 +120,7 @@ fn is_transient_db(e: &sqlx::Error) -> bool {
         // SQLSTATE classes: 08 connection exception, 40 transaction rollback (serialization failure,
         // deadlock), 53 insufficient resources, 57P01..03 admin shutdown / crash / cannot connect now.
         sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            code.starts_with("08")
-                || code.starts_with("40")
-                || code.starts_with("53")
-                || code.starts_with("57P")
+            code.starts_with("08") || code.starts_with("40") || code.starts_with("53") || code.starts_with("57P")
         }),
         _ => false,
     }

@@ -53,9 +53,7 @@ use sqlx::PgPool;
 
 pub use config::{Completion, Config};
 pub use error::{Error, Result};
-pub use handler::{
-    BoxError, Fallback, FailureKind, Handler, HandlerError, Handlers, Route, fallback_fn, handler_fn,
-};
+pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handlers, Route, fallback_fn, handler_fn};
 pub use operator::{FailedRecord, PartitionStats};
 pub use partition::{PARTITIONS, Partition, partition_of};
 pub use processor::{Assignment, Processor};
@@ -98,7 +96,8 @@ impl Outbox {
 
     /// Maps "relation/schema does not exist" to [`Error::NotMigrated`], which says what to do.
     pub(crate) fn db_error(&self, e: sqlx::Error) -> Error {
-        let missing = matches!(&e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01" | "3F000")));
+        let missing =
+            matches!(&e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01" | "3F000")));
         if missing { Error::NotMigrated { schema: self.config().schema.clone() } } else { Error::Database(e) }
     }
 }

@@ -116,11 +116,8 @@ impl Outbox {
     /// record of its key proceeds.
     #[instrument(skip(self, pool))]
     pub async fn skip(&self, pool: &PgPool, id: Uuid) -> Result<()> {
-        let skipped = sqlx::query(stmt(&self.sql().skip))
-            .bind(id)
-            .fetch_optional(pool)
-            .await
-            .map_err(|e| self.db_error(e))?;
+        let skipped =
+            sqlx::query(stmt(&self.sql().skip)).bind(id).fetch_optional(pool).await.map_err(|e| self.db_error(e))?;
         if skipped.is_none() {
             return Err(Error::RecordNotFound { id, state: "FAILED" });
         }

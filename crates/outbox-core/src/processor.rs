@@ -79,6 +79,9 @@ struct Flushed {
     written: BTreeSet<Uuid>,
 }
 
+/// A fetch's limit and its heads, each with the epoch it was fetched under.
+type Fetched = (usize, Result<Vec<(Record, i64)>>);
+
 /// A flush hands its outcomes back on error, so nothing is forgotten.
 type FlushResult = std::result::Result<Flushed, (Vec<Outcome>, Error)>;
 
@@ -118,7 +121,7 @@ impl Processor {
         let mut in_flight: HashMap<String, Partition> = HashMap::new();
         let mut deliveries: JoinSet<Outcome> = JoinSet::new();
         let mut outcomes: Vec<Outcome> = Vec::new();
-        let mut fetch: Pending<(usize, Result<Vec<(Record, i64)>>)> = None;
+        let mut fetch: Pending<Fetched> = None;
         let mut flush: Pending<FlushResult> = None;
         let mut flush_backoff = FLUSH_RETRY_MIN;
         let mut flush_not_before = Instant::now();
@@ -270,10 +273,7 @@ fn rotate(partitions: impl Iterator<Item = i16>, rotation: &mut usize) -> Vec<i1
 }
 
 fn with_epochs(records: Vec<Record>, assignment: &Assignment) -> Vec<(Record, i64)> {
-    records
-        .into_iter()
-        .filter_map(|r| assignment.get(&r.partition).map(|&epoch| (r, epoch)))
-        .collect()
+    records.into_iter().filter_map(|r| assignment.get(&r.partition).map(|&epoch| (r, epoch))).collect()
 }
 
 async fn poll_opt<T>(pending: &mut Pending<T>) -> T {
@@ -342,9 +342,8 @@ async fn deliver(handlers: Arc<Handlers>, config: crate::Config, record: Record,
             let policy = route_retry.unwrap_or(&config.retry);
             let retries = u32::try_from(attempts).unwrap_or(u32::MAX);
             let verdict = if failure.kind() == FailureKind::Retryable && policy.may_retry(retries) {
-                let delay = failure
-                    .retry_after()
-                    .map_or_else(|| policy.delay(record.id, retries), |d| d.min(policy.max_delay));
+                let delay =
+                    failure.retry_after().map_or_else(|| policy.delay(record.id, retries), |d| d.min(policy.max_delay));
                 warn!(record = %record.id, key = %record.key, partition = record.partition, attempts,
                     retry_in = ?delay, error = %failure, "delivery failed; will retry");
                 Verdict::Retry { delay, error: failure.to_string() }
@@ -388,12 +387,7 @@ async fn guarded(
 }
 
 /// Writes a batch of outcomes: completions in one fenced statement, failures in another.
-async fn complete(
-    outbox: &Outbox,
-    pool: &PgPool,
-    owner: Uuid,
-    outcomes: Vec<Outcome>,
-) -> FlushResult {
+async fn complete(outbox: &Outbox, pool: &PgPool, owner: Uuid, outcomes: Vec<Outcome>) -> FlushResult {
     match write_outcomes(outbox, pool, owner, &outcomes).await {
         Ok(written) => Ok(Flushed { outcomes, written }),
         Err(e) => Err((outcomes, e)),

@@ -146,7 +146,10 @@ mod tests {
         assert!(matches!(check(NewRecord::new("k", "t", vec![0u8; 17])), Err(Error::PayloadTooLarge { len: 17, .. })));
         assert!(check(NewRecord::new("k", "t", vec![0u8; 16])).is_ok());
         for name in ["", "a b", "a:b", "é"] {
-            assert!(matches!(check(NewRecord::new("k", "t", "").header(name, "v")), Err(Error::BadHeader { .. })), "{name:?}");
+            assert!(
+                matches!(check(NewRecord::new("k", "t", "").header(name, "v")), Err(Error::BadHeader { .. })),
+                "{name:?}"
+            );
         }
         assert!(matches!(check(NewRecord::new("k", "t", "").header("h", "a\r\nb")), Err(Error::BadHeader { .. })));
         assert!(check(NewRecord::new("k", "t", "").header("traceparent", "00-ab-cd-01")).is_ok());

@@ -55,10 +55,10 @@ impl Outbox {
             keys.push(record.key.as_str());
             types.push(record.event_type.as_str());
             payloads.push(record.payload.as_ref());
-            headers.push(serde_json::to_string(&record.headers).map_err(|source| Error::Json {
-                key: record.key.clone(),
-                source,
-            })?);
+            headers.push(
+                serde_json::to_string(&record.headers)
+                    .map_err(|source| Error::Json { key: record.key.clone(), source })?,
+            );
         }
         if records.is_empty() {
             return Ok(Vec::new());

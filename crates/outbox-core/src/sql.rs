@@ -93,8 +93,7 @@ FROM unnest($4::uuid[], $5::int[], $6::text[], $7::bigint[], $8::bool[]) AS u(id
 WHERE r.id = u.id AND r.partition IN (SELECT partition FROM fence)
 RETURNING r.id";
 
-const FAILED_COLUMNS: &str =
-    "id, partition, key, seq, event_type, attempts, last_error, created_at, failed_at";
+const FAILED_COLUMNS: &str = "id, partition, key, seq, event_type, attempts, last_error, created_at, failed_at";
 
 /// Lists FAILED records, optionally of one key (`$1`) or partition (`$2`), at most `$3`.
 const LIST_FAILED: &str = "SELECT {failed_cols} FROM {s}.records

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Makes sure PostgreSQL and NATS JetStream run on loopback, installing them with apt if missing.
+# Sourced by demo.sh and test.sh. Needs root (or passwordless sudo) only when something must be
+# installed or started. Exports DATABASE_URL_BASE (no database name) and NATS_URL.
+set -euo pipefail
+
+PG_PORT=5432
+NATS_PORT=4222
+PG_USER=root
+PG_PASSWORD=outbox
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+apt_install() {
+  echo "outbox: installing $* with apt" >&2
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
+}
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+wait_port() {
+  for _ in $(seq 1 100); do port_open "$1" && return 0; sleep 0.1; done
+  echo "outbox: $2 did not start listening on 127.0.0.1:$1" >&2
+  return 1
+}
+
+ensure_postgres() {
+  if ! command -v pg_ctlcluster >/dev/null 2>&1 || ! command -v psql >/dev/null 2>&1; then
+    apt_install postgresql postgresql-client
+  fi
+  if ! port_open "$PG_PORT"; then
+    local version
+    version=$(ls /etc/postgresql | sort -V | tail -n 1)
+    echo "outbox: starting PostgreSQL $version" >&2
+    as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start
+    wait_port "$PG_PORT" PostgreSQL
+  fi
+  # A fresh install only knows the 'postgres' superuser over the local socket: create our role once.
+  if ! PGPASSWORD=$PG_PASSWORD psql -h 127.0.0.1 -p "$PG_PORT" -U "$PG_USER" -d postgres -Atqc 'SELECT 1' >/dev/null 2>&1; then
+    echo "outbox: creating PostgreSQL role $PG_USER" >&2
+    as_root su postgres -c "psql -qc \"CREATE ROLE $PG_USER SUPERUSER LOGIN PASSWORD '$PG_PASSWORD'\"" ||
+      as_root su postgres -c "psql -qc \"ALTER ROLE $PG_USER SUPERUSER LOGIN PASSWORD '$PG_PASSWORD'\""
+  fi
+  export DATABASE_URL_BASE="postgres://$PG_USER:$PG_PASSWORD@127.0.0.1:$PG_PORT"
+}
+
+# Creates database $1 if it does not exist.
+ensure_database() {
+  if [ "$(PGPASSWORD=$PG_PASSWORD psql -h 127.0.0.1 -U "$PG_USER" -d postgres -Atqc "SELECT 1 FROM pg_database WHERE datname = '$1'")" != 1 ]; then
+    PGPASSWORD=$PG_PASSWORD psql -h 127.0.0.1 -U "$PG_USER" -d postgres -qc "CREATE DATABASE $1"
+  fi
+}
+
+ensure_nats() {
+  if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
+    apt_install nats-server
+  fi
+  if ! port_open "$NATS_PORT"; then
+    echo "outbox: starting nats-server with JetStream" >&2
+    as_root mkdir -p /var/lib/nats-server
+    as_root start-stop-daemon --start --oknodo --background --exec "$(command -v nats-server || echo /usr/sbin/nats-server)" -- \
+      -a 127.0.0.1 -p "$NATS_PORT" -js -sd /var/lib/nats-server -l /var/log/nats-server.log
+    wait_port "$NATS_PORT" nats-server
+  fi
+  export NATS_URL="nats://127.0.0.1:$NATS_PORT"
+}

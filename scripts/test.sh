@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Runs the whole test suite against real services: starts (installing if needed) PostgreSQL and NATS on
+# loopback, then `cargo test --workspace`. Each PostgreSQL test gets its own fresh database.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/services.sh
+ensure_postgres
+ensure_nats
+ensure_database outbox_test
+export DATABASE_URL="$DATABASE_URL_BASE/outbox_test"
+cargo test --workspace "$@"
