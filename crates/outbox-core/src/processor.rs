@@ -132,6 +132,7 @@ impl Processor {
         let mut next_due: Option<Instant> = None;
         let mut rotation = 0usize;
         let mut stop_deadline: Option<Instant> = None;
+        let mut assignment_open = true;
 
         loop {
             let stopping = stop_deadline.is_some();
@@ -236,9 +237,12 @@ impl Processor {
                 () = tokio::time::sleep_until(flush_not_before), if !outcomes.is_empty() && flush.is_none() => {}
                 () = sleep_until_opt(next_due) => { next_due = None; want_fetch = true; }
                 _ = ticker.tick() => want_fetch = true,
-                changed = self.assignment.changed() => {
+                changed = self.assignment.changed(), if assignment_open => {
                     if changed.is_err() {
-                        // The ownership layer is gone: nothing may be processed any more.
+                        // The ownership layer is gone, so ownership can no longer be confirmed: stop as
+                        // if asked to (in-flight records are still completed under their epochs).
+                        warn!("assignment source closed; stopping");
+                        assignment_open = false;
                         shutdown.cancel();
                     }
                     let current = self.assignment.borrow();

@@ -235,5 +235,25 @@ mod tests {
             assert!(!plan.contains("Seq Scan on records"), "{plan}");
             assert!(plan.contains("Recursive Union"), "{plan}");
         }
+        // Fenced completion and failure updates find records by primary key, never by scanning.
+        let sql = super::Sql::new("outbox", true, true);
+        let ids = vec![uuid::Uuid::now_v7(); 3];
+        for (name, text) in [("complete", &sql.complete), ("fail", &sql.fail)] {
+            let explain = format!("EXPLAIN (FORMAT TEXT) {text}");
+            let mut query = sqlx::query_as::<_, (String,)>(sqlx::AssertSqlSafe(explain))
+                .bind(vec![1_i16])
+                .bind(vec![1_i64])
+                .bind(uuid::Uuid::now_v7())
+                .bind(&ids);
+            query = if name == "complete" {
+                query.bind(vec!["delivered"; 3]).bind(vec![0_i32; 3])
+            } else {
+                query.bind(vec![1_i32; 3]).bind(vec!["e"; 3]).bind(vec![10_i64; 3]).bind(vec![false; 3])
+            };
+            let plan: Vec<(String,)> = query.fetch_all(&pool).await.unwrap();
+            let plan = plan.into_iter().map(|(l,)| l).collect::<Vec<_>>().join("\n");
+            assert!(plan.contains("records_pkey"), "{name}: {plan}");
+            assert!(!plan.contains("Seq Scan on records"), "{name}: {plan}");
+        }
     }
 }
