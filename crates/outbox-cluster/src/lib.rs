@@ -23,6 +23,7 @@
 pub mod config;
 pub mod node;
 pub mod ownership;
+pub mod rebalance;
 pub mod registry;
 mod sql;
 
