@@ -5,17 +5,22 @@
 //! - **heartbeat**: renews the lease every `heartbeat_interval`, on its own task so it never waits behind
 //!   deliveries; if no renewal succeeded for longer than the self-fence deadline, it empties the
 //!   assignment so the processor stops (self-fencing; safety still comes from the epoch);
-//! - **ownership**: every `rebalance_interval`, acquires free partitions and those of dead instances,
-//!   and publishes what the database says this instance owns;
+//! - **ownership**: every `rebalance_interval`, the leader (the live instance with the smallest id)
+//!   computes the balanced targets ([`rebalance`](crate::rebalance)) and writes those that changed; each
+//!   instance then stops fetching the partitions targeted elsewhere, releases them once none of their
+//!   records is in flight (release-before-acquire), and acquires the partitions targeted at it that are
+//!   free or whose owner is dead;
 //! - **processor** and **purge** from `outbox-core`.
 //!
-//! Graceful shutdown: stop fetching, finish and complete in-flight records, release every partition
-//! (epoch + 1, so others take them at once instead of after the stale timeout), deregister.
+//! Graceful shutdown: mark the instance draining, stop fetching, finish and complete in-flight records,
+//! write targets without it, release every partition (epoch + 1) and deregister, so the others take the
+//! partitions at their next round instead of after the stale timeout.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Assignment, Handlers, Outbox, Processor};
+use outbox_core::{Assignment, Handlers, Outbox, Partition, Processor};
 use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -71,10 +76,11 @@ impl Node {
         let background = TaskTracker::new();
 
         let processor = Processor::new(outbox.clone(), pool.clone(), handlers, id, assignment.clone());
+        let busy = processor.busy_partitions();
         let processor = tokio::spawn(processor.run(stop_processor.clone()));
         let ctx = Ctx { id, pool: pool.clone(), sql: sql.clone(), config, assign: assign_tx };
         background.spawn(ctx.clone().heartbeat(beat_tx, stop_background.clone()));
-        background.spawn(ctx.ownership(beat_rx, stop_background.clone()));
+        background.spawn(ctx.ownership(beat_rx, busy, stop_background.clone()));
         background.spawn(outbox.clone().run_purge(pool.clone(), stop_background.clone()));
         background.close();
         Ok(Node { id, pool, sql, assignment, stop_processor, stop_background, background, processor })
@@ -98,12 +104,19 @@ impl Node {
     /// Graceful stop: finish and complete in-flight records (bounded by the outbox `shutdown_timeout`),
     /// release all partitions, deregister.
     pub async fn shutdown(self) -> Result<()> {
+        ownership::drain(&self.pool, &self.sql, self.id).await?;
         self.stop_processor.cancel();
         let processed = self.processor.await.map_err(|e| Error::Task(e.to_string()))?;
         self.stop_background.cancel();
         self.background.wait().await;
+        // Point the targets at the remaining instances now, so they acquire at their next round.
+        let live = ownership::live(&self.pool, &self.sql).await?;
+        if !live.is_empty() {
+            let rows = ownership::partitions(&self.pool, &self.sql).await?;
+            ownership::rebalance(&self.pool, &self.sql, self.id, &live, &rows).await?;
+        }
         let owned = ownership::owned(&self.pool, &self.sql, self.id).await?;
-        ownership::release(&self.pool, &self.sql, self.id, &owned).await?;
+        ownership::release(&self.pool, &self.sql, self.id, &owned, "graceful shutdown").await?;
         registry::deregister(&self.pool, &self.sql, self.id).await?;
         info!(instance = %self.id, "instance stopped and deregistered");
         processed.map_err(Error::Core)
@@ -201,9 +214,16 @@ impl Ctx {
         });
     }
 
-    async fn ownership(self, beat: watch::Receiver<Instant>, shutdown: CancellationToken) {
+    async fn ownership(
+        self,
+        beat: watch::Receiver<Instant>,
+        busy: watch::Receiver<BTreeSet<Partition>>,
+        shutdown: CancellationToken,
+    ) {
         let mut ticker = tokio::time::interval(self.config.rebalance_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // Partitions taken away from the processor in an earlier round, waiting to be released.
+        let mut giving_up = BTreeSet::new();
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -212,21 +232,52 @@ impl Ctx {
             if beat.borrow().elapsed() > self.self_fence_after() {
                 continue;
             }
-            let result = async {
-                ownership::acquire(&self.pool, &self.sql, self.id).await?;
-                ownership::owned(&self.pool, &self.sql, self.id).await
-            }
-            .await;
-            match result {
-                Ok(owned) => {
-                    self.assign.send_if_modified(|current| {
-                        let changed = *current != owned;
-                        *current = owned;
-                        changed
-                    });
-                }
-                Err(e) => warn!(instance = %self.id, error = %e, "ownership round failed"),
+            if let Err(e) = self.round(&busy, &mut giving_up).await {
+                warn!(instance = %self.id, error = %e, "ownership round failed");
             }
         }
+    }
+
+    /// One ownership round: rebalance (leader only), release, acquire, publish the assignment.
+    async fn round(
+        &self,
+        busy: &watch::Receiver<BTreeSet<Partition>>,
+        giving_up: &mut BTreeSet<Partition>,
+    ) -> Result<()> {
+        let live = ownership::live(&self.pool, &self.sql).await?;
+        let rows = ownership::partitions(&self.pool, &self.sql).await?;
+        let targets: BTreeMap<Partition, Uuid> = if live.first() == Some(&self.id) {
+            ownership::rebalance(&self.pool, &self.sql, self.id, &live, &rows).await?
+        } else {
+            rows.iter().filter_map(|r| r.target.map(|t| (r.partition, t))).collect()
+        };
+        let mine = |p: &Partition| targets.get(p) == Some(&self.id);
+
+        // Release what the processor stopped fetching in an earlier round and has nothing in flight.
+        // Waiting one round closes the gap between a dispatch and its appearance in `busy`.
+        let owned: Assignment =
+            rows.iter().filter(|r| r.owner == Some(self.id)).map(|r| (r.partition, r.epoch)).collect();
+        let in_flight = busy.borrow().clone();
+        let release: Assignment = owned
+            .iter()
+            .filter(|(p, _)| giving_up.contains(p) && !mine(p) && !in_flight.contains(p))
+            .map(|(&p, &e)| (p, e))
+            .collect();
+        if !release.is_empty() {
+            ownership::release(&self.pool, &self.sql, self.id, &release, "rebalance").await?;
+        }
+        if rows.iter().any(|r| mine(&r.partition) && r.owner != Some(self.id)) {
+            ownership::acquire(&self.pool, &self.sql, self.id).await?;
+        }
+
+        let owned = ownership::owned(&self.pool, &self.sql, self.id).await?;
+        *giving_up = owned.keys().copied().filter(|p| !mine(p)).collect();
+        let keep: Assignment = owned.into_iter().filter(|(p, _)| mine(p)).collect();
+        self.assign.send_if_modified(|current| {
+            let changed = *current != keep;
+            *current = keep;
+            changed
+        });
+        Ok(())
     }
 }

@@ -9,7 +9,8 @@ use uuid::Uuid;
 use crate::Result;
 use crate::sql::{Sql, stmt};
 
-/// Acquires every partition that is free or whose owner's lease expired; returns them with their new epochs.
+/// Acquires the partitions targeted at this instance that are free or whose owner is dead; returns them
+/// with their new epochs.
 pub(crate) async fn acquire(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Assignment> {
     let rows: Vec<(i16, i64, Option<Uuid>)> = sqlx::query_as(stmt(&sql.acquire)).bind(me).fetch_all(pool).await?;
     let mut acquired = Assignment::new();
@@ -33,15 +34,80 @@ pub(crate) async fn owned(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Assignme
 }
 
 /// Releases the given partitions (at their epochs); returns how many were still ours to release.
-pub(crate) async fn release(pool: &PgPool, sql: &Sql, me: Uuid, partitions: &Assignment) -> Result<usize> {
+pub(crate) async fn release(
+    pool: &PgPool,
+    sql: &Sql,
+    me: Uuid,
+    partitions: &Assignment,
+    reason: &'static str,
+) -> Result<usize> {
     let (ids, epochs): (Vec<i16>, Vec<i64>) = partitions.iter().map(|(&p, &e)| (i16::from(p), e)).unzip();
     let rows: Vec<(i16,)> =
         sqlx::query_as(stmt(&sql.release)).bind(me).bind(&ids).bind(&epochs).fetch_all(pool).await?;
-    info!(instance = %me, released = rows.len(), "partitions released");
+    for (p,) in &rows {
+        info!(partition = p, instance = %me, reason, "partition released");
+    }
     Ok(rows.len())
 }
 
 fn to_partition(p: i16) -> Result<Partition> {
     Partition::try_from(p)
         .map_err(|_| crate::Error::Database(sqlx::Error::Decode(format!("partition {p} out of range").into())))
+}
+
+/// One partition's ownership row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionRow {
+    /// Partition.
+    pub partition: Partition,
+    /// Current owner, if any.
+    pub owner: Option<Uuid>,
+    /// Fencing epoch.
+    pub epoch: i64,
+    /// Where the rebalancer wants it.
+    pub target: Option<Uuid>,
+}
+
+/// Every partition's ownership row.
+pub(crate) async fn partitions(pool: &PgPool, sql: &Sql) -> Result<Vec<PartitionRow>> {
+    let rows: Vec<(i16, Option<Uuid>, i64, Option<Uuid>)> =
+        sqlx::query_as(stmt(&sql.partitions)).fetch_all(pool).await?;
+    rows.into_iter()
+        .map(|(p, owner, epoch, target)| Ok(PartitionRow { partition: to_partition(p)?, owner, epoch, target }))
+        .collect()
+}
+
+/// Live instances taking part in the assignment, by id.
+pub(crate) async fn live(pool: &PgPool, sql: &Sql) -> Result<Vec<Uuid>> {
+    let rows: Vec<(Uuid,)> = sqlx::query_as(stmt(&sql.live)).fetch_all(pool).await?;
+    Ok(rows.into_iter().map(|(id,)| id).collect())
+}
+
+/// Computes the targets from the database's view and writes those that changed; returns them.
+pub(crate) async fn rebalance(
+    pool: &PgPool,
+    sql: &Sql,
+    me: Uuid,
+    live: &[Uuid],
+    rows: &[PartitionRow],
+) -> Result<crate::rebalance::Targets> {
+    let is_live = |id: &Uuid| live.contains(id);
+    // A partition's present holder: its target if that is live, else its owner if live.
+    let current = rows
+        .iter()
+        .filter_map(|r| r.target.filter(is_live).or(r.owner.filter(is_live)).map(|h| (r.partition, h)))
+        .collect();
+    let targets = crate::rebalance::assign(live, &current);
+    let (ids, owners): (Vec<i16>, Vec<Uuid>) = targets.iter().map(|(&p, &id)| (i16::from(p), id)).unzip();
+    let changed: Vec<(i16,)> = sqlx::query_as(stmt(&sql.set_targets)).bind(&ids).bind(&owners).fetch_all(pool).await?;
+    if !changed.is_empty() {
+        info!(instance = %me, live = live.len(), moved = changed.len(), "rebalanced: partition targets changed");
+    }
+    Ok(targets)
+}
+
+/// Marks this instance as leaving, so assignments stop counting it.
+pub(crate) async fn drain(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<()> {
+    sqlx::query(stmt(&sql.drain)).bind(me).execute(pool).await?;
+    Ok(())
 }

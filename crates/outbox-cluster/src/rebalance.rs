@@ -65,11 +65,8 @@ pub fn assign(live: &[Uuid], current: &BTreeMap<Partition, Uuid>) -> Targets {
         if targets.contains_key(&partition) {
             continue;
         }
-        let winner = room
-            .iter()
-            .filter(|&(_, &r)| r > 0)
-            .map(|(&id, _)| id)
-            .max_by_key(|&id| (score(id, partition), id));
+        let winner =
+            room.iter().filter(|&(_, &r)| r > 0).map(|(&id, _)| id).max_by_key(|&id| (score(id, partition), id));
         if let Some(id) = winner {
             targets.insert(partition, id);
             if let Some(r) = room.get_mut(&id) {

@@ -17,12 +17,13 @@ const DEREGISTER: &str = "DELETE FROM {s}.instances WHERE id = $1";
 /// Removes instances whose lease expired long ago (their partitions are already free to take).
 const REAP: &str = "DELETE FROM {s}.instances WHERE expires_at < now() - $1 * interval '1 millisecond'";
 
-/// Acquires every partition that is free, or whose owner has no live lease by database time. Each
-/// acquisition bumps the epoch, fencing out whatever the previous owner still tries to write.
+/// Acquires the partitions targeted at this instance that are free or whose owner has no live lease by
+/// database time. Each acquisition bumps the epoch, fencing out whatever the previous owner still tries
+/// to write. Rows being written under a fence are skipped and retried next round.
 /// Returns (partition, epoch, previous owner).
 const ACQUIRE: &str = "WITH taken AS (
     SELECT p.partition, p.owner FROM {s}.partitions p
-    WHERE p.owner IS DISTINCT FROM $1
+    WHERE p.target_owner = $1 AND p.owner IS DISTINCT FROM $1
       AND (p.owner IS NULL OR NOT EXISTS (
           SELECT 1 FROM {s}.instances i WHERE i.id = p.owner AND i.expires_at > now()))
     FOR UPDATE OF p SKIP LOCKED
@@ -30,6 +31,21 @@ const ACQUIRE: &str = "WITH taken AS (
 UPDATE {s}.partitions p SET owner = $1, epoch = p.epoch + 1, changed_at = now()
 FROM taken WHERE p.partition = taken.partition
 RETURNING p.partition, p.epoch, taken.owner";
+
+/// Live instances that take part in the assignment (lease valid by database time, not draining).
+const LIVE: &str = "SELECT id FROM {s}.instances WHERE expires_at > now() AND NOT draining ORDER BY id";
+
+/// Every partition's owner, epoch and target.
+const PARTITIONS: &str = "SELECT partition, owner, epoch, target_owner FROM {s}.partitions ORDER BY partition";
+
+/// Writes the targets that changed. `$1` partitions, `$2` target owners.
+const SET_TARGETS: &str = "UPDATE {s}.partitions p SET target_owner = t.owner
+FROM unnest($1::smallint[], $2::uuid[]) AS t(partition, owner)
+WHERE p.partition = t.partition AND p.target_owner IS DISTINCT FROM t.owner
+RETURNING p.partition";
+
+/// Marks an instance as leaving: the assignment no longer counts it.
+const DRAIN: &str = "UPDATE {s}.instances SET draining = true WHERE id = $1";
 
 /// What this instance owns according to the database.
 const OWNED: &str = "SELECT partition, epoch FROM {s}.partitions WHERE owner = $1 ORDER BY partition";
@@ -56,6 +72,10 @@ pub(crate) struct Sql {
     pub(crate) owned: Arc<str>,
     pub(crate) release: Arc<str>,
     pub(crate) instances: Arc<str>,
+    pub(crate) live: Arc<str>,
+    pub(crate) partitions: Arc<str>,
+    pub(crate) set_targets: Arc<str>,
+    pub(crate) drain: Arc<str>,
 }
 
 impl Sql {
@@ -71,6 +91,10 @@ impl Sql {
             owned: build(OWNED),
             release: build(RELEASE),
             instances: build(INSTANCES),
+            live: build(LIVE),
+            partitions: build(PARTITIONS),
+            set_targets: build(SET_TARGETS),
+            drain: build(DRAIN),
         }
     }
 }
