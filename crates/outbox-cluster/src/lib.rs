@@ -4,9 +4,10 @@
 //! into the instances table ([`registry`]), acquires and releases partitions with an epoch that grows on
 //! every change of owner ([`ownership`]), and hands its partitions to the processor ([`node`]).
 //!
-//! Current scope: a node acquires every partition that is free or whose owner's lease has expired by
-//! database time, so one node processes everything and others stand by, taking over when it dies or
-//! stops. Balanced rebalancing across many live nodes is not built yet.
+//! Every `rebalance_interval` the leader (the live instance with the smallest id) computes balanced,
+//! sticky targets ([`rebalance`]); owners release partitions targeted elsewhere once nothing of theirs is
+//! in flight, and the targeted instance then acquires them (release-before-acquire). A crashed
+//! instance's partitions are taken once its lease has expired by database time.
 //!
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {

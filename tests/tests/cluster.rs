@@ -1,0 +1,162 @@
+//! In-process cluster behaviour: balanced ownership as instances join and leave, graceful handover
+//! without duplicates, takeover after a crash, and never two instances delivering one partition at once.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use outbox_cluster::Node;
+use outbox_core::{HandlerError, Handlers, NewRecord, Outbox, Partition, Route, handler_fn};
+use rand::RngExt;
+use sqlx::PgPool;
+use tokio::time::Instant;
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// Which instance is inside a handler for which partition; any overlap is a violation.
+#[derive(Default)]
+struct Exclusive {
+    inside: Mutex<BTreeMap<Partition, (String, usize)>>,
+    violations: Mutex<Vec<String>>,
+}
+
+struct Inside {
+    exclusive: Arc<Exclusive>,
+    partition: Partition,
+}
+
+impl Exclusive {
+    fn enter(self: &Arc<Self>, instance: &str, partition: Partition) -> Inside {
+        let mut inside = self.inside.lock().unwrap();
+        let entry = inside.entry(partition).or_insert_with(|| (instance.to_string(), 0));
+        if entry.0 != instance {
+            self.violations.lock().unwrap().push(format!("partition {partition}: {} and {instance}", entry.0));
+        }
+        entry.1 += 1;
+        Inside { exclusive: self.clone(), partition }
+    }
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        let mut inside = self.exclusive.inside.lock().unwrap();
+        if let Some(entry) = inside.get_mut(&self.partition) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                inside.remove(&self.partition);
+            }
+        }
+    }
+}
+
+fn handlers(name: &str, sink: &Arc<Sink>, exclusive: &Arc<Exclusive>) -> Handlers {
+    let (name, sink, exclusive) = (name.to_string(), sink.clone(), exclusive.clone());
+    Handlers::new().default_route(Route::new(handler_fn(move |r| {
+        let (name, sink, exclusive) = (name.clone(), sink.clone(), exclusive.clone());
+        async move {
+            let _inside = exclusive.enter(&name, r.partition);
+            let delay = rand::rng().random_range(0..3);
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            sink.record(&r);
+            Ok::<(), HandlerError>(())
+        }
+    })))
+}
+
+async fn owners(pool: &PgPool) -> BTreeMap<uuid::Uuid, i64> {
+    let rows: Vec<(uuid::Uuid, i64)> =
+        sqlx::query_as("SELECT owner, count(*) FROM outbox.partitions WHERE owner IS NOT NULL GROUP BY owner")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    rows.into_iter().collect()
+}
+
+/// Produces `rounds` records for each key, one transaction per round.
+fn produce(outbox: &Outbox, pool: &PgPool, keys: usize, rounds: usize) -> tokio::task::JoinHandle<()> {
+    let (outbox, pool) = (outbox.clone(), pool.clone());
+    tokio::spawn(async move {
+        for _ in 0..rounds {
+            commit(&outbox, &pool, (0..keys).map(|k| NewRecord::new(format!("key-{k}"), "t", "")).collect()).await;
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        }
+    })
+}
+
+async fn start_named(outbox: &Outbox, pool: &PgPool, name: &str, sink: &Arc<Sink>, ex: &Arc<Exclusive>) -> Node {
+    let config = outbox_cluster::ClusterConfig { name: name.into(), ..fast_cluster() };
+    Node::start(outbox.clone(), pool.clone(), handlers(name, sink, ex), config).await.unwrap()
+}
+
+#[sqlx::test(migrations = false)]
+async fn graceful_scale_up_and_down_delivers_every_record_once_in_order(pool: PgPool) {
+    logs();
+    let outbox = outbox(&pool, |_| {}).await;
+    let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
+    let producer = produce(&outbox, &pool, 50, 60);
+    let a = start_named(&outbox, &pool, "a", &sink, &exclusive).await;
+    wait_for("a owns everything", LONG, || async { owners(&pool).await.get(&a.id()) == Some(&256) }).await;
+    let b = start_named(&outbox, &pool, "b", &sink, &exclusive).await;
+    let c = start_named(&outbox, &pool, "c", &sink, &exclusive).await;
+    wait_for("three instances balanced 86/85/85", LONG, || async {
+        let mut counts: Vec<i64> = owners(&pool).await.into_values().collect();
+        counts.sort();
+        counts == [85, 85, 86]
+    })
+    .await;
+    let stopped = Instant::now();
+    b.shutdown().await.unwrap();
+    wait_for("b's partitions taken over", LONG, || async {
+        let o = owners(&pool).await;
+        o.len() == 2 && o.values().sum::<i64>() == 256
+    })
+    .await;
+    eprintln!("graceful handover of b's partitions took {:?}", stopped.elapsed());
+    c.shutdown().await.unwrap();
+    producer.await.unwrap();
+    drained(&pool, LONG).await;
+    a.shutdown().await.unwrap();
+
+    assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
+    let keys: Vec<String> = (0..50).map(|k| format!("key-{k}")).collect();
+    for key in &keys {
+        assert_eq!(sink.seqs_of(key), (1..=60).collect::<Vec<i64>>(), "{key}: every record once, in order");
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_crashed_instances_partitions_move_on_after_its_lease(pool: PgPool) {
+    logs();
+    let outbox = outbox(&pool, |_| {}).await;
+    let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
+    let producer = produce(&outbox, &pool, 40, 40);
+    let a = start_named(&outbox, &pool, "a", &sink, &exclusive).await;
+    let b = start_named(&outbox, &pool, "b", &sink, &exclusive).await;
+    wait_for("two instances balanced", LONG, || async {
+        owners(&pool).await.values().all(|&n| n == 128) && owners(&pool).await.len() == 2
+    })
+    .await;
+    let b_id = b.id();
+    let crashed = Instant::now();
+    b.kill();
+    wait_for("a owns everything after b's lease expired", LONG, || async {
+        owners(&pool).await.get(&a.id()) == Some(&256)
+    })
+    .await;
+    let took = crashed.elapsed();
+    eprintln!("failover after a crash took {took:?} (lease 600 ms, rounds 100 ms)");
+    assert!(!owners(&pool).await.contains_key(&b_id));
+    producer.await.unwrap();
+    drained(&pool, LONG).await;
+    a.shutdown().await.unwrap();
+    assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
+    for k in 0..40 {
+        let mut firsts = sink.seqs_of(&format!("key-{k}"));
+        firsts.dedup();
+        assert_eq!(firsts, (1..=40).collect::<Vec<i64>>(), "key-{k}");
+    }
+}
