@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use outbox_core::{Completion, HandlerError, Handlers, NewRecord, Route, handler_fn, partition_of};
+use outbox_core::{Completion, NewRecord, partition_of};
 use sqlx::PgPool;
 
 #[sqlx::test(migrations = false)]
@@ -35,14 +35,7 @@ async fn stats_count_pending_and_failed_per_partition_with_the_oldest_age(pool: 
 async fn purge_deletes_only_expired_completed_records_in_bounded_batches(pool: PgPool) {
     let outbox = outbox(&pool, |_| {}).await;
     commit(&outbox, &pool, (0..25).map(|i| NewRecord::new(format!("k{i}"), "t", "")).collect()).await;
-    let node = start(
-        &outbox,
-        &pool,
-        Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) }))),
-    )
-    .await;
-    drained(&pool, Duration::from_secs(60)).await;
-    node.shutdown().await.unwrap();
+    deliver_all(&outbox, &pool).await;
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox.completed").await, 25);
     sqlx::query("UPDATE outbox.completed SET completed_at = now() - interval '2 hours' WHERE key < 'k2'")
         .execute(&pool)
@@ -59,14 +52,7 @@ async fn purge_deletes_only_expired_completed_records_in_bounded_batches(pool: P
 async fn delete_on_complete_keeps_no_completed_rows(pool: PgPool) {
     let outbox = outbox(&pool, |c| c.completion = Completion::Delete).await;
     commit(&outbox, &pool, (0..10).map(|i| NewRecord::new(format!("k{i}"), "t", "")).collect()).await;
-    let node = start(
-        &outbox,
-        &pool,
-        Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) }))),
-    )
-    .await;
-    drained(&pool, Duration::from_secs(60)).await;
-    node.shutdown().await.unwrap();
+    deliver_all(&outbox, &pool).await;
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox.completed").await, 0);
     assert_eq!(pending(&pool).await, 0);
 }

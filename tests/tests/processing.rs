@@ -192,10 +192,7 @@ async fn exhausted_retries_go_to_the_fallback_or_to_failed(pool: PgPool) {
     )
     .await;
     let node = start(&outbox, &pool, handlers).await;
-    wait_for("three FAILED records", LONG, || async {
-        count(&pool, "SELECT count(*) FROM outbox.records WHERE failed_at IS NOT NULL").await == 3
-    })
-    .await;
+    wait_failed(&pool, 3).await;
     drained(&pool, LONG).await;
     node.shutdown().await.unwrap();
 
@@ -242,8 +239,7 @@ async fn failed_blocks_its_key_until_requeue_or_skip(pool: PgPool) {
     commit(&outbox, &pool, records).await;
     let node = start(&outbox, &pool, handlers).await;
     wait_for("neighbour delivered and both bad heads FAILED", LONG, || async {
-        sink.seqs_of(&neighbour) == [1, 2, 3]
-            && count(&pool, "SELECT count(*) FROM outbox.records WHERE failed_at IS NOT NULL").await == 2
+        sink.seqs_of(&neighbour) == [1, 2, 3] && failed_count(&pool).await == 2
     })
     .await;
     // Give the processor several polls: later records of the blocked keys must stay back.
@@ -285,10 +281,7 @@ async fn without_stop_on_first_failure_later_records_proceed(pool: PgPool) {
     );
     commit(&outbox, &pool, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
     let node = start(&outbox, &pool, handlers).await;
-    wait_for("head FAILED after its retry", LONG, || async {
-        count(&pool, "SELECT count(*) FROM outbox.records WHERE failed_at IS NOT NULL").await == 1
-    })
-    .await;
+    wait_failed(&pool, 1).await;
     drained(&pool, LONG).await;
     node.shutdown().await.unwrap();
     let seqs = sink.seqs_of("k");
@@ -325,10 +318,7 @@ async fn slow_and_blocked_keys_do_not_stall_other_keys(pool: PgPool) {
         (0..10).flat_map(|i| (0..2).map(move |_| NewRecord::new(format!("blocked-{i}"), "t", ""))).collect();
     commit(&outbox, &pool, blocked).await;
     let node = start(&outbox, &pool, handlers).await;
-    wait_for("ten FAILED heads", LONG, || async {
-        count(&pool, "SELECT count(*) FROM outbox.records WHERE failed_at IS NOT NULL").await == 10
-    })
-    .await;
+    wait_failed(&pool, 10).await;
     let mut healthy = vec![NewRecord::new("slow", "t", "")];
     healthy.extend((0..30).flat_map(|i| (0..3).map(move |_| NewRecord::new(format!("fast-{i}"), "t", ""))));
     commit(&outbox, &pool, healthy).await;

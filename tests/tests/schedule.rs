@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use outbox_core::{Config, Error, NewRecord, Outbox, partition_of};
+use outbox_core::{Config, Error, NewRecord, Outbox, Scheduled, partition_of};
 use sqlx::PgPool;
 
 #[sqlx::test(migrations = false)]
@@ -62,23 +62,8 @@ async fn concurrent_writers_of_one_key_commit_in_sequence_order(pool: PgPool) {
     let mut first = pool.begin().await.unwrap();
     let a = outbox.schedule(&mut first, NewRecord::new("k", "t", "first")).await.unwrap();
 
-    let (o, p) = (outbox.clone(), pool.clone());
-    let second = tokio::spawn(async move {
-        let mut tx = p.begin().await.unwrap();
-        let b = o.schedule(&mut tx, NewRecord::new("k", "t", "second")).await.unwrap();
-        tx.commit().await.unwrap();
-        b
-    });
     // Forced interleaving: the second writer is observed blocked on the first one's lock.
-    wait_for("second writer blocked on the key lock", Duration::from_secs(10), || async {
-        count(
-            &pool,
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%outbox.keys%'",
-        )
-        .await
-            == 1
-    })
-    .await;
+    let second = blocked_writer(&outbox, &pool, "second").await;
     assert!(!second.is_finished());
     first.commit().await.unwrap();
     let b = second.await.unwrap();
@@ -87,27 +72,34 @@ async fn concurrent_writers_of_one_key_commit_in_sequence_order(pool: PgPool) {
     // A rolled-back first writer frees the sequence number for the waiting one.
     let mut first = pool.begin().await.unwrap();
     outbox.schedule(&mut first, NewRecord::new("k", "t", "rolled back")).await.unwrap();
+    let second = blocked_writer(&outbox, &pool, "third").await;
+    first.rollback().await.unwrap();
+    assert_eq!(second.await.unwrap().seq, 3);
+    let seqs: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT seq, payload FROM outbox.records ORDER BY seq").fetch_all(&pool).await.unwrap();
+    assert_eq!(seqs, [(1, b"first".to_vec()), (2, b"second".to_vec()), (3, b"third".to_vec())]);
+}
+
+/// Starts a transaction scheduling `payload` on key "k" and returns once it is seen waiting for the key's
+/// lock; the task commits when the lock is granted.
+async fn blocked_writer(outbox: &Outbox, pool: &PgPool, payload: &'static str) -> tokio::task::JoinHandle<Scheduled> {
     let (o, p) = (outbox.clone(), pool.clone());
-    let second = tokio::spawn(async move {
+    let writer = tokio::spawn(async move {
         let mut tx = p.begin().await.unwrap();
-        let b = o.schedule(&mut tx, NewRecord::new("k", "t", "third")).await.unwrap();
+        let scheduled = o.schedule(&mut tx, NewRecord::new("k", "t", payload)).await.unwrap();
         tx.commit().await.unwrap();
-        b
+        scheduled
     });
-    wait_for("writer blocked behind the doomed one", Duration::from_secs(10), || async {
+    wait_for("writer blocked on the key lock", Duration::from_secs(10), || async {
         count(
-            &pool,
+            pool,
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%outbox.keys%'",
         )
         .await
             == 1
     })
     .await;
-    first.rollback().await.unwrap();
-    assert_eq!(second.await.unwrap().seq, 3);
-    let seqs: Vec<(i64, Vec<u8>)> =
-        sqlx::query_as("SELECT seq, payload FROM outbox.records ORDER BY seq").fetch_all(&pool).await.unwrap();
-    assert_eq!(seqs, [(1, b"first".to_vec()), (2, b"second".to_vec()), (3, b"third".to_vec())]);
+    writer
 }
 
 #[sqlx::test(migrations = false)]

@@ -110,6 +110,23 @@ pub async fn commit(outbox: &Outbox, pool: &PgPool, records: Vec<NewRecord>) {
     tx.commit().await.unwrap();
 }
 
+pub async fn failed_count(pool: &PgPool) -> i64 {
+    count(pool, "SELECT count(*) FROM outbox.records WHERE failed_at IS NOT NULL").await
+}
+
+/// Waits until exactly `n` records are FAILED.
+pub async fn wait_failed(pool: &PgPool, n: i64) {
+    wait_for(&format!("{n} FAILED records"), Duration::from_secs(60), || async { failed_count(pool).await == n }).await;
+}
+
+/// Runs a node whose handler accepts everything until the outbox is drained, then stops it.
+pub async fn deliver_all(outbox: &Outbox, pool: &PgPool) {
+    let ok = outbox_core::handler_fn(|_| async { Ok::<(), outbox_core::HandlerError>(()) });
+    let node = start(outbox, pool, Handlers::new().default_route(outbox_core::Route::new(ok))).await;
+    drained(pool, Duration::from_secs(60)).await;
+    node.shutdown().await.unwrap();
+}
+
 /// Waits until the outbox holds no pending (non-FAILED) record.
 pub async fn drained(pool: &PgPool, timeout: Duration) {
     wait_for("all records completed", timeout, || async {
