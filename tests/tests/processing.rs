@@ -358,7 +358,7 @@ async fn a_write_from_a_stale_epoch_changes_nothing(pool: PgPool) {
             Ok(())
         }
     })));
-    let (_tx, assignment) = watch::channel(Assignment::from([(partition, epoch)]));
+    let (_tx, assignment) = watch::channel(Assignment::new([(partition, epoch)].into()));
     let stop = CancellationToken::new();
     let processor = Processor::new(outbox.clone(), pool.clone(), handlers, me, assignment);
     let mut busy = processor.busy_partitions();
@@ -452,4 +452,33 @@ async fn graceful_stop_completes_in_flight_records(pool: PgPool) {
         "partitions released"
     );
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox.instances").await, 0, "deregistered");
+}
+
+/// Past the assignment's deadline (the lease may have expired while the process was paused) nothing
+/// is fetched or handed to a handler; a renewed deadline resumes delivery.
+#[sqlx::test(migrations = false)]
+async fn nothing_is_delivered_past_the_assignment_deadline(pool: PgPool) {
+    let outbox = outbox(&pool, |_| {}).await;
+    let me = uuid::Uuid::now_v7();
+    let partition = partition_of("k");
+    sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 7 WHERE partition = $2")
+        .bind(me)
+        .bind(i16::from(partition))
+        .execute(&pool)
+        .await
+        .unwrap();
+    commit(&outbox, &pool, vec![NewRecord::new("k", "t", "")]).await;
+    let expired = Assignment { epochs: [(partition, 7)].into(), valid_until: Some(tokio::time::Instant::now()) };
+    let (tx, assignment) = watch::channel(expired);
+    let sink = Sink::new();
+    let stop = CancellationToken::new();
+    let processor =
+        tokio::spawn(Processor::new(outbox.clone(), pool.clone(), recording(&sink), me, assignment).run(stop.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(sink.len(), 0, "an expired assignment must not deliver");
+    tx.send_modify(|a| a.valid_until = Some(tokio::time::Instant::now() + LONG));
+    drained(&pool, LONG).await;
+    assert_eq!(sink.all().iter().map(|d| (d.seq, d.epoch)).collect::<Vec<_>>(), [(1, 7)], "delivered under its epoch");
+    stop.cancel();
+    processor.await.unwrap().unwrap();
 }

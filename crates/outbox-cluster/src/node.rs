@@ -20,8 +20,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Assignment, Handlers, Outbox, Partition, Processor};
-use sqlx::PgPool;
+use outbox_core::{Assignment, Epochs, Handlers, Outbox, Partition, Processor};
+use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -68,7 +68,10 @@ impl Node {
             .map_err(|e| not_migrated(&outbox, e))?;
         info!(instance = %id, name = %config.name, "instance registered");
 
-        let (assign_tx, assignment) = watch::channel(Assignment::new());
+        // Registration just renewed the lease: the processor may work until the self-fence deadline.
+        let lease_until = Instant::now() + self_fence_after(&config);
+        let (assign_tx, assignment) =
+            watch::channel(Assignment { epochs: Epochs::new(), valid_until: Some(lease_until) });
         let assign_tx = Arc::new(assign_tx);
         let (beat_tx, beat_rx) = watch::channel(Instant::now());
         let stop_processor = CancellationToken::new();
@@ -139,6 +142,12 @@ fn not_migrated(outbox: &Outbox, e: Error) -> Error {
     }
 }
 
+/// Deadline after the last successful heartbeat's *send* time: one heartbeat before the lease can
+/// expire, so the instance stops before anyone may take its partitions.
+fn self_fence_after(config: &ClusterConfig) -> Duration {
+    config.stale_timeout.saturating_sub(config.heartbeat_interval)
+}
+
 #[derive(Clone)]
 struct Ctx {
     id: Uuid,
@@ -149,29 +158,27 @@ struct Ctx {
 }
 
 impl Ctx {
-    /// Deadline after the last successful heartbeat's *send* time: one heartbeat before the lease can
-    /// expire, so this instance stops before anyone may take its partitions.
     fn self_fence_after(&self) -> Duration {
-        self.config.stale_timeout.saturating_sub(self.config.heartbeat_interval)
+        self_fence_after(&self.config)
     }
 
+    /// Renews the lease every `heartbeat_interval` over a connection of its own, so it never queues
+    /// behind deliveries or a busy shared pool; reconnects when the connection is lost.
     async fn heartbeat(self, beat: watch::Sender<Instant>, shutdown: CancellationToken) {
         let mut ticker = tokio::time::interval(self.config.heartbeat_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut conn: Option<PgConnection> = None;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
             }
             let sent = Instant::now();
-            let renewed = tokio::time::timeout(
-                self.config.heartbeat_interval,
-                registry::heartbeat(&self.pool, &self.sql, self.id, self.config.stale_timeout),
-            )
-            .await;
+            let renewed = tokio::time::timeout(self.config.heartbeat_interval, self.renew(&mut conn)).await;
             match renewed {
                 Ok(Ok(true)) => {
                     beat.send_replace(sent);
+                    self.extend_lease(sent);
                 }
                 Ok(Ok(false)) => {
                     warn!(instance = %self.id, "instance was declared dead by the cluster; re-registering");
@@ -187,29 +194,54 @@ impl Ctx {
                     {
                         Ok(()) => {
                             beat.send_replace(sent);
+                            self.extend_lease(sent);
                         }
                         Err(e) => warn!(instance = %self.id, error = %e, "re-registration failed"),
                     }
                 }
-                Ok(Err(e)) => warn!(instance = %self.id, error = %e, "heartbeat failed"),
-                Err(_) => warn!(instance = %self.id, "heartbeat timed out"),
+                Ok(Err(e)) => {
+                    warn!(instance = %self.id, error = %e, "heartbeat failed; reconnecting");
+                    conn = None;
+                }
+                Err(_) => {
+                    warn!(instance = %self.id, "heartbeat timed out; reconnecting");
+                    conn = None;
+                }
             }
             if beat.borrow().elapsed() > self.self_fence_after() {
                 self.fence("no successful heartbeat within the lease");
             }
-            if let Err(e) = registry::reap(&self.pool, &self.sql, self.config.stale_timeout).await {
-                warn!(instance = %self.id, error = %e, "reaping dead instances failed");
-            }
         }
+    }
+
+    async fn renew(&self, conn: &mut Option<PgConnection>) -> Result<bool> {
+        let conn = match conn {
+            Some(conn) => conn,
+            None => conn.insert(PgConnection::connect_with(&self.pool.connect_options()).await?),
+        };
+        registry::heartbeat(conn, &self.sql, self.id, self.config.stale_timeout).await
+    }
+
+    /// The lease was renewed at `sent` (or later): the processor may go on until the new deadline.
+    fn extend_lease(&self, sent: Instant) {
+        let until = sent + self.self_fence_after();
+        self.assign.send_if_modified(|current| {
+            let later = current.valid_until.is_none_or(|d| d < until);
+            if later {
+                current.valid_until = Some(until);
+            }
+            // Only the deadline moved: no need to wake the processor.
+            false
+        });
     }
 
     fn fence(&self, reason: &str) {
         self.assign.send_if_modified(|current| {
-            if current.is_empty() {
+            if current.epochs.is_empty() {
                 return false;
             }
-            warn!(instance = %self.id, partitions = current.len(), reason, "self-fencing: processing stopped");
-            current.clear();
+            warn!(instance = %self.id, partitions = current.epochs.len(), reason, "self-fencing: processing stopped");
+            current.epochs.clear();
             true
         });
     }
@@ -247,6 +279,8 @@ impl Ctx {
         let live = ownership::live(&self.pool, &self.sql).await?;
         let rows = ownership::partitions(&self.pool, &self.sql).await?;
         let targets: BTreeMap<Partition, Uuid> = if live.first() == Some(&self.id) {
+            // Housekeeping for the cluster: forget instances dead for longer than a lease.
+            registry::reap(&self.pool, &self.sql, self.config.stale_timeout).await?;
             ownership::rebalance(&self.pool, &self.sql, self.id, &live, &rows).await?
         } else {
             rows.iter().filter_map(|r| r.target.map(|t| (r.partition, t))).collect()
@@ -255,10 +289,9 @@ impl Ctx {
 
         // Release what the processor stopped fetching in an earlier round and has nothing in flight.
         // Waiting one round closes the gap between a dispatch and its appearance in `busy`.
-        let owned: Assignment =
-            rows.iter().filter(|r| r.owner == Some(self.id)).map(|r| (r.partition, r.epoch)).collect();
+        let owned: Epochs = rows.iter().filter(|r| r.owner == Some(self.id)).map(|r| (r.partition, r.epoch)).collect();
         let in_flight = busy.borrow().clone();
-        let release: Assignment = owned
+        let release: Epochs = owned
             .iter()
             .filter(|(p, _)| giving_up.contains(p) && !mine(p) && !in_flight.contains(p))
             .map(|(&p, &e)| (p, e))
@@ -272,10 +305,10 @@ impl Ctx {
 
         let owned = ownership::owned(&self.pool, &self.sql, self.id).await?;
         *giving_up = owned.keys().copied().filter(|p| !mine(p)).collect();
-        let keep: Assignment = owned.into_iter().filter(|(p, _)| mine(p)).collect();
+        let keep: Epochs = owned.into_iter().filter(|(p, _)| mine(p)).collect();
         self.assign.send_if_modified(|current| {
-            let changed = *current != keep;
-            *current = keep;
+            let changed = current.epochs != keep;
+            current.epochs = keep;
             changed
         });
         Ok(())

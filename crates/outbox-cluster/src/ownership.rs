@@ -1,7 +1,7 @@
 //! Partition ownership: acquire (free or dead owner) and release, each a compare-and-set that bumps the
 //! partition's epoch. The processor fences every write with the (owner, epoch) it was given.
 
-use outbox_core::{Assignment, Partition};
+use outbox_core::{Epochs, Partition};
 use sqlx::PgPool;
 use tracing::info;
 use uuid::Uuid;
@@ -11,9 +11,9 @@ use crate::sql::{Sql, stmt};
 
 /// Acquires the partitions targeted at this instance that are free or whose owner is dead; returns them
 /// with their new epochs.
-pub(crate) async fn acquire(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Assignment> {
+pub(crate) async fn acquire(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Epochs> {
     let rows: Vec<(i16, i64, Option<Uuid>)> = sqlx::query_as(stmt(&sql.acquire)).bind(me).fetch_all(pool).await?;
-    let mut acquired = Assignment::new();
+    let mut acquired = Epochs::new();
     for (partition, epoch, previous) in rows {
         let partition = to_partition(partition)?;
         match previous {
@@ -28,7 +28,7 @@ pub(crate) async fn acquire(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Assign
 }
 
 /// What the database says this instance owns.
-pub(crate) async fn owned(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Assignment> {
+pub(crate) async fn owned(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Epochs> {
     let rows: Vec<(i16, i64)> = sqlx::query_as(stmt(&sql.owned)).bind(me).fetch_all(pool).await?;
     rows.into_iter().map(|(p, e)| Ok((to_partition(p)?, e))).collect()
 }
@@ -38,7 +38,7 @@ pub(crate) async fn release(
     pool: &PgPool,
     sql: &Sql,
     me: Uuid,
-    partitions: &Assignment,
+    partitions: &Epochs,
     reason: &'static str,
 ) -> Result<usize> {
     let (ids, epochs): (Vec<i16>, Vec<i64>) = partitions.iter().map(|(&p, &e)| (i16::from(p), e)).unzip();

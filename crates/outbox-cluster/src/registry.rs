@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgPool, Row};
+use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 use crate::Result;
@@ -32,8 +32,8 @@ pub(crate) async fn register(pool: &PgPool, sql: &Sql, id: Uuid, name: &str, lea
 }
 
 /// Renews the lease; `false` when the instance is no longer registered (declared dead by others).
-pub(crate) async fn heartbeat(pool: &PgPool, sql: &Sql, id: Uuid, lease: Duration) -> Result<bool> {
-    let row = sqlx::query(stmt(&sql.heartbeat)).bind(id).bind(millis(lease)).fetch_optional(pool).await?;
+pub(crate) async fn heartbeat(conn: &mut PgConnection, sql: &Sql, id: Uuid, lease: Duration) -> Result<bool> {
+    let row = sqlx::query(stmt(&sql.heartbeat)).bind(id).bind(millis(lease)).fetch_optional(conn).await?;
     Ok(row.is_some())
 }
 

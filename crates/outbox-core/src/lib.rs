@@ -56,7 +56,7 @@ pub use error::{Error, Result};
 pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handlers, Route, fallback_fn, handler_fn};
 pub use operator::{FailedRecord, PartitionStats};
 pub use partition::{PARTITIONS, Partition, partition_of};
-pub use processor::{Assignment, Processor};
+pub use processor::{Assignment, Epochs, Processor};
 pub use record::{Headers, MAX_EVENT_TYPE_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled};
 pub use retry::{Backoff, RetryPolicy};
 

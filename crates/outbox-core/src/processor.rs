@@ -39,8 +39,35 @@ use crate::partition::Partition;
 use crate::record::{Headers, Record};
 use crate::sql::stmt;
 
-/// The partitions an instance may process, with the epoch it holds for each.
-pub type Assignment = BTreeMap<Partition, i64>;
+/// Partitions with the epoch held for each.
+pub type Epochs = BTreeMap<Partition, i64>;
+
+/// What the processor may process: partitions with their epochs, and a local deadline after which it
+/// must not fetch or hand out anything (the ownership layer's lease may have expired meanwhile, e.g.
+/// after the process was paused). Safety never depends on the deadline, only on the epochs; the
+/// deadline keeps a woken zombie from delivering before it notices.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Assignment {
+    /// Partitions and epochs.
+    pub epochs: Epochs,
+    /// No fetch or dispatch at or after this instant; `None`: no deadline.
+    pub valid_until: Option<Instant>,
+}
+
+impl Assignment {
+    /// An assignment without deadline.
+    pub fn new(epochs: Epochs) -> Self {
+        Self { epochs, valid_until: None }
+    }
+
+    /// The epoch of `partition` if it is assigned and the deadline has not passed.
+    pub fn epoch(&self, partition: Partition) -> Option<i64> {
+        if self.valid_until.is_some_and(|deadline| Instant::now() >= deadline) {
+            return None;
+        }
+        self.epochs.get(&partition).copied()
+    }
+}
 
 /// Delivers the records of the assigned partitions. See the [module docs](self).
 pub struct Processor {
@@ -139,7 +166,11 @@ impl Processor {
             if !stopping && want_fetch && fetch.is_none() && in_flight.len() < config.concurrency {
                 let assignment = self.assignment.borrow().clone();
                 let partitions: Vec<i16> = rotate(
-                    assignment.iter().filter(|&(p, e)| fenced.get(p) != Some(e)).map(|(&p, _)| i16::from(p)),
+                    assignment
+                        .epochs
+                        .iter()
+                        .filter(|&(&p, e)| fenced.get(&p) != Some(e) && assignment.epoch(p).is_some())
+                        .map(|(&p, _)| i16::from(p)),
                     &mut rotation,
                 );
                 want_fetch = false;
@@ -185,11 +216,12 @@ impl Processor {
                         Ok(records) => {
                             want_fetch = records.len() == limit;
                             let current = self.assignment.borrow().clone();
-                            for (record, epoch) in records {
-                                // The assignment may have changed while the fetch ran.
-                                if current.get(&record.partition) != Some(&epoch) {
+                            for (mut record, epoch) in records {
+                                // The assignment may have changed, or its deadline passed, while the fetch ran.
+                                if current.epoch(record.partition) != Some(epoch) {
                                     continue;
                                 }
+                                record.epoch = epoch;
                                 in_flight.insert(record.key.clone(), record.partition);
                                 deliveries.spawn(deliver(self.handlers.clone(), config.clone(), record, epoch));
                             }
@@ -246,7 +278,7 @@ impl Processor {
                         shutdown.cancel();
                     }
                     let current = self.assignment.borrow();
-                    fenced.retain(|p, e| current.get(p) == Some(e));
+                    fenced.retain(|p, e| current.epochs.get(p) == Some(e));
                     want_fetch = true;
                 }
             }
@@ -277,7 +309,7 @@ fn rotate(partitions: impl Iterator<Item = i16>, rotation: &mut usize) -> Vec<i1
 }
 
 fn with_epochs(records: Vec<Record>, assignment: &Assignment) -> Vec<(Record, i64)> {
-    records.into_iter().filter_map(|r| assignment.get(&r.partition).map(|&epoch| (r, epoch))).collect()
+    records.into_iter().filter_map(|r| assignment.epochs.get(&r.partition).map(|&epoch| (r, epoch))).collect()
 }
 
 async fn poll_opt<T>(pending: &mut Pending<T>) -> T {
@@ -326,6 +358,7 @@ fn record_from_row(row: &PgRow) -> Result<Record> {
         payload: payload.into(),
         headers: headers.0,
         attempts: row.try_get("attempts")?,
+        epoch: 0,
     })
 }
 

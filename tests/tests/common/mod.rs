@@ -38,6 +38,7 @@ pub async fn start(outbox: &Outbox, pool: &PgPool, handlers: Handlers) -> Node {
 #[derive(Debug, Clone)]
 pub struct Delivery {
     pub id: uuid::Uuid,
+    pub epoch: i64,
     pub key: String,
     pub seq: i64,
     pub attempts: i32,
@@ -58,6 +59,7 @@ impl Sink {
     pub fn record(&self, record: &Record) {
         self.deliveries.lock().unwrap().push(Delivery {
             id: record.id,
+            epoch: record.epoch,
             key: record.key.clone(),
             seq: record.seq,
             attempts: record.attempts,
