@@ -27,9 +27,11 @@ pub mod ownership;
 pub mod rebalance;
 pub mod registry;
 mod sql;
+pub mod status;
 
 pub use config::ClusterConfig;
-pub use node::{Node, NodeStatus};
+pub use node::Node;
+pub use status::{ClusterStatus, status};
 
 /// Errors of `outbox-cluster`.
 #[derive(Debug, thiserror::Error)]

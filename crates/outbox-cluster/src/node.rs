@@ -31,18 +31,9 @@ use tracing::{info, warn};
 use uuid::Uuid;
 
 use crate::config::ClusterConfig;
-use crate::registry::{self, InstanceInfo};
+use crate::registry;
 use crate::sql::Sql;
 use crate::{Error, Result, ownership};
-
-/// What a node currently holds.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NodeStatus {
-    /// Instance id.
-    pub id: Uuid,
-    /// Partitions and epochs handed to the processor.
-    pub assignment: Assignment,
-}
 
 /// A running node. Dropping it without [`Node::shutdown`] stops nothing; call `shutdown` (or
 /// [`Node::kill`] in tests) to end it.
@@ -97,11 +88,6 @@ impl Node {
     /// The partitions (and epochs) currently handed to the processor.
     pub fn assignment(&self) -> watch::Receiver<Assignment> {
         self.assignment.clone()
-    }
-
-    /// Registered instances with their lease state, for status output.
-    pub async fn instances(&self) -> Result<Vec<InstanceInfo>> {
-        registry::instances(&self.pool, &self.sql).await
     }
 
     /// Graceful stop: finish and complete in-flight records (bounded by the outbox `shutdown_timeout`),
