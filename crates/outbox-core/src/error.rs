@@ -22,9 +22,9 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
-    /// The record key contains a NUL character, which PostgreSQL text cannot store.
-    #[error("record key contains a NUL character")]
-    KeyHasNul,
+    /// The record key contains a control character (NUL cannot be stored; CR/LF cannot travel in headers).
+    #[error("record key contains a control character")]
+    KeyHasControl,
     /// The event type is empty or longer than [`MAX_EVENT_TYPE_BYTES`](crate::MAX_EVENT_TYPE_BYTES).
     #[error("event type for key {key:?} must be 1 to {max} bytes, got {len}")]
     BadEventType {

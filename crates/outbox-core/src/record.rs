@@ -9,7 +9,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::partition::{Partition, partition_of};
 
-/// Longest accepted key, in bytes. Keys are stored in a btree index and carried in a NATS header; 512
+/// Longest accepted key, in bytes (any UTF-8 text without control characters). Keys are stored in a btree index and carried in a NATS header; 512
 /// bytes leaves room for composite keys while keeping index entries small.
 pub const MAX_KEY_BYTES: usize = 512;
 
@@ -64,12 +64,13 @@ impl NewRecord {
         if key.len() > MAX_KEY_BYTES {
             return Err(Error::KeyTooLong { len: key.len(), max: MAX_KEY_BYTES });
         }
-        if key.contains('\0') {
-            // PostgreSQL text cannot hold NUL; say so instead of failing inside the caller's transaction.
-            return Err(Error::KeyHasNul);
+        if key.chars().any(char::is_control) {
+            // NUL cannot be stored in PostgreSQL text, CR/LF would break a header carrying the key: say so
+            // here instead of failing inside the caller's transaction or at delivery.
+            return Err(Error::KeyHasControl);
         }
         let len = self.event_type.len();
-        if len == 0 || len > MAX_EVENT_TYPE_BYTES || self.event_type.contains('\0') {
+        if len == 0 || len > MAX_EVENT_TYPE_BYTES || self.event_type.chars().any(char::is_control) {
             return Err(Error::BadEventType { key: key.clone(), len, max: MAX_EVENT_TYPE_BYTES });
         }
         if self.payload.len() > max_payload_bytes {

@@ -1,4 +1,84 @@
 //! # outbox-nats
 //!
-//! NATS JetStream delivery for the outbox: **not built yet**. This crate holds its place in the
-//! workspace; it exports nothing. Until it lands, deliver through any [`outbox_core::Handler`].
+//! Delivers outbox records to NATS JetStream, the handler most users plug in.
+//!
+//! - The JetStream message id (`Nats-Msg-Id`) is the record's stable id, so a redelivery within the
+//!   stream's duplicate window is dropped by the broker (an ack flagged duplicate counts as delivered).
+//! - The body is the payload, unchanged. Headers: `Nats-Msg-Id`, `Outbox-Key`, `Outbox-Partition`,
+//!   `Outbox-Seq`, `Outbox-Event-Type`, `Outbox-Epoch`, plus the record's own headers (trace context
+//!   passes through).
+//! - A record counts as delivered only when JetStream acknowledged it; the processor keeps at most one
+//!   unacknowledged record per key and many keys in flight.
+//! - Failures are classified by kind: unreachable broker, timeouts, no responders, a full stream are
+//!   retryable; a payload over the server's `max_payload` or a subject no stream captures are permanent.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use outbox_core::{Handlers, Route};
+//! use outbox_nats::{JetStreamHandler, NatsConfig};
+//! let config = NatsConfig::default();
+//! let client = outbox_nats::connect(&config).await?;
+//! outbox_nats::ensure_stream(&client, &config.stream).await?;
+//! let handlers = Handlers::new().default_route(Route::new(JetStreamHandler::new(client, &config)?));
+//! # let _ = handlers;
+//! # Ok(()) }
+//! ```
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod config;
+mod connection;
+pub mod publisher;
+pub mod stream;
+pub mod subject;
+
+pub use config::{Auth, NatsConfig, StreamSettings, Tls};
+pub use connection::connect;
+pub use publisher::{JetStreamHandler, headers};
+pub use stream::ensure_stream;
+pub use subject::SubjectTemplate;
+
+/// Errors of `outbox-nats` (setting up; delivery failures are `outbox_core::HandlerError`s).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Invalid configuration; the message names the field.
+    #[error("invalid NATS configuration: {0}")]
+    Config(String),
+    /// The broker could not be reached or refused the connection.
+    #[error("cannot connect to NATS at {servers}: {source} (is nats-server running with -js?)")]
+    Connect {
+        /// The configured servers, credentials redacted.
+        servers: String,
+        /// The client's error.
+        source: async_nats::ConnectError,
+    },
+    /// Reading a credentials file failed.
+    #[error("cannot read NATS credentials file: {0}")]
+    Credentials(std::io::Error),
+    /// A JetStream API request about the stream failed.
+    #[error("JetStream stream {stream:?}: {message}")]
+    Stream {
+        /// Stream name.
+        stream: String,
+        /// What failed.
+        message: String,
+    },
+    /// The stream exists with settings that differ from the configured ones.
+    #[error("JetStream stream {stream:?} exists but differs from the configuration: {}", differences.join("; "))]
+    StreamMismatch {
+        /// Stream name.
+        stream: String,
+        /// One entry per differing setting.
+        differences: Vec<String>,
+    },
+}
+
+impl Error {
+    /// Whether retrying later may succeed (the broker was unreachable or a request failed).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::Connect { .. } | Error::Stream { .. })
+    }
+}
+
+/// Result alias of `outbox-nats`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

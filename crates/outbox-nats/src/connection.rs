@@ -1,0 +1,38 @@
+//! Connecting: one or many servers, credentials and TLS as async-nats supports them. Reconnects are
+//! automatic and unbounded after the first connection; the first one fails fast with a typed error.
+
+use async_nats::{Client, ConnectOptions};
+use tracing::info;
+
+use crate::config::{Auth, NatsConfig};
+use crate::{Error, Result};
+
+/// Connects with `config` (validated first).
+pub async fn connect(config: &NatsConfig) -> Result<Client> {
+    config.validate()?;
+    let mut options = ConnectOptions::new()
+        .name(&config.connection_name)
+        .request_timeout(Some(config.publish_timeout))
+        .max_reconnects(None::<usize>);
+    options = match &config.auth {
+        Auth::None => options,
+        Auth::Token { token } => options.token(token.clone()),
+        Auth::UserPassword { user, password } => options.user_and_password(user.clone(), password.clone()),
+        Auth::Nkey { seed } => options.nkey(seed.clone()),
+        Auth::CredentialsFile { path } => options.credentials_file(path).await.map_err(Error::Credentials)?,
+    };
+    let tls = &config.tls;
+    if tls.required {
+        options = options.require_tls(true);
+    }
+    if let Some(ca) = &tls.ca_file {
+        options = options.add_root_certificates(ca.clone());
+    }
+    if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    let servers = config.redacted_servers();
+    let client = options.connect(&config.servers).await.map_err(|source| Error::Connect { servers: servers.clone(), source })?;
+    info!(%servers, "connected to NATS");
+    Ok(client)
+}

@@ -1,0 +1,110 @@
+//! The JetStream handler: publish with `Nats-Msg-Id` = record id, wait for the ack, classify failures.
+
+use async_nats::Client;
+use async_nats::HeaderMap;
+use async_nats::jetstream::context::{Context, ContextBuilder, GetStreamByNameErrorKind, PublishErrorKind};
+use async_nats::jetstream::message::PublishMessage;
+use outbox_core::{Handler, HandlerError, Record};
+use tracing::debug;
+
+use crate::Result;
+use crate::config::NatsConfig;
+use crate::subject::SubjectTemplate;
+
+/// Header carrying the record key.
+pub const KEY_HEADER: &str = "Outbox-Key";
+/// Header carrying the partition.
+pub const PARTITION_HEADER: &str = "Outbox-Partition";
+/// Header carrying the per-key sequence (1, 2, 3, … in commit order).
+pub const SEQ_HEADER: &str = "Outbox-Seq";
+/// Header carrying the event type.
+pub const EVENT_TYPE_HEADER: &str = "Outbox-Event-Type";
+/// Header carrying the ownership epoch the record was delivered under.
+pub const EPOCH_HEADER: &str = "Outbox-Epoch";
+
+/// Publishes records to JetStream. Clone-cheap; share one per process.
+#[derive(Clone)]
+pub struct JetStreamHandler {
+    js: Context,
+    subject: SubjectTemplate,
+}
+
+impl JetStreamHandler {
+    /// A handler publishing through `client` with the subject template and publish timeout of `config`.
+    pub fn new(client: Client, config: &NatsConfig) -> Result<Self> {
+        config.validate()?;
+        let js = ContextBuilder::new().timeout(config.publish_timeout).build(client);
+        Ok(Self { js, subject: SubjectTemplate::parse(&config.subject)? })
+    }
+
+    /// The subject a record is published to.
+    pub fn subject(&self, record: &Record) -> String {
+        self.subject.render(record)
+    }
+
+    async fn publish(&self, record: &Record) -> std::result::Result<(), HandlerError> {
+        let subject = self.subject(record);
+        let message = PublishMessage::build()
+            .payload(record.payload.clone())
+            .headers(headers(record))
+            .message_id(record.id.to_string());
+        let ack = match self.js.send_publish(subject.clone(), message).await {
+            Ok(pending) => pending.await,
+            Err(e) => Err(e),
+        };
+        match ack {
+            Ok(ack) => {
+                debug!(record = %record.id, key = %record.key, stream = %ack.stream, sequence = ack.sequence,
+                    duplicate = ack.duplicate, "published");
+                Ok(())
+            }
+            Err(e) => Err(self.classify(record, &subject, e.kind(), e.to_string()).await),
+        }
+    }
+
+    /// Retryable unless retrying cannot help: a payload over the server's limit, or a subject that no
+    /// stream captures. "No responders" means either no stream or a stream without a leader right now;
+    /// asking the server which stream captures the subject tells them apart.
+    async fn classify(
+        &self,
+        record: &Record,
+        subject: &str,
+        kind: PublishErrorKind,
+        error: String,
+    ) -> HandlerError {
+        let context = format!("record {} (key {:?}, partition {}) to {subject:?}", record.id, record.key, record.partition);
+        match kind {
+            PublishErrorKind::MaxPayloadExceeded => {
+                HandlerError::permanent(format!("{context}: {error} (raise the server's max_payload or shrink the event)"))
+            }
+            PublishErrorKind::StreamNotFound => match self.js.stream_by_subject(subject).await {
+                Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
+                    HandlerError::permanent(format!("{context}: no JetStream stream captures this subject"))
+                }
+                Ok(stream) => HandlerError::retryable(format!("{context}: no responders for stream {stream:?} (no leader?)")),
+                Err(e) => HandlerError::retryable(format!("{context}: no responders; stream lookup failed: {e}")),
+            },
+            _ => HandlerError::retryable(format!("{context}: {error}")),
+        }
+    }
+}
+
+impl Handler for JetStreamHandler {
+    fn handle(&self, record: &Record) -> impl Future<Output = std::result::Result<(), HandlerError>> + Send {
+        self.publish(record)
+    }
+}
+
+/// The headers a record is published with (`Nats-Msg-Id` is added by the publish itself).
+pub fn headers(record: &Record) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for (name, value) in &record.headers {
+        headers.insert(name.as_str(), value.as_str());
+    }
+    headers.insert(KEY_HEADER, record.key.as_str());
+    headers.insert(PARTITION_HEADER, record.partition.to_string());
+    headers.insert(SEQ_HEADER, record.seq.to_string());
+    headers.insert(EVENT_TYPE_HEADER, record.event_type.as_str());
+    headers.insert(EPOCH_HEADER, record.epoch.to_string());
+    headers
+}

@@ -1,0 +1,72 @@
+//! Stream provisioning: create the stream, or check that the existing one matches the configuration
+//! (subjects, storage, replicas, duplicate window) and say precisely what differs. Uses only settings
+//! nats-server 2.9 knows, so it works there and on newer servers.
+
+use async_nats::Client;
+use async_nats::jetstream::{self, stream};
+use tracing::info;
+
+use crate::config::{Storage, StreamSettings};
+use crate::{Error, Result};
+
+/// Creates the stream if missing, else checks it; returns its info.
+pub async fn ensure_stream(client: &Client, settings: &StreamSettings) -> Result<stream::Info> {
+    let js = jetstream::new(client.clone());
+    let name = settings.name.clone();
+    let failed = |message: String| Error::Stream { stream: name.clone(), message };
+    let wanted = stream::Config {
+        name: settings.name.clone(),
+        subjects: settings.subjects.clone(),
+        storage: match settings.storage {
+            Storage::File => stream::StorageType::File,
+            Storage::Memory => stream::StorageType::Memory,
+        },
+        num_replicas: settings.replicas,
+        duplicate_window: settings.duplicate_window,
+        ..Default::default()
+    };
+    match js.get_stream(&settings.name).await {
+        Ok(mut existing) => {
+            let info = existing.info().await.map_err(|e| failed(e.to_string()))?.clone();
+            let differences = differences(&wanted, &info.config);
+            if !differences.is_empty() {
+                return Err(Error::StreamMismatch { stream: name, differences });
+            }
+            Ok(info)
+        }
+        Err(e) if is_not_found(&e) => {
+            let mut created = js.create_stream(wanted).await.map_err(|e| failed(format!("cannot create: {e}")))?;
+            info!(stream = %settings.name, subjects = ?settings.subjects, "created JetStream stream");
+            Ok(created.info().await.map_err(|e| failed(e.to_string()))?.clone())
+        }
+        Err(e) => Err(failed(e.to_string())),
+    }
+}
+
+fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
+    matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(js)
+        if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+}
+
+fn differences(wanted: &stream::Config, actual: &stream::Config) -> Vec<String> {
+    let mut out = Vec::new();
+    let (mut w, mut a) = (wanted.subjects.clone(), actual.subjects.clone());
+    w.sort();
+    a.sort();
+    if w != a {
+        out.push(format!("subjects: configured {w:?}, stream has {a:?}"));
+    }
+    if wanted.storage != actual.storage {
+        out.push(format!("storage: configured {:?}, stream has {:?}", wanted.storage, actual.storage));
+    }
+    if wanted.num_replicas != actual.num_replicas {
+        out.push(format!("replicas: configured {}, stream has {}", wanted.num_replicas, actual.num_replicas));
+    }
+    if wanted.duplicate_window != actual.duplicate_window {
+        out.push(format!(
+            "duplicate_window: configured {:?}, stream has {:?}",
+            wanted.duplicate_window, actual.duplicate_window
+        ));
+    }
+    out
+}
