@@ -482,3 +482,10 @@ async fn nothing_is_delivered_past_the_assignment_deadline(pool: PgPool) {
     stop.cancel();
     processor.await.unwrap().unwrap();
 }
+
+/// The in-process sink passes the handler conformance suite (the JetStream handler runs it too).
+#[sqlx::test(migrations = false)]
+async fn the_in_process_sink_passes_the_handler_conformance_suite(pool: PgPool) {
+    let outbox = outbox(&pool, |_| {}).await;
+    common::conformance::run(&outbox, &pool, &common::conformance::InProcess::default()).await;
+}

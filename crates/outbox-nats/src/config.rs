@@ -236,8 +236,20 @@ mod tests {
         let cases: [(NatsConfig, &str); 4] = [
             (NatsConfig { servers: vec![], ..Default::default() }, "servers"),
             (NatsConfig { subject: "outbox.{nope}".into(), ..Default::default() }, "{nope}"),
-            (NatsConfig { stream: StreamSettings { duplicate_window: Duration::ZERO, ..Default::default() }, ..Default::default() }, "duplicate_window"),
-            (NatsConfig { stream: StreamSettings { name: "a.b".into(), ..Default::default() }, ..Default::default() }, "stream.name"),
+            (
+                NatsConfig {
+                    stream: StreamSettings { duplicate_window: Duration::ZERO, ..Default::default() },
+                    ..Default::default()
+                },
+                "duplicate_window",
+            ),
+            (
+                NatsConfig {
+                    stream: StreamSettings { name: "a.b".into(), ..Default::default() },
+                    ..Default::default()
+                },
+                "stream.name",
+            ),
         ];
         for (config, field) in cases {
             let err = config.validate().unwrap_err().to_string();

@@ -32,7 +32,8 @@ pub async fn connect(config: &NatsConfig) -> Result<Client> {
         options = options.add_client_certificate(cert.clone(), key.clone());
     }
     let servers = config.redacted_servers();
-    let client = options.connect(&config.servers).await.map_err(|source| Error::Connect { servers: servers.clone(), source })?;
+    let client =
+        options.connect(&config.servers).await.map_err(|source| Error::Connect { servers: servers.clone(), source })?;
     info!(%servers, "connected to NATS");
     Ok(client)
 }

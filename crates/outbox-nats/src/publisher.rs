@@ -65,23 +65,20 @@ impl JetStreamHandler {
     /// Retryable unless retrying cannot help: a payload over the server's limit, or a subject that no
     /// stream captures. "No responders" means either no stream or a stream without a leader right now;
     /// asking the server which stream captures the subject tells them apart.
-    async fn classify(
-        &self,
-        record: &Record,
-        subject: &str,
-        kind: PublishErrorKind,
-        error: String,
-    ) -> HandlerError {
-        let context = format!("record {} (key {:?}, partition {}) to {subject:?}", record.id, record.key, record.partition);
+    async fn classify(&self, record: &Record, subject: &str, kind: PublishErrorKind, error: String) -> HandlerError {
+        let context =
+            format!("record {} (key {:?}, partition {}) to {subject:?}", record.id, record.key, record.partition);
         match kind {
-            PublishErrorKind::MaxPayloadExceeded => {
-                HandlerError::permanent(format!("{context}: {error} (raise the server's max_payload or shrink the event)"))
-            }
+            PublishErrorKind::MaxPayloadExceeded => HandlerError::permanent(format!(
+                "{context}: {error} (raise the server's max_payload or shrink the event)"
+            )),
             PublishErrorKind::StreamNotFound => match self.js.stream_by_subject(subject).await {
                 Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
                     HandlerError::permanent(format!("{context}: no JetStream stream captures this subject"))
                 }
-                Ok(stream) => HandlerError::retryable(format!("{context}: no responders for stream {stream:?} (no leader?)")),
+                Ok(stream) => {
+                    HandlerError::retryable(format!("{context}: no responders for stream {stream:?} (no leader?)"))
+                }
                 Err(e) => HandlerError::retryable(format!("{context}: no responders; stream lookup failed: {e}")),
             },
             _ => HandlerError::retryable(format!("{context}: {error}")),

@@ -38,7 +38,11 @@ impl SubjectTemplate {
                 "event_type" => Part::EventType,
                 "key" => Part::Key,
                 "partition" => Part::Partition,
-                other => return bad(format!("unknown placeholder {{{other}}}; use {{event_type}}, {{key}} or {{partition}}")),
+                other => {
+                    return bad(format!(
+                        "unknown placeholder {{{other}}}; use {{event_type}}, {{key}} or {{partition}}"
+                    ));
+                }
             });
             rest = &rest[open + close + 1..];
         }
@@ -71,7 +75,8 @@ impl SubjectTemplate {
             match part {
                 Part::Literal(text) => subject.push_str(text),
                 Part::EventType => {
-                    let dots_ok = !event_type.starts_with('.') && !event_type.ends_with('.') && !event_type.contains("..");
+                    let dots_ok =
+                        !event_type.starts_with('.') && !event_type.ends_with('.') && !event_type.contains("..");
                     escape(event_type, dots_ok, &mut subject);
                 }
                 Part::Key => escape(key, false, &mut subject),

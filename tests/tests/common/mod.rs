@@ -2,6 +2,9 @@
 //! and waiting on conditions (never sleeping for an outcome).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod conformance;
+pub mod nats;
+
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -1,0 +1,126 @@
+//! The handler conformance suite: what any delivery target must satisfy, run against the in-process
+//! sink and the JetStream handler alike.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::time::Duration;
+
+use outbox_core::{Handler, Handlers, NewRecord, Outbox, Record, Route};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use super::{drained, start};
+
+/// One message as the target holds it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Received {
+    pub id: Uuid,
+    pub key: String,
+    pub seq: i64,
+    pub payload: Vec<u8>,
+    pub headers: BTreeMap<String, String>,
+}
+
+/// A delivery target under test.
+pub trait Target {
+    type H: Handler + Clone;
+    fn handler(&self) -> Self::H;
+    /// Everything the target received, in the order it holds it.
+    fn received(&self) -> impl Future<Output = Vec<Received>>;
+}
+
+/// Runs the suite on a fresh, migrated outbox.
+pub async fn run<T: Target>(outbox: &Outbox, pool: &PgPool, target: &T) {
+    // 1. Many keys through a node: each committed record arrives, payload and headers unchanged, each
+    //    key's records in sequence order.
+    let keys: Vec<String> = (0..20).map(|k| format!("conf-{k}")).collect();
+    let mut expected: BTreeMap<(String, i64), Vec<u8>> = BTreeMap::new();
+    for round in 1..=5 {
+        let records: Vec<NewRecord> = keys
+            .iter()
+            .map(|k| {
+                NewRecord::new(k.clone(), "conformance", format!("{k}#{round}"))
+                    .header("traceparent", format!("00-{k}-{round}-01"))
+            })
+            .collect();
+        super::commit(outbox, pool, records).await;
+        for k in &keys {
+            expected.insert((k.clone(), round), format!("{k}#{round}").into_bytes());
+        }
+    }
+    let node = start(outbox, pool, Handlers::new().default_route(Route::new(target.handler()))).await;
+    drained(pool, Duration::from_secs(60)).await;
+    node.shutdown().await.unwrap();
+
+    let received = target.received().await;
+    let mut firsts: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    let mut seen = BTreeSet::new();
+    for r in &received {
+        if seen.insert(r.id) {
+            firsts.entry(&r.key).or_default().push(r.seq);
+            assert_eq!(Some(&r.payload), expected.get(&(r.key.clone(), r.seq)), "payload of {} #{}", r.key, r.seq);
+            assert_eq!(
+                r.headers.get("traceparent"),
+                Some(&format!("00-{}-{}-01", r.key, r.seq)),
+                "headers pass through"
+            );
+        }
+    }
+    assert_eq!(seen.len(), expected.len(), "every committed record arrived");
+    for k in &keys {
+        assert_eq!(firsts[k.as_str()], [1, 2, 3, 4, 5], "{k} in sequence order");
+    }
+
+    // 2. Redelivery of the same record (a crash between delivery and completion) is accepted, and the
+    //    target's view, by record id, holds it once.
+    let record = Record {
+        id: Uuid::now_v7(),
+        partition: outbox_core::partition_of("again"),
+        key: "again".into(),
+        seq: 1,
+        event_type: "conformance".into(),
+        payload: "twice".into(),
+        headers: Default::default(),
+        attempts: 0,
+        epoch: 1,
+    };
+    let handler = target.handler();
+    handler.handle(&record).await.unwrap();
+    handler.handle(&record).await.unwrap();
+    let received = target.received().await;
+    let ids: BTreeSet<Uuid> = received.iter().map(|r| r.id).collect();
+    assert!(ids.contains(&record.id));
+    assert_eq!(ids.len(), expected.len() + 1);
+}
+
+/// The in-process target: keeps every delivery in memory.
+#[derive(Clone, Default)]
+pub struct InProcess(std::sync::Arc<std::sync::Mutex<Vec<Received>>>);
+
+impl Handler for InProcess {
+    fn handle(&self, r: &Record) -> impl Future<Output = Result<(), outbox_core::HandlerError>> + Send {
+        let received = Received {
+            id: r.id,
+            key: r.key.clone(),
+            seq: r.seq,
+            payload: r.payload.to_vec(),
+            headers: r.headers.clone(),
+        };
+        let store = self.0.clone();
+        async move {
+            store.lock().unwrap().push(received);
+            Ok(())
+        }
+    }
+}
+
+impl Target for InProcess {
+    type H = InProcess;
+    fn handler(&self) -> InProcess {
+        self.clone()
+    }
+    async fn received(&self) -> Vec<Received> {
+        self.0.lock().unwrap().clone()
+    }
+}

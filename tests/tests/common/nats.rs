@@ -1,0 +1,88 @@
+//! A real nats-server per test: free loopback port, own store directory, stop and restart.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+pub struct NatsServer {
+    pub port: u16,
+    dir: PathBuf,
+    extra: String,
+    child: Option<Child>,
+}
+
+fn binary() -> String {
+    ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .unwrap_or("nats-server")
+        .to_string()
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl NatsServer {
+    /// Starts a JetStream server; `extra` is added to its configuration file (e.g. `max_payload: 2048`).
+    pub fn start_with(extra: &str) -> NatsServer {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("outbox-nats-{port}-{}", uuid::Uuid::now_v7()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut server = NatsServer { port, dir, extra: extra.to_string(), child: None };
+        server.spawn();
+        server
+    }
+
+    pub fn start() -> NatsServer {
+        Self::start_with("")
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn spawn(&mut self) {
+        let config = self.dir.join("server.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "listen: 127.0.0.1:{}\njetstream {{ store_dir: {:?} }}\n{}\n",
+                self.port,
+                self.dir.join("store").display().to_string(),
+                self.extra
+            ),
+        )
+        .unwrap();
+        let log = std::fs::File::create(self.dir.join("server.log")).unwrap();
+        let child = Command::new(binary()).arg("-c").arg(&config).stdout(Stdio::null()).stderr(log).spawn().unwrap();
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(std::time::Instant::now() < deadline, "nats-server did not start; see {}", self.dir.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stops and starts again on the same port with the same store.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,326 @@
+//! JetStream delivery against a real nats-server each test starts on a free port: deduplication,
+//! per-key order with random latency, a broker outage, permanent failures with their reasons, stream
+//! provisioning, connection errors, and the shared handler conformance suite.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::conformance::{Received, Target};
+use common::nats::{NatsServer, free_port};
+use common::*;
+use outbox_core::{Handler, HandlerError, Handlers, NewRecord, Record, Route, fallback_fn, handler_fn};
+use outbox_nats::{Auth, Error as NatsError, JetStreamHandler, NatsConfig, StreamSettings, ensure_stream};
+use rand::RngExt;
+use sqlx::PgPool;
+use tokio::sync::Semaphore;
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn config(server: &NatsServer) -> NatsConfig {
+    NatsConfig { servers: vec![server.url()], ..NatsConfig::default() }
+}
+
+async fn jetstream(server: &NatsServer) -> (async_nats::Client, JetStreamHandler, NatsConfig) {
+    let config = config(server);
+    let client = outbox_nats::connect(&config).await.unwrap();
+    ensure_stream(&client, &config.stream).await.unwrap();
+    let handler = JetStreamHandler::new(client.clone(), &config).unwrap();
+    (client, handler, config)
+}
+
+/// Every message of the stream, in stream order.
+async fn read_stream(client: &async_nats::Client, stream: &str) -> Vec<Received> {
+    let js = async_nats::jetstream::new(client.clone());
+    let mut stream = js.get_stream(stream).await.unwrap();
+    let state = stream.info().await.unwrap().state.clone();
+    let mut out = Vec::new();
+    for seq in state.first_sequence..=state.last_sequence {
+        if state.messages == 0 {
+            break;
+        }
+        let message = stream.get_raw_message(seq).await.unwrap();
+        let header = |name: &str| message.headers.get(name).map(|v| v.as_str().to_string());
+        let headers: BTreeMap<String, String> =
+            message.headers.iter().map(|(k, v)| (k.to_string(), v[0].as_str().to_string())).collect();
+        out.push(Received {
+            id: header("Nats-Msg-Id").unwrap().parse().unwrap(),
+            key: header("Outbox-Key").unwrap(),
+            seq: header("Outbox-Seq").unwrap().parse().unwrap(),
+            payload: message.payload.to_vec(),
+            headers,
+        });
+    }
+    out
+}
+
+struct JetStreamTarget {
+    client: async_nats::Client,
+    handler: JetStreamHandler,
+}
+
+impl Target for JetStreamTarget {
+    type H = JetStreamHandler;
+    fn handler(&self) -> JetStreamHandler {
+        self.handler.clone()
+    }
+    async fn received(&self) -> Vec<Received> {
+        read_stream(&self.client, "OUTBOX").await
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_jetstream_handler_passes_the_handler_conformance_suite(pool: PgPool) {
+    let server = NatsServer::start();
+    let (client, handler, _) = jetstream(&server).await;
+    let outbox = outbox(&pool, |_| {}).await;
+    common::conformance::run(&outbox, &pool, &JetStreamTarget { client, handler }).await;
+}
+
+/// Published, then the worker dies before completing: the next owner publishes again, and the stream
+/// keeps one copy (the ack says duplicate, which counts as delivered).
+#[sqlx::test(migrations = false)]
+async fn a_record_published_twice_after_a_crash_is_stored_once(pool: PgPool) {
+    let server = NatsServer::start();
+    let (client, handler, _) = jetstream(&server).await;
+    let outbox = outbox(&pool, |_| {}).await;
+    commit(&outbox, &pool, (0..30).map(|k| NewRecord::new(format!("k{k}"), "t", format!("{k}"))).collect()).await;
+
+    let (published, never) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+    let (h, p, n) = (handler.clone(), published.clone(), never.clone());
+    let hangs_after_publish = handler_fn(move |r| {
+        let (h, p, n) = (h.clone(), p.clone(), n.clone());
+        async move {
+            h.handle(&r).await?;
+            p.add_permits(1);
+            let _ = n.acquire().await;
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let first = start(&outbox, &pool, Handlers::new().default_route(Route::new(hangs_after_publish))).await;
+    published.acquire_many(30).await.unwrap().forget();
+    first.kill();
+    assert_eq!(pending(&pool).await, 30, "nothing was completed");
+
+    let second = start(&outbox, &pool, Handlers::new().default_route(Route::new(handler.clone()))).await;
+    drained(&pool, LONG).await;
+    second.shutdown().await.unwrap();
+    let stored = read_stream(&client, "OUTBOX").await;
+    assert_eq!(stored.len(), 30, "redeliveries were deduplicated by Nats-Msg-Id");
+}
+
+#[sqlx::test(migrations = false)]
+async fn each_keys_records_are_in_sequence_order_in_the_stream(pool: PgPool) {
+    let server = NatsServer::start();
+    let (client, handler, _) = jetstream(&server).await;
+    let outbox = outbox(&pool, |c| c.concurrency = 32).await;
+    let keys = 40;
+    for _ in 0..10 {
+        commit(&outbox, &pool, (0..keys).map(|k| NewRecord::new(format!("key-{k}"), "order.event", "{}")).collect())
+            .await;
+    }
+    let h = handler.clone();
+    let jittery = handler_fn(move |r| {
+        let h = h.clone();
+        async move {
+            let delay = rand::rng().random_range(0..5);
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            h.handle(&r).await
+        }
+    });
+    let node = start(&outbox, &pool, Handlers::new().default_route(Route::new(jittery))).await;
+    drained(&pool, LONG).await;
+    node.shutdown().await.unwrap();
+    let stored = read_stream(&client, "OUTBOX").await;
+    assert_eq!(stored.len(), keys * 10);
+    let mut per_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for r in stored {
+        per_key.entry(r.key).or_default().push(r.seq);
+    }
+    for (key, seqs) in per_key {
+        assert_eq!(seqs, (1..=10).collect::<Vec<_>>(), "{key}");
+    }
+}
+
+/// The broker goes away mid-run while the service keeps writing; when it is back, everything arrives,
+/// in per-key order, and nothing went to FAILED (the outage is shorter than the retry budget).
+#[sqlx::test(migrations = false)]
+async fn a_broker_outage_delays_but_loses_nothing(pool: PgPool) {
+    let mut server = NatsServer::start();
+    let (client, handler, _) = jetstream(&server).await;
+    let outbox = outbox(&pool, |_| {}).await;
+    let node = start(&outbox, &pool, Handlers::new().default_route(Route::new(handler))).await;
+    let produce = |round: usize| {
+        let (outbox, pool) = (outbox.clone(), pool.clone());
+        async move {
+            commit(&outbox, &pool, (0..20).map(|k| NewRecord::new(format!("k{k}"), "t", format!("{round}"))).collect())
+                .await;
+        }
+    };
+    for round in 0..3 {
+        produce(round).await;
+    }
+    drained(&pool, LONG).await;
+    server.stop();
+    for round in 3..8 {
+        produce(round).await;
+    }
+    // While the broker is down, deliveries fail and wait for their retries.
+    wait_for("a failed publish recorded", LONG, || async {
+        count(&pool, "SELECT count(*) FROM outbox.records WHERE attempts > 0").await > 0
+    })
+    .await;
+    server.restart();
+    drained(&pool, LONG).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(failed_count(&pool).await, 0);
+    let stored = read_stream(&client, "OUTBOX").await;
+    let mut per_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for r in &stored {
+        per_key.entry(r.key.clone()).or_default().push(r.seq);
+    }
+    assert_eq!(per_key.len(), 20);
+    for (key, seqs) in per_key {
+        let mut firsts = seqs.clone();
+        firsts.dedup();
+        assert_eq!(firsts, (1..=8).collect::<Vec<_>>(), "{key}: {seqs:?}");
+    }
+}
+
+/// A payload over the server's max_payload and a subject no stream captures are permanent: the record
+/// goes to its fallback, or to FAILED with the reason stored.
+#[sqlx::test(migrations = false)]
+async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason(pool: PgPool) {
+    let server = NatsServer::start_with("max_payload: 4096");
+    let config = NatsConfig {
+        servers: vec![server.url()],
+        subject: "{event_type}".into(),
+        stream: StreamSettings { subjects: vec!["orders.>".into()], ..StreamSettings::default() },
+        ..NatsConfig::default()
+    };
+    let client = outbox_nats::connect(&config).await.unwrap();
+    ensure_stream(&client, &config.stream).await.unwrap();
+    let handler = JetStreamHandler::new(client.clone(), &config).unwrap();
+    let outbox = outbox(&pool, |_| {}).await;
+    let archived = Sink::new();
+    let a = archived.clone();
+    let handlers = Handlers::new()
+        .route("orders.created", Route::new(handler.clone()))
+        .route(
+            "orders.archived",
+            Route::new(handler.clone()).fallback(fallback_fn(move |r, _| {
+                let a = a.clone();
+                async move {
+                    a.record(&r);
+                    Ok(())
+                }
+            })),
+        )
+        .route("billing.charged", Route::new(handler));
+    commit(
+        &outbox,
+        &pool,
+        vec![
+            NewRecord::new("big", "orders.created", vec![7u8; 8192]),
+            NewRecord::new("big-with-fallback", "orders.archived", vec![7u8; 8192]),
+            NewRecord::new("nowhere", "billing.charged", "{}"),
+            NewRecord::new("fine", "orders.created", "{}"),
+        ],
+    )
+    .await;
+    let node = start(&outbox, &pool, handlers).await;
+    wait_failed(&pool, 2).await;
+    drained(&pool, LONG).await;
+    node.shutdown().await.unwrap();
+
+    let failed = outbox.failed(&pool, &Default::default()).await.unwrap();
+    let reason = |key: &str| failed.iter().find(|f| f.key == key).unwrap().last_error.clone().unwrap();
+    let big = reason("big");
+    assert!(big.starts_with("permanent") && big.contains("max_payload") && big.contains("\"big\""), "{big}");
+    let nowhere = reason("nowhere");
+    assert!(nowhere.starts_with("permanent") && nowhere.contains("no JetStream stream captures"), "{nowhere}");
+    assert_eq!(failed.iter().map(|f| f.attempts).collect::<Vec<_>>(), [1, 1], "permanent errors are not retried");
+    assert_eq!(archived.seqs_of("big-with-fallback"), [1]);
+    let stored = read_stream(&client, "OUTBOX").await;
+    assert_eq!(stored.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(), ["fine"]);
+}
+
+#[tokio::test]
+async fn stream_provisioning_creates_checks_and_explains_mismatches() {
+    let server = NatsServer::start();
+    let config = config(&server);
+    let client = outbox_nats::connect(&config).await.unwrap();
+    let created = ensure_stream(&client, &config.stream).await.unwrap();
+    assert_eq!(created.config.duplicate_window, config.stream.duplicate_window);
+    ensure_stream(&client, &config.stream).await.unwrap();
+    let different = StreamSettings {
+        subjects: vec!["other.>".into()],
+        duplicate_window: Duration::from_secs(60),
+        ..config.stream.clone()
+    };
+    match ensure_stream(&client, &different).await {
+        Err(NatsError::StreamMismatch { differences, .. }) => {
+            assert_eq!(differences.len(), 2, "{differences:?}");
+            assert!(differences[0].contains("subjects") && differences[1].contains("duplicate_window"));
+        }
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn connection_errors_are_typed_and_auth_works() {
+    let nobody = NatsConfig { servers: vec![format!("nats://127.0.0.1:{}", free_port())], ..NatsConfig::default() };
+    match outbox_nats::connect(&nobody).await {
+        Err(e @ NatsError::Connect { .. }) => {
+            assert!(e.is_transient());
+            assert!(e.to_string().contains("cannot connect to NATS at nats://127.0.0.1:"), "{e}");
+        }
+        other => panic!("expected a connect error, got {other:?}"),
+    }
+    let server = NatsServer::start_with("authorization { token: \"s3cret\" }");
+    let good = NatsConfig { auth: Auth::Token { token: "s3cret".into() }, ..config(&server) };
+    let client = outbox_nats::connect(&good).await.unwrap();
+    ensure_stream(&client, &good.stream).await.unwrap();
+    let wrong = NatsConfig { auth: Auth::Token { token: "guess".into() }, ..config(&server) };
+    let err = outbox_nats::connect(&wrong).await.unwrap_err();
+    assert!(matches!(err, NatsError::Connect { .. }), "{err:?}");
+    assert!(!format!("{err:?}{err}").contains("guess"), "the token is not shown");
+}
+
+#[tokio::test]
+async fn published_messages_carry_the_record_headers_and_the_payload_unchanged() {
+    let server = NatsServer::start();
+    let (client, handler, _) = jetstream(&server).await;
+    let record = Record {
+        id: uuid::Uuid::now_v7(),
+        partition: 9,
+        key: "o-1".into(),
+        seq: 3,
+        event_type: "order.paid".into(),
+        payload: bytes::Bytes::from_static(b"\x00\x01binary"),
+        headers: [("traceparent".to_string(), "00-abc-def-01".to_string())].into(),
+        attempts: 0,
+        epoch: 4,
+    };
+    handler.handle(&record).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let message = js.get_stream("OUTBOX").await.unwrap().get_raw_message(1).await.unwrap();
+    assert_eq!(message.subject.as_str(), "outbox.order.paid");
+    assert_eq!(message.payload.as_ref(), b"\x00\x01binary");
+    let h = |name: &str| message.headers.get(name).unwrap().as_str().to_string();
+    assert_eq!(h("Nats-Msg-Id"), record.id.to_string());
+    assert_eq!(
+        [
+            h("Outbox-Key"),
+            h("Outbox-Partition"),
+            h("Outbox-Seq"),
+            h("Outbox-Event-Type"),
+            h("Outbox-Epoch"),
+            h("traceparent")
+        ],
+        ["o-1", "9", "3", "order.paid", "4", "00-abc-def-01"]
+    );
+}
