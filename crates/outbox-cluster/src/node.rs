@@ -292,6 +292,8 @@ impl Ctx {
         let owned = ownership::owned(&self.pool, &self.sql, self.id).await?;
         *giving_up = owned.keys().copied().filter(|p| !mine(p)).collect();
         let keep: Epochs = owned.into_iter().filter(|(p, _)| mine(p)).collect();
+        metrics::gauge!("outbox_owned_partitions").set(keep.len() as f64);
+        metrics::gauge!("outbox_live_instances").set(live.len() as f64);
         self.assign.send_if_modified(|current| {
             let changed = current.epochs != keep;
             current.epochs = keep;

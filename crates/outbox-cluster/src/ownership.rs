@@ -101,6 +101,7 @@ pub(crate) async fn rebalance(
     let (ids, owners): (Vec<i16>, Vec<Uuid>) = targets.iter().map(|(&p, &id)| (i16::from(p), id)).unzip();
     let changed: Vec<(i16,)> = sqlx::query_as(stmt(&sql.set_targets)).bind(&ids).bind(&owners).fetch_all(pool).await?;
     if !changed.is_empty() {
+        metrics::counter!("outbox_rebalances_total").increment(1);
         info!(instance = %me, live = live.len(), moved = changed.len(), "rebalanced: partition targets changed");
     }
     Ok(targets)

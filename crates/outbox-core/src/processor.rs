@@ -96,6 +96,7 @@ struct Outcome {
     key: String,
     /// Failed deliveries including this one (unchanged on success).
     attempts: i32,
+    created_at: chrono::DateTime<chrono::Utc>,
     verdict: Verdict,
 }
 
@@ -237,6 +238,9 @@ impl Processor {
                             flush_backoff = FLUSH_RETRY_MIN;
                             for outcome in done {
                                 in_flight.remove(&outcome.key);
+                                if written.contains(&outcome.id) {
+                                    record_metrics(&outcome);
+                                }
                                 if !written.contains(&outcome.id) {
                                     if fenced.insert(outcome.partition, outcome.epoch) != Some(outcome.epoch) {
                                         warn!(partition = outcome.partition, epoch = outcome.epoch, record = %outcome.id,
@@ -292,6 +296,21 @@ impl Processor {
             *current = busy;
             changed
         });
+    }
+}
+
+/// Emits the outcome's metrics once it is written (see the README's metrics table).
+fn record_metrics(outcome: &Outcome) {
+    match outcome.verdict {
+        Verdict::Delivered | Verdict::Fallback => {
+            let how = if matches!(outcome.verdict, Verdict::Fallback) { "fallback" } else { "delivered" };
+            metrics::counter!("outbox_records_completed_total", "outcome" => how).increment(1);
+            // Scheduling transaction start (database clock) to completion (host clock).
+            let latency = (chrono::Utc::now() - outcome.created_at).to_std().unwrap_or_default();
+            metrics::histogram!("outbox_delivery_latency_seconds").record(latency.as_secs_f64());
+        }
+        Verdict::Retry { .. } => metrics::counter!("outbox_records_retried_total").increment(1),
+        Verdict::Failed { .. } => metrics::counter!("outbox_records_failed_total").increment(1),
     }
 }
 
@@ -358,6 +377,7 @@ fn record_from_row(row: &PgRow) -> Result<Record> {
         payload: payload.into(),
         headers: headers.0,
         attempts: row.try_get("attempts")?,
+        created_at: row.try_get("created_at")?,
         epoch: 0,
     })
 }
@@ -402,7 +422,15 @@ async fn deliver(handlers: Arc<Handlers>, config: crate::Config, record: Record,
             (verdict, attempts)
         }
     };
-    Outcome { id: record.id, partition: record.partition, epoch, key: record.key, attempts, verdict }
+    Outcome {
+        id: record.id,
+        partition: record.partition,
+        epoch,
+        key: record.key,
+        attempts,
+        created_at: record.created_at,
+        verdict,
+    }
 }
 
 fn failed(record: &Record, attempts: i32, error: String) -> Verdict {

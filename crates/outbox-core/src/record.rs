@@ -116,6 +116,8 @@ pub struct Record {
     pub headers: Headers,
     /// Failed deliveries so far (0 on the first delivery).
     pub attempts: i32,
+    /// When the record was scheduled (the scheduling transaction's start, database time).
+    pub created_at: chrono::DateTime<chrono::Utc>,
     /// The partition's ownership epoch this delivery runs under: a fencing token that grows with every
     /// change of owner, for targets that want to reject deliveries from a superseded owner.
     pub epoch: i64,

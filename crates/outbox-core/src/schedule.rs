@@ -73,6 +73,8 @@ impl Outbox {
             .fetch_all(conn)
             .await
             .map_err(|e| self.db_error(e))?;
+        // Counted when written; a transaction rolled back later still counts here.
+        metrics::counter!("outbox_records_scheduled_total").increment(rows.len() as u64);
         let seq_of: std::collections::HashMap<Uuid, i64> = rows.into_iter().collect();
         ids.iter()
             .zip(records)

@@ -37,8 +37,7 @@ SELECT i.id, i.partition, i.key,
 FROM input i JOIN counters c ON c.key = i.key
 RETURNING id, seq";
 
-const RECORD_COLUMNS: &str =
-    "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.failed_at, r.next_attempt_at";
+const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.created_at, r.failed_at, r.next_attempt_at";
 
 const DUE: &str = "r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())";
 
@@ -49,7 +48,8 @@ const DUE: &str = "r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_
 /// the batch is full. With stop-on-first-failure the head is the key's lowest sequence, and a key whose
 /// head is FAILED or backing off is passed over (so blocked keys never fill a batch); without it, the
 /// walk takes each key's first *due* record.
-const FETCH: &str = "SELECT h.id, h.partition, h.key, h.seq, h.event_type, h.payload, h.headers, h.attempts
+const FETCH: &str =
+    "SELECT h.id, h.partition, h.key, h.seq, h.event_type, h.payload, h.headers, h.attempts, h.created_at
 FROM unnest($1::smallint[]) AS p(part)
 CROSS JOIN LATERAL (
     WITH RECURSIVE walk AS (

@@ -125,6 +125,7 @@ mod tests {
             payload: bytes::Bytes::new(),
             headers: Default::default(),
             attempts: 0,
+            created_at: chrono::Utc::now(),
             epoch: 1,
         }
     }

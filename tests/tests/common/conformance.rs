@@ -83,6 +83,7 @@ pub async fn run<T: Target>(outbox: &Outbox, pool: &PgPool, target: &T) {
         payload: "twice".into(),
         headers: Default::default(),
         attempts: 0,
+        created_at: chrono::Utc::now(),
         epoch: 1,
     };
     let handler = target.handler();
