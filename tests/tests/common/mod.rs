@@ -3,7 +3,8 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod conformance;
-pub mod nats;
+#[allow(unused_imports)]
+pub use outbox_tests::nats;
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};

@@ -1,5 +1,6 @@
 //! A real nats-server per test: free loopback port, own store directory, stop and restart.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+//! Shared by the end-to-end tests here and the demo's command-line tests.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::net::TcpListener;
 use std::path::PathBuf;
