@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Runs the demo: starts (installing if needed) PostgreSQL on loopback, then the order service.
+# Runs the demo: starts (installing if needed) PostgreSQL and NATS with JetStream on loopback, then the
+# order service's live story (`outbox-demo run`). Extra arguments go to outbox-demo, e.g.
+#   ./scripts/demo.sh status        ./scripts/demo.sh produce --orders 1000
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
 ensure_postgres
+ensure_nats
 ensure_database outbox_demo
 export DATABASE_URL="$DATABASE_URL_BASE/outbox_demo"
-cargo run --release -p outbox-demo "$@"
+cargo run --quiet --release -p outbox-demo -- "$@"

@@ -1,148 +1,189 @@
-//! outbox demo: an order service whose events flow through the outbox.
+//! `outbox-demo`: an order service whose events flow through the outbox to NATS JetStream, with its
+//! workers, a load generator, a verifier and the operator commands.
 //!
-//! Places orders (order row + `created` event in one transaction, then `paid` and `shipped` for the same
-//! order key in later transactions; a few transactions are rolled back on purpose), runs an outbox node
-//! whose handler logs each event, and verifies at the end that every committed event arrived exactly in
-//! per-order sequence and that no rolled-back event did.
+//! Subcommands: `run` (the default: the whole story live in one process), `worker`, `produce`,
+//! `verify`, `status`, `failed list|requeue|skip`, `purge`, `migrate`. See `--help`.
 
-use std::collections::{BTreeMap, BTreeSet};
+mod config;
+mod live;
+mod operator;
+mod orders;
+mod verify;
+mod worker;
+
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Config, HandlerError, Handlers, NewRecord, Outbox, Route, handler_fn};
-use serde::{Deserialize, Serialize};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use outbox_core::Outbox;
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
-use tracing::info;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-const ORDERS: usize = 200;
-const STEPS: [&str; 3] = ["order.created", "order.paid", "order.shipped"];
+use crate::config::DemoConfig;
 
-#[derive(Debug, Serialize, Deserialize)]
-struct OrderEvent {
-    key: String,
-    seq: usize,
-    step: String,
+/// Where `./scripts/demo.sh` puts the database.
+const DEFAULT_DATABASE_URL: &str = "postgres://root:outbox@127.0.0.1:5432/outbox_demo";
+
+#[derive(Parser)]
+#[command(name = "outbox-demo", version, about = "Orders whose events flow through the outbox to NATS JetStream")]
+struct Cli {
+    #[command(flatten)]
+    global: Global,
+    #[command(subcommand)]
+    command: Option<Command>,
 }
 
-type Seen = Arc<Mutex<BTreeMap<String, Vec<usize>>>>;
+#[derive(Args)]
+struct Global {
+    /// TOML file with [outbox], [cluster] and [nats] sections.
+    #[arg(long, env = "OUTBOX_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    /// PostgreSQL connection URL.
+    #[arg(long, env = "DATABASE_URL", global = true, default_value = DEFAULT_DATABASE_URL, hide_default_value = true)]
+    database_url: String,
+    /// NATS server URL(s), comma-separated; overrides [nats].servers.
+    #[arg(long, env = "NATS_URL", global = true)]
+    nats_url: Option<String>,
+    /// Log format.
+    #[arg(long, env = "OUTBOX_LOG_FORMAT", global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The whole story live: orders placed, workers joining, leaving and crashing, a verification.
+    Run(live::RunArgs),
+    /// One clustered worker, until SIGTERM or SIGINT (then a graceful handover).
+    Worker(worker::WorkerArgs),
+    /// The load generator: orders, each with a sequence of events in separate transactions.
+    Produce(orders::ProduceArgs),
+    /// Reads the stream and the database back; reports missing, duplicated, out-of-order and ghost events.
+    Verify,
+    /// Instances, partitions per instance, backlog, oldest pending age, FAILED count.
+    Status,
+    /// FAILED records: list, requeue, skip.
+    #[command(subcommand)]
+    Failed(operator::FailedCommand),
+    /// Deletes completed records older than a retention.
+    Purge {
+        /// Keep completed records younger than this.
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        older_than: Duration,
+    },
+    /// Applies the outbox schema and the demo's tables.
+    Migrate,
+}
+
+/// An error for a person: one line saying what is wrong and what to do.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Failure(String);
+
+impl From<outbox_core::Error> for Failure {
+    fn from(e: outbox_core::Error) -> Self {
+        match e {
+            outbox_core::Error::NotMigrated { schema } => {
+                Failure(format!("the outbox schema {schema:?} is missing: run `outbox-demo migrate` first"))
+            }
+            other => Failure(other.to_string()),
+        }
+    }
+}
+
+impl From<outbox_cluster::Error> for Failure {
+    fn from(e: outbox_cluster::Error) -> Self {
+        match e {
+            outbox_cluster::Error::Core(core) => core.into(),
+            other => Failure(other.to_string()),
+        }
+    }
+}
+
+impl From<outbox_nats::Error> for Failure {
+    fn from(e: outbox_nats::Error) -> Self {
+        Failure(match e {
+            outbox_nats::Error::Connect { servers, .. } => format!(
+                "cannot connect to NATS at {servers}: start nats-server with JetStream (-js), or run ./scripts/demo.sh"
+            ),
+            other => other.to_string(),
+        })
+    }
+}
+
+impl From<sqlx::Error> for Failure {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => {
+                Failure(format!("{e}: run `outbox-demo migrate` first"))
+            }
+            _ => Failure(format!("database error: {e}")),
+        }
+    }
+}
+
+/// What every command needs: the configuration, a pool and the outbox.
+struct Context {
+    config: DemoConfig,
+    pool: PgPool,
+    outbox: Outbox,
+}
+
+impl Context {
+    async fn connect(global: &Global) -> Result<Context, Failure> {
+        let config = DemoConfig::load(global.config.as_deref(), global.nats_url.as_deref()).map_err(Failure)?;
+        let options: PgConnectOptions =
+            global.database_url.parse().map_err(|e| Failure(format!("bad DATABASE_URL: {e}")))?;
+        let (host, port) = (options.get_host().to_string(), options.get_port());
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await
+            .map_err(|e| {
+                Failure(format!(
+                    "cannot connect to PostgreSQL at {host}:{port} ({e}): start it, or run ./scripts/demo.sh"
+                ))
+            })?;
+        let outbox = Outbox::new(config.outbox.clone())?;
+        Ok(Context { config, pool, outbox })
+    }
+}
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn".into()),
-        )
-        .init();
-    match run().await {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("error: {e}");
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match cli.global.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
+    match dispatch(cli).await {
+        Ok(code) => code,
+        Err(Failure(message)) => {
+            eprintln!("error: {message}");
             ExitCode::FAILURE
         }
     }
 }
 
-async fn run() -> Result<bool, Box<dyn std::error::Error>> {
-    let url =
-        std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://root:outbox@127.0.0.1:5432/outbox_demo".into());
-    let pool = PgPoolOptions::new().max_connections(8).connect(&url).await.map_err(|e| {
-        format!("cannot connect to PostgreSQL ({e}); start it, or run ./scripts/demo.sh which starts it for you")
-    })?;
-    let outbox = Outbox::new(Config { poll_interval: Duration::from_millis(50), ..Config::default() })?;
-    outbox.migrate(&pool).await?;
-    sqlx::query("DROP TABLE IF EXISTS demo_orders").execute(&pool).await?;
-    sqlx::query("CREATE TABLE demo_orders (id text PRIMARY KEY, status text NOT NULL)").execute(&pool).await?;
-    sqlx::query("TRUNCATE outbox.records, outbox.completed, outbox.keys").execute(&pool).await?;
-
-    let seen: Seen = Arc::default();
-    let s = seen.clone();
-    let handler = handler_fn(move |record| {
-        let s = s.clone();
-        async move {
-            let event: OrderEvent = serde_json::from_slice(&record.payload)
-                .map_err(|e| HandlerError::permanent(format!("undecodable payload: {e}")))?;
-            info!(key = %record.key, seq = record.seq, event = %record.event_type, partition = record.partition, "delivered");
-            if let Ok(mut seen) = s.lock() {
-                seen.entry(event.key).or_default().push(event.seq);
-            }
-            Ok(())
-        }
-    });
-    let node = Node::start(
-        outbox.clone(),
-        pool.clone(),
-        Handlers::new().default_route(Route::new(handler)),
-        ClusterConfig { name: "demo-worker".into(), ..ClusterConfig::default() },
-    )
-    .await?;
-
-    let started = Instant::now();
-    let rolled_back = place_orders(&outbox, &pool).await?;
-    let committed = ORDERS * STEPS.len();
-    info!(orders = ORDERS, committed, rolled_back = rolled_back.len(), "orders placed; waiting for delivery");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.records").fetch_one(&pool).await?;
-        if pending == 0 || Instant::now() > deadline {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+async fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
+    let ctx = Context::connect(&cli.global).await?;
+    match cli.command.unwrap_or(Command::Run(live::RunArgs::default())) {
+        Command::Run(args) => live::run(&ctx, args).await,
+        Command::Worker(args) => worker::run(&ctx, args).await.map(|()| ExitCode::SUCCESS),
+        Command::Produce(args) => orders::produce_command(&ctx, args).await.map(|()| ExitCode::SUCCESS),
+        Command::Verify => verify::command(&ctx).await,
+        Command::Status => operator::status(&ctx).await.map(|()| ExitCode::SUCCESS),
+        Command::Failed(command) => operator::failed(&ctx, command).await.map(|()| ExitCode::SUCCESS),
+        Command::Purge { older_than } => operator::purge(&ctx, older_than).await.map(|()| ExitCode::SUCCESS),
+        Command::Migrate => operator::migrate(&ctx).await.map(|()| ExitCode::SUCCESS),
     }
-    let elapsed = started.elapsed();
-    node.shutdown().await?;
-    Ok(verify(&seen, &rolled_back, committed, elapsed))
-}
-
-/// Places the orders; returns the keys whose extra transaction was rolled back on purpose.
-async fn place_orders(outbox: &Outbox, pool: &PgPool) -> Result<BTreeSet<String>, Box<dyn std::error::Error>> {
-    let mut rolled_back = BTreeSet::new();
-    for (seq, step) in STEPS.iter().enumerate() {
-        for order in 0..ORDERS {
-            let key = format!("order-{order}");
-            let event = OrderEvent { key: key.clone(), seq: seq + 1, step: step.to_string() };
-            let mut tx = pool.begin().await?;
-            sqlx::query(
-                "INSERT INTO demo_orders (id, status) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET status = $2",
-            )
-            .bind(&key)
-            .bind(step)
-            .execute(&mut *tx)
-            .await?;
-            outbox.schedule(&mut tx, NewRecord::json(&key, *step, &event)?).await?;
-            tx.commit().await?;
-            if order % 10 == 0 && seq == 1 {
-                // A payment that fails after the event was written: the whole transaction rolls back,
-                // so this event must never be delivered.
-                let mut tx = pool.begin().await?;
-                let ghost = OrderEvent { key: key.clone(), seq: 999, step: "order.refunded".into() };
-                outbox.schedule(&mut tx, NewRecord::json(&key, "order.refunded", &ghost)?).await?;
-                tx.rollback().await?;
-                rolled_back.insert(key);
-            }
-        }
-    }
-    Ok(rolled_back)
-}
-
-fn verify(seen: &Seen, rolled_back: &BTreeSet<String>, committed: usize, elapsed: Duration) -> bool {
-    let Ok(seen) = seen.lock() else { return false };
-    let delivered: usize = seen.values().map(Vec::len).sum();
-    let expected: Vec<usize> = (1..=STEPS.len()).collect();
-    let out_of_order = seen.values().filter(|seqs| **seqs != expected).count();
-    let ghosts = seen.iter().filter(|(k, seqs)| rolled_back.contains(*k) && seqs.contains(&999)).count();
-    let missing = ORDERS - seen.values().filter(|seqs| seqs.len() >= STEPS.len()).count();
-    println!();
-    println!("== verification ==");
-    println!("committed events      {committed}");
-    println!("delivered events      {delivered} in {elapsed:.2?}");
-    println!("orders missing events {missing}");
-    println!("orders out of order   {out_of_order}");
-    println!("rolled-back delivered {ghosts} (of {} rolled-back transactions)", rolled_back.len());
-    let ok = delivered == committed && out_of_order == 0 && ghosts == 0 && missing == 0;
-    println!("{}", if ok { "OK: nothing lost, duplicated or reordered" } else { "FAILED" });
-    ok
 }

@@ -1,0 +1,41 @@
+//! Configuration: a TOML file with `[outbox]`, `[cluster]` and `[nats]` sections (all optional, all
+//! defaulted), overridden by flags and the environment (`DATABASE_URL`, `NATS_URL`, `OUTBOX_*`).
+
+use std::path::Path;
+
+use outbox_cluster::ClusterConfig;
+use outbox_core::Config;
+use outbox_nats::NatsConfig;
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DemoConfig {
+    /// Outbox and processor tunables.
+    pub outbox: Config,
+    /// Cluster tunables.
+    pub cluster: ClusterConfig,
+    /// NATS connection, subject and stream.
+    pub nats: NatsConfig,
+}
+
+impl DemoConfig {
+    /// Reads `path` if given (defaults otherwise), applies `nats_url`, and validates everything.
+    pub fn load(path: Option<&Path>, nats_url: Option<&str>) -> Result<Self, String> {
+        let mut config = match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                toml::from_str(&text).map_err(|e| format!("bad configuration in {}: {e}", path.display()))?
+            }
+            None => DemoConfig::default(),
+        };
+        if let Some(url) = nats_url {
+            config.nats.servers = url.split(',').map(str::trim).map(String::from).collect();
+        }
+        config.outbox.validate().map_err(|e| e.to_string())?;
+        config.cluster.validate().map_err(|e| e.to_string())?;
+        config.nats.validate().map_err(|e| e.to_string())?;
+        Ok(config)
+    }
+}

@@ -1,0 +1,141 @@
+//! Operator commands: `status`, `failed list|requeue|skip`, `purge`, `migrate`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use clap::Subcommand;
+use outbox_core::operator::FailedFilter;
+use uuid::Uuid;
+
+use crate::orders::TABLES;
+use crate::{Context, Failure};
+
+/// `failed` subcommands.
+#[derive(Subcommand, Debug)]
+pub enum FailedCommand {
+    /// Lists FAILED records (without payloads).
+    List {
+        /// Only this key.
+        #[arg(long)]
+        key: Option<String>,
+        /// Only this partition.
+        #[arg(long)]
+        partition: Option<u8>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Requeues a FAILED record (or all of a key) with a fresh retry budget.
+    Requeue {
+        /// The record id.
+        #[arg(required_unless_present = "key")]
+        id: Option<Uuid>,
+        /// Every FAILED record of this key instead.
+        #[arg(long, conflicts_with = "id")]
+        key: Option<String>,
+    },
+    /// Marks a FAILED record handled without delivering it; its key's next record proceeds.
+    Skip {
+        /// The record id.
+        id: Uuid,
+    },
+}
+
+pub async fn migrate(ctx: &Context) -> Result<(), Failure> {
+    ctx.outbox.migrate(&ctx.pool).await?;
+    sqlx::raw_sql(TABLES).execute(&ctx.pool).await?;
+    println!("migrated: outbox schema {:?} and the demo tables are up to date", ctx.config.outbox.schema);
+    Ok(())
+}
+
+pub async fn status(ctx: &Context) -> Result<(), Failure> {
+    let cluster = outbox_cluster::status(&ctx.pool, &ctx.outbox).await?;
+    let stats = ctx.outbox.stats(&ctx.pool).await?;
+    println!("instances");
+    let mut names: BTreeMap<Uuid, String> = BTreeMap::new();
+    for i in &cluster.instances {
+        names.insert(i.id, i.name.clone());
+        let age = (chrono::Utc::now() - i.heartbeat_at).to_std().unwrap_or_default();
+        println!(
+            "  {:<16} {}  {:<5} last heartbeat {:>6.1?} ago  {:>3} partitions",
+            i.name,
+            i.id,
+            if i.live { "live" } else { "stale" },
+            age,
+            i.partitions
+        );
+    }
+    if cluster.instances.is_empty() {
+        println!("  (none)");
+    }
+    println!("partitions per owner (epochs)");
+    let mut by_owner: BTreeMap<String, Vec<(u8, i64)>> = BTreeMap::new();
+    for p in &cluster.partitions {
+        let owner =
+            p.owner.map_or("(free)".to_string(), |id| names.get(&id).cloned().unwrap_or_else(|| id.to_string()));
+        by_owner.entry(owner).or_default().push((p.partition, p.epoch));
+    }
+    for (owner, parts) in &by_owner {
+        let (lo, hi) = parts.iter().fold((i64::MAX, i64::MIN), |(lo, hi), &(_, e)| (lo.min(e), hi.max(e)));
+        let first: Vec<String> = parts.iter().take(8).map(|(p, _)| p.to_string()).collect();
+        let more = if parts.len() > 8 { ", …" } else { "" };
+        println!("  {owner:<16} {:>3} partitions  epochs {lo}..={hi}  [{}{more}]", parts.len(), first.join(", "));
+    }
+    let pending: i64 = stats.iter().map(|s| s.pending).sum();
+    let failed: i64 = stats.iter().map(|s| s.failed).sum();
+    let oldest = stats.iter().filter_map(|s| s.oldest_pending).max();
+    println!("backlog");
+    println!(
+        "  pending {pending}  FAILED {failed}  oldest pending {}",
+        oldest.map_or("-".into(), |d| format!("{d:.1?}"))
+    );
+    let mut busiest: Vec<_> = stats.iter().filter(|s| s.pending > 0).collect();
+    busiest.sort_by_key(|s| std::cmp::Reverse(s.pending));
+    for s in busiest.iter().take(5) {
+        println!("  partition {:>3}: {} pending", s.partition, s.pending);
+    }
+    Ok(())
+}
+
+pub async fn failed(ctx: &Context, command: FailedCommand) -> Result<(), Failure> {
+    match command {
+        FailedCommand::List { key, partition, limit } => {
+            let filter = FailedFilter { key, partition, limit: Some(limit) };
+            let failed = ctx.outbox.failed(&ctx.pool, &filter).await?;
+            for f in &failed {
+                println!(
+                    "{}  key {:?}  seq {}  partition {}  {}  attempts {}  failed {}  {}",
+                    f.id,
+                    f.key,
+                    f.seq,
+                    f.partition,
+                    f.event_type,
+                    f.attempts,
+                    f.failed_at.format("%Y-%m-%dT%H:%M:%SZ"),
+                    f.last_error.as_deref().unwrap_or("")
+                );
+            }
+            println!("{} FAILED records", failed.len());
+        }
+        FailedCommand::Requeue { id: Some(id), .. } => {
+            ctx.outbox.requeue(&ctx.pool, id).await?;
+            println!("requeued {id}");
+        }
+        FailedCommand::Requeue { key: Some(key), .. } => {
+            let n = ctx.outbox.requeue_key(&ctx.pool, &key).await?;
+            println!("requeued {n} records of key {key:?}");
+        }
+        FailedCommand::Requeue { .. } => return Err(Failure("give a record id or --key".into())),
+        FailedCommand::Skip { id } => {
+            ctx.outbox.skip(&ctx.pool, id).await?;
+            println!("skipped {id}");
+        }
+    }
+    Ok(())
+}
+
+pub async fn purge(ctx: &Context, older_than: Duration) -> Result<(), Failure> {
+    let n = ctx.outbox.purge_completed(&ctx.pool, older_than, ctx.config.outbox.purge_batch_size).await?;
+    println!("purged {n} completed records older than {}", humantime::format_duration(older_than));
+    Ok(())
+}

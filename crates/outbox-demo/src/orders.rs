@@ -1,0 +1,170 @@
+//! The order service: its tables, its event payload, and the load generator.
+//!
+//! Each event is written in the same transaction as the order's new status and a row in
+//! `demo_order_events` (the business history that `verify` compares the stream with). A fraction of
+//! transactions is rolled back on purpose after scheduling their event; the service then retries the
+//! same step in a new transaction, so every order's committed events are seq 1, 2, 3, … and a
+//! rolled-back event (its own `event_id`) must never reach the stream.
+
+use std::time::Duration;
+
+use clap::Args;
+use outbox_core::{NewRecord, Outbox};
+use rand::RngExt;
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::{Context, Failure};
+
+/// The demo's business tables.
+pub const TABLES: &str = "
+CREATE TABLE IF NOT EXISTS demo_orders (
+    id         text        PRIMARY KEY,
+    status     text        NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+-- Databases from the first demo version lack this column.
+ALTER TABLE demo_orders ADD COLUMN IF NOT EXISTS updated_at timestamptz NOT NULL DEFAULT now();
+CREATE TABLE IF NOT EXISTS demo_order_events (
+    event_id     uuid        PRIMARY KEY,
+    order_id     text        NOT NULL,
+    seq          integer     NOT NULL,
+    step         text        NOT NULL,
+    committed_at timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (order_id, seq)
+)";
+
+const STEPS: [&str; 5] = ["created", "paid", "shipped", "delivered", "closed"];
+
+/// An event's JSON payload: enough to check order from the stream alone.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OrderEvent {
+    /// Unique per attempt (a rolled-back attempt's id never appears in the database).
+    pub event_id: Uuid,
+    /// The order id, also the outbox key.
+    pub key: String,
+    /// Per-order sequence, 1, 2, 3, …
+    pub seq: u32,
+    /// What happened.
+    pub step: String,
+}
+
+fn step(seq: u32) -> String {
+    STEPS.get(seq as usize - 1).map_or_else(|| format!("note-{seq}"), |s| s.to_string())
+}
+
+/// `produce` options.
+#[derive(Args, Debug, Clone)]
+pub struct ProduceArgs {
+    /// Orders to place.
+    #[arg(long, default_value_t = 100)]
+    pub orders: u32,
+    /// Events per order (created, paid, shipped, …), each in its own transaction.
+    #[arg(long, default_value_t = 3)]
+    pub events_per_order: u32,
+    /// Transactions per second in total (0: as fast as possible).
+    #[arg(long, default_value_t = 0.0)]
+    pub rate: f64,
+    /// Fraction of transactions rolled back on purpose (then retried).
+    #[arg(long, default_value_t = 0.1)]
+    pub rollback_fraction: f64,
+    /// Concurrent producer connections.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: u32,
+}
+
+/// What a produce run did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Produced {
+    /// Events committed.
+    pub committed: u64,
+    /// Transactions rolled back on purpose.
+    pub rolled_back: u64,
+}
+
+pub async fn produce_command(ctx: &Context, args: ProduceArgs) -> Result<(), Failure> {
+    let started = std::time::Instant::now();
+    let produced = produce(&ctx.outbox, &ctx.pool, &args).await?;
+    println!(
+        "produced {} events for {} orders ({} transactions rolled back on purpose) in {:.1?}",
+        produced.committed,
+        args.orders,
+        produced.rolled_back,
+        started.elapsed()
+    );
+    Ok(())
+}
+
+/// Places `args.orders` orders with `args.events_per_order` events each.
+pub async fn produce(outbox: &Outbox, pool: &PgPool, args: &ProduceArgs) -> Result<Produced, Failure> {
+    if !(0.0..1.0).contains(&args.rollback_fraction) {
+        return Err(Failure(format!("--rollback-fraction must be within [0, 1), got {}", args.rollback_fraction)));
+    }
+    let run = format!("{:04x}", rand::rng().random::<u16>());
+    let workers = args.concurrency.max(1);
+    let pause = (args.rate > 0.0).then(|| Duration::from_secs_f64(f64::from(workers) / args.rate));
+    let tasks = (0..workers).map(|w| {
+        let (outbox, pool, args, run) = (outbox.clone(), pool.clone(), args.clone(), run.clone());
+        tokio::spawn(async move {
+            let mut produced = Produced::default();
+            let orders: Vec<String> =
+                (0..args.orders).filter(|o| o % workers == w).map(|o| format!("o{run}-{o}")).collect();
+            let mut ticker = pause.map(tokio::time::interval);
+            for seq in 1..=args.events_per_order {
+                for order in &orders {
+                    loop {
+                        if let Some(ticker) = ticker.as_mut() {
+                            ticker.tick().await;
+                        }
+                        let rollback = rand::rng().random::<f64>() < args.rollback_fraction;
+                        place(&outbox, &pool, order, seq, rollback).await?;
+                        if rollback {
+                            produced.rolled_back += 1;
+                        } else {
+                            produced.committed += 1;
+                            break;
+                        }
+                    }
+                }
+            }
+            Ok::<Produced, Failure>(produced)
+        })
+    });
+    let mut total = Produced::default();
+    for task in futures::future::join_all(tasks).await {
+        let produced = task.map_err(|e| Failure(format!("producer task failed: {e}")))??;
+        total.committed += produced.committed;
+        total.rolled_back += produced.rolled_back;
+    }
+    Ok(total)
+}
+
+/// One business transaction: the order's status, its history row and its event; rolled back on request.
+async fn place(outbox: &Outbox, pool: &PgPool, order: &str, seq: u32, rollback: bool) -> Result<(), Failure> {
+    let event = OrderEvent { event_id: Uuid::now_v7(), key: order.to_string(), seq, step: step(seq) };
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO demo_orders (id, status) VALUES ($1, $2)
+         ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status, updated_at = now()",
+    )
+    .bind(order)
+    .bind(&event.step)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("INSERT INTO demo_order_events (event_id, order_id, seq, step) VALUES ($1, $2, $3, $4)")
+        .bind(event.event_id)
+        .bind(order)
+        .bind(seq as i32)
+        .bind(&event.step)
+        .execute(&mut *tx)
+        .await?;
+    let record = NewRecord::json(order, format!("order.{}", event.step), &event)?;
+    outbox.schedule(&mut tx, record).await?;
+    if rollback {
+        tx.rollback().await?;
+    } else {
+        tx.commit().await?;
+    }
+    Ok(())
+}

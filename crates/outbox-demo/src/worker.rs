@@ -1,0 +1,90 @@
+//! `worker`: one clustered instance delivering to JetStream, until SIGTERM or SIGINT, then a graceful
+//! handover. Optionally serves Prometheus metrics.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Args;
+use metrics_exporter_prometheus::PrometheusBuilder;
+use outbox_cluster::{ClusterConfig, Node};
+use outbox_core::{Handlers, Route};
+use outbox_nats::JetStreamHandler;
+use tokio::signal::unix::{SignalKind, signal};
+use tracing::warn;
+
+use crate::{Context, Failure};
+
+/// `worker` options.
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// Instance name shown by `status` (default: the host name, or pid-N).
+    #[arg(long, env = "OUTBOX_WORKER_NAME")]
+    pub name: Option<String>,
+    /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9187).
+    #[arg(long, env = "OUTBOX_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// Connects to NATS, makes sure the stream exists, and starts a node delivering to it.
+pub async fn start_node(ctx: &Context, cluster: ClusterConfig) -> Result<Node, Failure> {
+    let client = outbox_nats::connect(&ctx.config.nats).await?;
+    outbox_nats::ensure_stream(&client, &ctx.config.nats.stream).await?;
+    let handler = JetStreamHandler::new(client, &ctx.config.nats)?;
+    let handlers = Handlers::new().default_route(Route::new(handler));
+    Ok(Node::start(ctx.outbox.clone(), ctx.pool.clone(), handlers, cluster).await?)
+}
+
+pub async fn run(ctx: &Context, args: WorkerArgs) -> Result<(), Failure> {
+    if let Some(addr) = args.metrics_addr {
+        PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .map_err(|e| Failure(format!("cannot serve metrics on {addr}: {e}")))?;
+        tokio::spawn(backlog_gauges(ctx.outbox.clone(), ctx.pool.clone()));
+    }
+    let mut cluster = ctx.config.cluster.clone();
+    if let Some(name) = args.name {
+        cluster.name = name;
+    }
+    let name = cluster.name.clone();
+    let node = start_node(ctx, cluster).await?;
+    eprintln!("worker {name} ({}) running; SIGTERM or Ctrl-C hands its partitions over", node.id());
+    let mut term = signal(SignalKind::terminate()).map_err(|e| Failure(e.to_string()))?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    eprintln!("worker {name} stopping: finishing in-flight events, releasing partitions");
+    node.shutdown().await?;
+    eprintln!("worker {name} stopped");
+    Ok(())
+}
+
+/// Pending and FAILED records per partition and the oldest pending age, every 5 s.
+async fn backlog_gauges(outbox: outbox_core::Outbox, pool: sqlx::PgPool) {
+    let mut reported: BTreeSet<u8> = BTreeSet::new();
+    let mut ticker = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        ticker.tick().await;
+        let stats = match outbox.stats(&pool).await {
+            Ok(stats) => stats,
+            Err(e) => {
+                warn!(error = %e, "reading backlog for metrics failed");
+                continue;
+            }
+        };
+        let now: BTreeSet<u8> = stats.iter().map(|s| s.partition).collect();
+        for gone in reported.difference(&now) {
+            metrics::gauge!("outbox_pending_records", "partition" => gone.to_string()).set(0.0);
+        }
+        for s in &stats {
+            metrics::gauge!("outbox_pending_records", "partition" => s.partition.to_string()).set(s.pending as f64);
+        }
+        let failed: i64 = stats.iter().map(|s| s.failed).sum();
+        metrics::gauge!("outbox_failed_records").set(failed as f64);
+        let oldest = stats.iter().filter_map(|s| s.oldest_pending).max().unwrap_or_default();
+        metrics::gauge!("outbox_oldest_pending_seconds").set(oldest.as_secs_f64());
+        reported = now;
+    }
+}
