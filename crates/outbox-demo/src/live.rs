@@ -75,9 +75,9 @@ impl Checker {
 
 pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
     operator::migrate(ctx).await?;
-    sqlx::raw_sql("TRUNCATE demo_orders, demo_order_events; TRUNCATE outbox.records, outbox.completed")
-        .execute(&ctx.pool)
-        .await?;
+    let schema = &ctx.config.outbox.schema;
+    let reset = format!("TRUNCATE demo_orders, demo_order_events; TRUNCATE {schema}.records, {schema}.completed");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(&ctx.pool).await?;
     let mut stream = verify::open_stream_or_create(ctx).await?;
     // A fresh story: the verification compares this run's stream with this run's orders.
     stream.purge().await.map_err(|e| Failure(format!("purging the demo stream: {e}")))?;

@@ -101,6 +101,7 @@ impl From<outbox_cluster::Error> for Failure {
     fn from(e: outbox_cluster::Error) -> Self {
         match e {
             outbox_cluster::Error::Core(core) => core.into(),
+            outbox_cluster::Error::Database(db) => db.into(),
             other => Failure(other.to_string()),
         }
     }
@@ -120,8 +121,8 @@ impl From<outbox_nats::Error> for Failure {
 impl From<sqlx::Error> for Failure {
     fn from(e: sqlx::Error) -> Self {
         match &e {
-            sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => {
-                Failure(format!("{e}: run `outbox-demo migrate` first"))
+            sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01" | "3F000")) => {
+                Failure(format!("{}: run `outbox-demo migrate` first", db.message()))
             }
             _ => Failure(format!("database error: {e}")),
         }

@@ -1,0 +1,278 @@
+//! The demo's subcommands, run as the real binary against this test's own database and its own
+//! nats-server.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use outbox_tests::nats::NatsServer;
+use sqlx::PgPool;
+
+struct Env {
+    database_url: String,
+    nats: NatsServer,
+}
+
+impl Env {
+    async fn new(pool: &PgPool) -> Env {
+        let db: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
+        let base = std::env::var("DATABASE_URL").unwrap();
+        let (server, _) = base.rsplit_once('/').unwrap();
+        Env { database_url: format!("{server}/{db}"), nats: NatsServer::start() }
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-demo"));
+        command
+            .args(args)
+            .env("DATABASE_URL", &self.database_url)
+            .env("NATS_URL", self.nats.url())
+            .env_remove("OUTBOX_CONFIG");
+        command
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().unwrap()
+    }
+
+    /// Runs and expects success; returns stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{args:?} failed: {stdout}\n{stderr}");
+        stdout.into_owned()
+    }
+
+    fn worker(&self, name: &str, extra: &[&str]) -> Child {
+        let mut args = vec!["worker", "--name", name];
+        args.extend_from_slice(extra);
+        self.command(&args).env("RUST_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    }
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+async fn wait_for<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn terminate(mut child: Child) {
+    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let exit = child.wait().unwrap();
+    assert!(exit.success(), "worker exited with {exit}");
+}
+
+/// The multi-process flow of the README: migrate, two workers, produce, verify, status.
+#[sqlx::test(migrations = false)]
+async fn migrate_two_workers_produce_verify_and_status(pool: PgPool) {
+    let env = Env::new(&pool).await;
+    let out = env.run(&["status"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("run `outbox-demo migrate` first"), "{}", stderr(&out));
+
+    assert!(env.ok(&["migrate"]).contains("migrated"));
+    env.ok(&["migrate"]);
+    let port = outbox_tests::nats::free_port();
+    let metrics_addr = format!("127.0.0.1:{port}");
+    let w1 = env.worker("w1", &["--metrics-addr", &metrics_addr]);
+    let w2 = env.worker("w2", &[]);
+    wait_for("two workers sharing the partitions", || async {
+        let owners: i64 =
+            sqlx::query_scalar("SELECT count(DISTINCT owner) FROM outbox.partitions WHERE owner IS NOT NULL")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        owners == 2
+    })
+    .await;
+
+    let produced = env.ok(&["produce", "--orders", "60", "--events-per-order", "4", "--rollback-fraction", "0.2"]);
+    assert!(produced.contains("produced 240 events for 60 orders"), "{produced}");
+    let committed: i64 = sqlx::query_scalar("SELECT count(*) FROM demo_order_events").fetch_one(&pool).await.unwrap();
+    assert_eq!(committed, 240);
+    wait_for("backlog drained", || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.records").fetch_one(&pool).await.unwrap();
+        n == 0
+    })
+    .await;
+
+    let verified = env.ok(&["verify"]);
+    assert!(verified.contains("committed events   240") && verified.contains("stream messages    240"), "{verified}");
+    assert!(verified.contains("OK: nothing lost"), "{verified}");
+
+    let status = env.ok(&["status"]);
+    assert!(status.contains("w1") && status.contains("w2") && status.contains("128 partitions"), "{status}");
+    assert!(status.contains("pending 0  FAILED 0"), "{status}");
+
+    let metrics = http_get(&metrics_addr, "/metrics").await;
+    for name in [
+        "outbox_records_completed_total",
+        "outbox_delivery_latency_seconds",
+        "outbox_owned_partitions",
+        "outbox_live_instances",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from metrics:\n{metrics}");
+    }
+    terminate(w1);
+    terminate(w2);
+    let instances: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.instances").fetch_one(&pool).await.unwrap();
+    assert_eq!(instances, 0, "graceful stops deregister");
+}
+
+async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await {
+            stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await.unwrap();
+            let mut body = String::new();
+            stream.read_to_string(&mut body).await.unwrap();
+            return body;
+        }
+        assert!(Instant::now() < deadline, "metrics endpoint {addr} not reachable");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `verify` exits non-zero and names what is wrong: a leaked (rolled-back) event, a duplicate, a gap.
+#[sqlx::test(migrations = false)]
+async fn verify_reports_ghosts_duplicates_and_missing_events(pool: PgPool) {
+    let env = Env::new(&pool).await;
+    env.ok(&["migrate"]);
+    env.ok(&["produce", "--orders", "3", "--events-per-order", "2", "--rollback-fraction", "0"]);
+    let w = env.worker("w", &[]);
+    wait_for("drained", || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.records").fetch_one(&pool).await.unwrap();
+        n == 0
+    })
+    .await;
+    terminate(w);
+    assert!(env.ok(&["verify"]).contains("OK"));
+
+    let client = async_nats::connect(env.nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let (order, seq): (String, i32) =
+        sqlx::query_as("SELECT order_id, seq FROM demo_order_events ORDER BY order_id, seq LIMIT 1")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let ghost = serde_json::json!({"event_id": uuid::Uuid::now_v7(), "key": order, "seq": 3, "step": "refunded"});
+    js.publish("outbox.order.refunded", ghost.to_string().into()).await.unwrap().await.unwrap();
+    sqlx::query("INSERT INTO demo_order_events (event_id, order_id, seq, step) VALUES ($1, $2, 9, 'lost')")
+        .bind(uuid::Uuid::now_v7())
+        .bind(&order)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let _ = seq;
+    // A copy of a committed event published again outside the outbox (no message id to dedupe on).
+    let first = js.get_stream("OUTBOX").await.unwrap().get_raw_message(1).await.unwrap();
+    js.publish(first.subject.to_string(), first.payload.clone()).await.unwrap().await.unwrap();
+    let out = env.run(&["verify"]);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{report}");
+    assert!(report.contains("missing                    1 events in 1 orders"), "{report}");
+    assert!(report.contains("rolled back but published  1 events in 1 orders"), "{report}");
+    assert!(report.contains("duplicated                 1 events in 1 orders"), "{report}");
+    assert!(report.contains("FAILED"), "{report}");
+}
+
+/// `failed list|requeue|skip` and `purge` act on the database as an operator expects.
+#[sqlx::test(migrations = false)]
+async fn failed_records_can_be_listed_requeued_and_skipped_and_purge_deletes_old_completions(pool: PgPool) {
+    let env = Env::new(&pool).await;
+    env.ok(&["migrate"]);
+    env.ok(&["produce", "--orders", "2", "--events-per-order", "2", "--rollback-fraction", "0"]);
+    sqlx::query("UPDATE outbox.records SET failed_at = now(), attempts = 3, last_error = 'permanent: broker said no' WHERE seq = 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let listed = env.ok(&["failed", "list"]);
+    assert!(listed.contains("2 FAILED records") && listed.contains("broker said no"), "{listed}");
+    let ids: Vec<(uuid::Uuid, String)> =
+        sqlx::query_as("SELECT id, key FROM outbox.records WHERE failed_at IS NOT NULL ORDER BY key")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let by_key = env.ok(&["failed", "list", "--key", &ids[0].1]);
+    assert!(by_key.contains("1 FAILED records"), "{by_key}");
+
+    assert!(env.ok(&["failed", "requeue", &ids[0].0.to_string()]).contains("requeued"));
+    assert!(env.ok(&["failed", "skip", &ids[1].0.to_string()]).contains("skipped"));
+    let out = env.run(&["failed", "skip", &ids[1].0.to_string()]);
+    assert!(!out.status.success() && stderr(&out).contains("not found in state FAILED"), "{}", stderr(&out));
+    let failed: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.records WHERE failed_at IS NOT NULL")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(failed, 0);
+    let skipped: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.completed WHERE outcome = 'skipped'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(skipped, 1);
+
+    sqlx::query("UPDATE outbox.completed SET completed_at = now() - interval '3 hours'").execute(&pool).await.unwrap();
+    assert!(env.ok(&["purge", "--older-than", "2h"]).contains("purged 1 completed records"));
+}
+
+/// A newcomer's mistakes get one clear line, not a backtrace.
+#[sqlx::test(migrations = false)]
+async fn bad_config_and_unreachable_services_are_one_line_errors(pool: PgPool) {
+    let env = Env::new(&pool).await;
+    let dir = std::env::temp_dir().join(format!("outbox-demo-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "[outbox]\npoll_interval = \"soon\"\n").unwrap();
+    let out = env.run(&["--config", bad.to_str().unwrap(), "status"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).starts_with("error: bad configuration in") && stderr(&out).contains("poll_interval"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::write(&bad, "[cluster]\nheartbeat_interval = \"5s\"\nstale_timeout = \"6s\"\n").unwrap();
+    let out = env.run(&["--config", bad.to_str().unwrap(), "status"]);
+    assert!(stderr(&out).contains("stale_timeout"), "{}", stderr(&out));
+
+    let out = env
+        .command(&["status"])
+        .env("DATABASE_URL", format!("postgres://root@127.0.0.1:{}/x", outbox_tests::nats::free_port()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("cannot connect to PostgreSQL at 127.0.0.1:"), "{}", stderr(&out));
+    assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
+
+    env.ok(&["migrate"]);
+    let out = env
+        .command(&["verify"])
+        .env("NATS_URL", format!("nats://127.0.0.1:{}", outbox_tests::nats::free_port()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("cannot connect to NATS at nats://127.0.0.1:"), "{}", stderr(&out));
+}
+
+/// `run`, the default, tells the story and ends with a clean verification.
+#[sqlx::test(migrations = false)]
+async fn run_tells_the_story_and_verifies_it(pool: PgPool) {
+    let env = Env::new(&pool).await;
+    let out = env.run(&["run", "--orders", "40", "--rate", "200", "--step-secs", "1"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", stderr(&out));
+    for line in ["w4 joins", "w2 leaves gracefully", "w3 crashes", "committed events   120", "OK: nothing lost"] {
+        assert!(stdout.contains(line), "missing {line:?} in:\n{stdout}");
+    }
+}
