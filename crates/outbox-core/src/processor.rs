@@ -215,7 +215,10 @@ impl Processor {
                     fetch = None;
                     match fetched {
                         Ok(records) => {
-                            want_fetch = records.len() == limit;
+                            // A full batch may have left more; and a completion that landed while this
+                            // fetch ran has already asked for another (its keys' next records may not
+                            // have been visible to this fetch): keep that request.
+                            want_fetch |= records.len() == limit;
                             let current = self.assignment.borrow().clone();
                             for (mut record, epoch) in records {
                                 // The assignment may have changed, or its deadline passed, while the fetch ran.

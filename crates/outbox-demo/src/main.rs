@@ -4,6 +4,7 @@
 //! Subcommands: `run` (the default: the whole story live in one process), `worker`, `produce`,
 //! `verify`, `status`, `failed list|requeue|skip`, `purge`, `migrate`. See `--help`.
 
+mod bench;
 mod config;
 mod live;
 mod operator;
@@ -36,13 +37,13 @@ struct Cli {
 
 #[derive(Args)]
 struct Global {
-    /// TOML file with [outbox], [cluster] and [nats] sections.
+    /// TOML file with `outbox`, `cluster` and `nats` sections.
     #[arg(long, env = "OUTBOX_CONFIG", global = true)]
     config: Option<PathBuf>,
     /// PostgreSQL connection URL.
     #[arg(long, env = "DATABASE_URL", global = true, default_value = DEFAULT_DATABASE_URL, hide_default_value = true)]
     database_url: String,
-    /// NATS server URL(s), comma-separated; overrides [nats].servers.
+    /// NATS server URL(s), comma-separated; overrides the file's `nats.servers`.
     #[arg(long, env = "NATS_URL", global = true)]
     nats_url: Option<String>,
     /// Log format.
@@ -79,6 +80,8 @@ enum Command {
     },
     /// Applies the outbox schema and the demo's tables.
     Migrate,
+    /// Throughput, latency and cost, with yardsticks measured in the same run (build with --release).
+    Bench(bench::BenchArgs),
 }
 
 /// An error for a person: one line saying what is wrong and what to do.
@@ -186,5 +189,6 @@ async fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Failed(command) => operator::failed(&ctx, command).await.map(|()| ExitCode::SUCCESS),
         Command::Purge { older_than } => operator::purge(&ctx, older_than).await.map(|()| ExitCode::SUCCESS),
         Command::Migrate => operator::migrate(&ctx).await.map(|()| ExitCode::SUCCESS),
+        Command::Bench(args) => bench::run(&ctx, args, &cli.global.database_url).await,
     }
 }

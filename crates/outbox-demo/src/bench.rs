@@ -1,0 +1,450 @@
+//! `bench`: throughput, latency and cost against the local PostgreSQL and NATS JetStream (file storage),
+//! with two yardsticks measured in the same run: raw pipelined JetStream publishing, and an idealised
+//! relay (select 500 pending rows, publish them pipelined, delete them by id; no ordering, no fencing).
+//!
+//! Everything runs in its own schema (`outbox_bench`) and stream (`OUTBOX_BENCH`), so it never touches
+//! the demo's data. Prints a table and one JSON line per scenario.
+
+use std::collections::HashMap;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use futures::future::try_join_all;
+use outbox_cluster::{ClusterConfig, Node};
+use outbox_core::{Config, Handler, HandlerError, Handlers, NewRecord, Outbox, Record, Route, handler_fn};
+use outbox_nats::{JetStreamHandler, NatsConfig, StreamSettings};
+use rand::RngExt;
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::{Context, Failure};
+
+const SCHEMA: &str = "outbox_bench";
+const STREAM: &str = "OUTBOX_BENCH";
+const PAYLOAD_BYTES: usize = 256;
+
+/// `bench` options.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Small sizes and short durations: a smoke test (CI), not figures to quote.
+    #[arg(long)]
+    pub quick: bool,
+}
+
+struct Sizes {
+    keys: usize,
+    per_key: usize,
+    steady_rate: u64,
+    steady_secs: u64,
+    idle_secs: u64,
+}
+
+impl Sizes {
+    fn of(quick: bool) -> Sizes {
+        if quick {
+            Sizes { keys: 100, per_key: 10, steady_rate: 200, steady_secs: 3, idle_secs: 3 }
+        } else {
+            Sizes { keys: 1000, per_key: 50, steady_rate: 1000, steady_secs: 30, idle_secs: 10 }
+        }
+    }
+
+    fn records(&self) -> usize {
+        self.keys * self.per_key
+    }
+}
+
+/// One scenario's result.
+struct Row {
+    scenario: &'static str,
+    value: f64,
+    unit: &'static str,
+    extra: serde_json::Value,
+}
+
+struct Bench {
+    pool: PgPool,
+    outbox: Outbox,
+    nats: NatsConfig,
+    database_url: String,
+    sizes: Sizes,
+}
+
+pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<ExitCode, Failure> {
+    let outbox = Outbox::new(Config {
+        schema: SCHEMA.into(),
+        completion: ctx.config.outbox.completion,
+        ..ctx.config.outbox.clone()
+    })?;
+    outbox.migrate(&ctx.pool).await?;
+    let nats = NatsConfig {
+        subject: "bench.{event_type}".into(),
+        stream: StreamSettings { name: STREAM.into(), subjects: vec!["bench.>".into()], ..StreamSettings::default() },
+        ..ctx.config.nats.clone()
+    };
+    let bench =
+        Bench { pool: ctx.pool.clone(), outbox, nats, database_url: database_url.into(), sizes: Sizes::of(args.quick) };
+    let mut rows = Vec::new();
+    let publish = bench.raw_publish().await?;
+    let relay = bench.idealised_relay().await?;
+    rows.push(publish);
+    let relay_rate = relay.value;
+    rows.push(relay);
+    rows.push(bench.drain_in_process().await?);
+    rows.push(bench.drain_processes(4).await?);
+    rows.push(bench.failing_keys().await?);
+    rows.push(bench.steady().await?);
+    rows.push(bench.idle().await?);
+
+    println!("{:<28} {:>14} {:<16} {:>10}", "scenario", "value", "unit", "vs relay");
+    for row in &rows {
+        let ratio = if row.unit == "records/s" { format!("{:.2}x", row.value / relay_rate) } else { "-".into() };
+        println!("{:<28} {:>14.1} {:<16} {:>10}", row.scenario, row.value, row.unit, ratio);
+    }
+    for row in &rows {
+        let mut line = json!({"scenario": row.scenario, "value": row.value, "unit": row.unit, "quick": args.quick});
+        if row.unit == "records/s" {
+            line["relay_ratio"] = json!(row.value / relay_rate);
+        }
+        if let (Some(line), Some(extra)) = (line.as_object_mut(), row.extra.as_object()) {
+            line.extend(extra.clone());
+        }
+        println!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn payload() -> Vec<u8> {
+    vec![b'x'; PAYLOAD_BYTES]
+}
+
+impl Bench {
+    async fn reset(&self) -> Result<async_nats::Client, Failure> {
+        let reset = format!(
+            "TRUNCATE {SCHEMA}.records, {SCHEMA}.completed, {SCHEMA}.keys, {SCHEMA}.instances; UPDATE {SCHEMA}.partitions SET owner = NULL, target_owner = NULL"
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(&self.pool).await?;
+        let client = outbox_nats::connect(&self.nats).await?;
+        outbox_nats::ensure_stream(&client, &self.nats.stream).await?;
+        let js = async_nats::jetstream::new(client.clone());
+        let stream = js.get_stream(STREAM).await.map_err(|e| Failure(e.to_string()))?;
+        stream.purge().await.map_err(|e| Failure(e.to_string()))?;
+        Ok(client)
+    }
+
+    /// keys × per_key records, 256-byte payloads, scheduled in transactions of 1,000.
+    async fn preload(&self) -> Result<usize, Failure> {
+        let mut records = Vec::with_capacity(self.sizes.records());
+        for _ in 0..self.sizes.per_key {
+            for k in 0..self.sizes.keys {
+                records.push(NewRecord::new(format!("key-{k}"), "bench", payload()));
+            }
+        }
+        for chunk in records.chunks(1000) {
+            let mut tx = self.pool.begin().await?;
+            self.outbox.schedule_batch(&mut tx, chunk).await?;
+            tx.commit().await?;
+        }
+        Ok(records.len())
+    }
+
+    async fn pending(&self) -> Result<i64, Failure> {
+        let sql = format!("SELECT count(*) FROM {SCHEMA}.records WHERE failed_at IS NULL");
+        Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&self.pool).await?)
+    }
+
+    async fn wait_drained(&self) -> Result<(), Failure> {
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while self.pending().await? > 0 {
+            if Instant::now() > deadline {
+                return Err(Failure("bench: backlog did not drain within 10 minutes".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
+    fn cluster(name: &str) -> ClusterConfig {
+        ClusterConfig { name: name.into(), ..ClusterConfig::default() }
+    }
+
+    async fn node(&self, handlers: Handlers) -> Result<Node, Failure> {
+        Ok(Node::start(self.outbox.clone(), self.pool.clone(), handlers, Self::cluster("bench")).await?)
+    }
+
+    async fn jetstream(&self) -> Result<JetStreamHandler, Failure> {
+        let client = outbox_nats::connect(&self.nats).await?;
+        Ok(JetStreamHandler::new(client, &self.nats)?)
+    }
+
+    /// Rows inserted, updated and deleted in the bench schema so far (statistics, flushed lazily).
+    async fn rows_written(&self) -> Result<i64, Failure> {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let n: Option<i64> = sqlx::query_scalar(
+            "SELECT sum(n_tup_ins + n_tup_upd + n_tup_del)::bigint FROM pg_stat_user_tables WHERE schemaname = $1",
+        )
+        .bind(SCHEMA)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(n.unwrap_or(0))
+    }
+
+    /// Yardstick 1: JetStream alone, pipelined (up to 1,000 acks outstanding).
+    async fn raw_publish(&self) -> Result<Row, Failure> {
+        let client = self.reset().await?;
+        let js = async_nats::jetstream::new(client);
+        let n = self.sizes.records();
+        let started = Instant::now();
+        for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+            let mut acks = Vec::with_capacity(chunk.len());
+            for i in chunk {
+                let message = async_nats::jetstream::message::PublishMessage::build()
+                    .payload(payload().into())
+                    .message_id(format!("raw-{i}"));
+                acks.push(js.send_publish("bench.raw", message).await.map_err(|e| Failure(e.to_string()))?);
+            }
+            try_join_all(acks.into_iter().map(|ack| ack.into_future())).await.map_err(|e| Failure(e.to_string()))?;
+        }
+        let rate = n as f64 / started.elapsed().as_secs_f64();
+        Ok(Row {
+            scenario: "yardstick_jetstream_publish",
+            value: rate,
+            unit: "records/s",
+            extra: json!({"records": n}),
+        })
+    }
+
+    /// Yardstick 2: the idealised relay.
+    async fn idealised_relay(&self) -> Result<Row, Failure> {
+        let client = self.reset().await?;
+        let n = self.preload().await?;
+        let js = async_nats::jetstream::new(client);
+        let select = format!("SELECT id, payload FROM {SCHEMA}.records ORDER BY id LIMIT 500");
+        let delete = format!("DELETE FROM {SCHEMA}.records WHERE id = ANY($1)");
+        let started = Instant::now();
+        loop {
+            let rows: Vec<(Uuid, Vec<u8>)> =
+                sqlx::query_as(sqlx::AssertSqlSafe(select.clone())).fetch_all(&self.pool).await?;
+            if rows.is_empty() {
+                break;
+            }
+            let mut acks = Vec::with_capacity(rows.len());
+            for (id, body) in &rows {
+                let message = async_nats::jetstream::message::PublishMessage::build()
+                    .payload(body.clone().into())
+                    .message_id(id.to_string());
+                acks.push(js.send_publish("bench.relay", message).await.map_err(|e| Failure(e.to_string()))?);
+            }
+            try_join_all(acks.into_iter().map(|ack| ack.into_future())).await.map_err(|e| Failure(e.to_string()))?;
+            let ids: Vec<Uuid> = rows.iter().map(|(id, _)| *id).collect();
+            sqlx::query(sqlx::AssertSqlSafe(delete.clone())).bind(&ids).execute(&self.pool).await?;
+        }
+        let rate = n as f64 / started.elapsed().as_secs_f64();
+        Ok(Row { scenario: "yardstick_idealised_relay", value: rate, unit: "records/s", extra: json!({"records": n}) })
+    }
+
+    /// The outbox, one in-process instance, draining a preloaded backlog.
+    async fn drain_in_process(&self) -> Result<Row, Failure> {
+        self.reset().await?;
+        let n = self.preload().await?;
+        let before = self.rows_written().await?;
+        let handlers = Handlers::new().default_route(Route::new(self.jetstream().await?));
+        let started = Instant::now();
+        let node = self.node(handlers).await?;
+        self.wait_drained().await?;
+        let elapsed = started.elapsed();
+        node.shutdown().await?;
+        let written = self.rows_written().await? - before;
+        let rate = n as f64 / elapsed.as_secs_f64();
+        Ok(Row {
+            scenario: "drain_1_instance",
+            value: rate,
+            unit: "records/s",
+            extra: json!({"records": n, "secs": elapsed.as_secs_f64(), "pg_rows_written_per_record": written as f64 / n as f64}),
+        })
+    }
+
+    /// The outbox as `count` separate `outbox-demo worker` processes; also their peak RSS.
+    async fn drain_processes(&self, count: usize) -> Result<Row, Failure> {
+        self.reset().await?;
+        let n = self.preload().await?;
+        let exe = std::env::current_exe().map_err(|e| Failure(e.to_string()))?;
+        let config = std::env::temp_dir().join(format!("outbox-bench-{}.toml", std::process::id()));
+        let toml = format!(
+            "[outbox]\nschema = \"{SCHEMA}\"\n[nats]\nservers = {:?}\nsubject = \"bench.{{event_type}}\"\n[nats.stream]\nname = \"{STREAM}\"\nsubjects = [\"bench.>\"]\n",
+            self.nats.servers
+        );
+        std::fs::write(&config, toml).map_err(|e| Failure(e.to_string()))?;
+        let started = Instant::now();
+        let mut workers: Vec<Child> = (0..count)
+            .map(|i| {
+                Command::new(&exe)
+                    .args(["worker", "--name", &format!("bench-{i}")])
+                    .env("DATABASE_URL", &self.database_url)
+                    .env("OUTBOX_CONFIG", &config)
+                    .env_remove("NATS_URL")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .map_err(|e| Failure(format!("cannot start a worker process: {e}")))
+            })
+            .collect::<Result<_, _>>()?;
+        self.wait_drained().await?;
+        let elapsed = started.elapsed();
+        let peak_rss_kib = workers.iter().filter_map(|w| peak_rss_kib(w.id())).max().unwrap_or(0);
+        for worker in &mut workers {
+            let _ = Command::new("kill").args(["-TERM", &worker.id().to_string()]).status();
+            let _ = worker.wait();
+        }
+        let _ = std::fs::remove_file(&config);
+        let rate = n as f64 / elapsed.as_secs_f64();
+        Ok(Row {
+            scenario: "drain_4_processes",
+            value: rate,
+            unit: "records/s",
+            extra: json!({"records": n, "processes": count, "secs": elapsed.as_secs_f64(), "worker_peak_rss_mib": peak_rss_kib as f64 / 1024.0, "includes_process_start": true}),
+        })
+    }
+
+    /// Drain with 1 % of keys failing twice before succeeding; throughput of the healthy keys.
+    async fn failing_keys(&self) -> Result<Row, Failure> {
+        self.reset().await?;
+        let n = self.preload().await?;
+        let failing: std::collections::HashSet<String> =
+            (0..self.sizes.keys).filter(|k| k % 100 == 0).map(|k| format!("key-{k}")).collect();
+        let healthy = n - failing.len() * self.sizes.per_key;
+        let jetstream = self.jetstream().await?;
+        let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (failing, d) = (Arc::new(failing), done.clone());
+        let handler = handler_fn(move |r: Record| {
+            let (jetstream, failing, d) = (jetstream.clone(), failing.clone(), d.clone());
+            async move {
+                let bad = failing.contains(&r.key);
+                if bad && r.attempts < 2 {
+                    return Err(HandlerError::retryable("bench: failing twice"));
+                }
+                jetstream.handle(&r).await?;
+                if !bad {
+                    d.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(())
+            }
+        });
+        let started = Instant::now();
+        let node = self.node(Handlers::new().default_route(Route::new(handler))).await?;
+        while done.load(std::sync::atomic::Ordering::Relaxed) < healthy {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let elapsed = started.elapsed();
+        self.wait_drained().await?;
+        node.shutdown().await?;
+        let rate = healthy as f64 / elapsed.as_secs_f64();
+        Ok(Row {
+            scenario: "failing_keys_healthy",
+            value: rate,
+            unit: "records/s",
+            extra: json!({"healthy_records": healthy}),
+        })
+    }
+
+    /// Offered load from producer transactions (one record each); latency from commit to JetStream ack.
+    async fn steady(&self) -> Result<Row, Failure> {
+        self.reset().await?;
+        let committed: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
+        let acked: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
+        let jetstream = self.jetstream().await?;
+        let a = acked.clone();
+        let handler = handler_fn(move |r: Record| {
+            let (jetstream, a) = (jetstream.clone(), a.clone());
+            async move {
+                jetstream.handle(&r).await?;
+                if let Ok(mut acked) = a.lock() {
+                    acked.insert(r.id, Instant::now());
+                }
+                Ok(())
+            }
+        });
+        let node = self.node(Handlers::new().default_route(Route::new(handler))).await?;
+        // Let the node acquire its partitions before offering load.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (rate, secs) = (self.sizes.steady_rate, self.sizes.steady_secs);
+        let producers = 8;
+        let tasks = (0..producers).map(|p| {
+            let (outbox, pool, committed) = (self.outbox.clone(), self.pool.clone(), committed.clone());
+            tokio::spawn(async move {
+                let mut ticker = tokio::time::interval(Duration::from_secs_f64(producers as f64 / rate as f64));
+                let end = Instant::now() + Duration::from_secs(secs);
+                while Instant::now() < end {
+                    ticker.tick().await;
+                    let key = format!("steady-{}", rand::rng().random_range(0..1000));
+                    let mut tx = pool.begin().await?;
+                    let scheduled = outbox.schedule(&mut tx, NewRecord::new(key, "bench", payload())).await?;
+                    tx.commit().await?;
+                    if let Ok(mut committed) = committed.lock() {
+                        committed.insert(scheduled.id, Instant::now());
+                    }
+                }
+                let _ = p;
+                Ok::<(), Failure>(())
+            })
+        });
+        for task in futures::future::join_all(tasks).await {
+            task.map_err(|e| Failure(e.to_string()))??;
+        }
+        self.wait_drained().await?;
+        node.shutdown().await?;
+        let (committed, acked) =
+            (committed.lock().map_err(|_| Failure("lock".into()))?, acked.lock().map_err(|_| Failure("lock".into()))?);
+        let mut latencies: Vec<f64> = committed
+            .iter()
+            .filter_map(|(id, at)| acked.get(id).map(|ack| ack.saturating_duration_since(*at).as_secs_f64() * 1000.0))
+            .collect();
+        latencies.sort_by(f64::total_cmp);
+        let pct = |p: f64| {
+            latencies
+                .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(0.0)
+        };
+        Ok(Row {
+            scenario: "steady_commit_to_ack_p50",
+            value: pct(0.50),
+            unit: "ms",
+            extra: json!({"offered_per_s": rate, "secs": secs, "records": latencies.len(), "p95_ms": pct(0.95), "p99_ms": pct(0.99), "max_ms": latencies.last().copied().unwrap_or(0.0)}),
+        })
+    }
+
+    /// Transactions per second an idle instance costs PostgreSQL.
+    async fn idle(&self) -> Result<Row, Failure> {
+        self.reset().await?;
+        let node = self.node(Handlers::new().default_route(Route::new(self.jetstream().await?))).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let xacts = || async {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()",
+            )
+            .fetch_one(&self.pool)
+            .await?;
+            Ok::<i64, Failure>(n)
+        };
+        let before = xacts().await?;
+        tokio::time::sleep(Duration::from_secs(self.sizes.idle_secs)).await;
+        let per_s = (xacts().await? - before - 1) as f64 / self.sizes.idle_secs as f64;
+        node.shutdown().await?;
+        Ok(Row {
+            scenario: "idle_instance",
+            value: per_s,
+            unit: "transactions/s",
+            extra: json!({"secs": self.sizes.idle_secs}),
+        })
+    }
+}
+
+/// Peak resident set (VmHWM) of a process, from /proc.
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
