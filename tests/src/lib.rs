@@ -2,6 +2,7 @@
 //! (`src/bin/`) and other crates' tests: a real nats-server per test.
 
 pub mod nats;
+pub mod process;
 
 /// The README's Rust examples, compiled as doctests so the README cannot drift from the API.
 #[doc = include_str!("../../README.md")]

@@ -10,13 +10,14 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::*;
 use outbox_core::{NewRecord, Outbox};
+use outbox_tests::process::Process;
 use rand::RngExt;
 use sqlx::PgPool;
 use tokio::time::Instant;
@@ -29,7 +30,7 @@ const KEYS: usize = 120;
 
 struct Worker {
     name: String,
-    child: Child,
+    child: Process,
 }
 
 impl Worker {
@@ -43,11 +44,11 @@ impl Worker {
             .stderr(log)
             .spawn()
             .unwrap();
-        Worker { name: name.into(), child }
+        Worker { name: name.into(), child: Process(child) }
     }
 
     fn signal(&self, signal: &str) {
-        let status = Command::new("kill").args([signal, &self.child.id().to_string()]).status().unwrap();
+        let status = Command::new("kill").args([signal, &self.child.0.id().to_string()]).status().unwrap();
         assert!(status.success(), "kill {signal} {}", self.name);
     }
 
@@ -61,7 +62,7 @@ impl Worker {
     async fn stop_wait(mut self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
+            if let Some(status) = self.child.0.try_wait().unwrap() {
                 assert!(status.success(), "{} exited with {status}", self.name);
                 return;
             }
@@ -71,8 +72,8 @@ impl Worker {
     }
 
     fn kill9(mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
+        self.child.0.kill().unwrap();
+        self.child.0.wait().unwrap();
     }
 }
 
@@ -300,7 +301,7 @@ async fn measure_handover_failover_and_idle_load(pool: PgPool) {
                 .stderr(log)
                 .spawn()
                 .unwrap();
-            Worker { name: name.into(), child }
+            Worker { name: name.into(), child: Process(child) }
         };
         let owned_by = |name: &'static str| {
             let pool = pool.clone();

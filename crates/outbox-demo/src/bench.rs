@@ -291,14 +291,16 @@ impl Bench {
                     .map_err(|e| Failure(format!("cannot start a worker process: {e}")))
             })
             .collect::<Result<_, _>>()?;
-        self.wait_drained().await?;
+        let drained = self.wait_drained().await;
         let elapsed = started.elapsed();
         let peak_rss_kib = workers.iter().filter_map(|w| peak_rss_kib(w.id())).max().unwrap_or(0);
+        // Stopped whatever happened, so no worker outlives the bench.
         for worker in &mut workers {
             let _ = Command::new("kill").args(["-TERM", &worker.id().to_string()]).status();
             let _ = worker.wait();
         }
         let _ = std::fs::remove_file(&config);
+        drained?;
         let rate = n as f64 / elapsed.as_secs_f64();
         Ok(Row {
             scenario: "drain_4_processes",

@@ -2,10 +2,11 @@
 //! nats-server.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use outbox_tests::nats::NatsServer;
+use outbox_tests::process::Process;
 use sqlx::PgPool;
 
 struct Env {
@@ -43,10 +44,12 @@ impl Env {
         stdout.into_owned()
     }
 
-    fn worker(&self, name: &str, extra: &[&str]) -> Child {
+    fn worker(&self, name: &str, extra: &[&str]) -> Process {
         let mut args = vec!["worker", "--name", name];
         args.extend_from_slice(extra);
-        self.command(&args).env("RUST_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+        Process(
+            self.command(&args).env("RUST_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap(),
+        )
     }
 }
 
@@ -66,10 +69,10 @@ where
     }
 }
 
-fn terminate(mut child: Child) {
-    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+fn terminate(mut worker: Process) {
+    let status = Command::new("kill").args(["-TERM", &worker.0.id().to_string()]).status().unwrap();
     assert!(status.success());
-    let exit = child.wait().unwrap();
+    let exit = worker.0.wait().unwrap();
     assert!(exit.success(), "worker exited with {exit}");
 }
 
