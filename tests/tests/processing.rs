@@ -330,10 +330,12 @@ async fn slow_and_blocked_keys_do_not_stall_other_keys(pool: PgPool) {
 }
 
 /// A processor whose epoch is outdated (the partition changed hands) completes nothing: its write is
-/// fenced by the database, and it stops processing the partition.
+/// fenced by the database, and it stops processing the partition. (With lookahead 1, so the record in
+/// flight is the only one it ever hands out; with a longer run, the lease deadline is what stops it
+/// between records: see `a_run_stops_at_the_lease_deadline`.)
 #[sqlx::test(migrations = false)]
 async fn a_write_from_a_stale_epoch_changes_nothing(pool: PgPool) {
-    let outbox = outbox(&pool, |_| {}).await;
+    let outbox = outbox(&pool, |c| c.key_lookahead = 1).await;
     let me = uuid::Uuid::now_v7();
     let partition = partition_of("k");
     let epoch: i64 = sqlx::query_scalar(
@@ -488,4 +490,48 @@ async fn nothing_is_delivered_past_the_assignment_deadline(pool: PgPool) {
 async fn the_in_process_sink_passes_the_handler_conformance_suite(pool: PgPool) {
     let outbox = outbox(&pool, |_| {}).await;
     common::conformance::run(&outbox, &pool, &common::conformance::InProcess::default()).await;
+}
+
+/// A key's run (head plus lookahead) stops before its next record once the assignment's lease deadline
+/// has passed: a paused or partitioned worker hands out nothing more, whatever it had fetched.
+#[sqlx::test(migrations = false)]
+async fn a_run_stops_at_the_lease_deadline(pool: PgPool) {
+    let outbox = outbox(&pool, |c| c.key_lookahead = 8).await;
+    let me = uuid::Uuid::now_v7();
+    let partition = partition_of("k");
+    sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 3 WHERE partition = $2")
+        .bind(me)
+        .bind(i16::from(partition))
+        .execute(&pool)
+        .await
+        .unwrap();
+    commit(&outbox, &pool, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
+    let (entered, release) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+    let sink = Sink::new();
+    let (s, e, r) = (sink.clone(), entered.clone(), release.clone());
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |rec| {
+        let (s, e, r) = (s.clone(), e.clone(), r.clone());
+        async move {
+            s.record(&rec);
+            e.add_permits(1);
+            r.acquire().await.unwrap().forget();
+            Ok(())
+        }
+    })));
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(300);
+    let (_tx, assignment) = watch::channel(Assignment { epochs: [(partition, 3)].into(), valid_until: Some(deadline) });
+    let stop = CancellationToken::new();
+    let processor = Processor::new(outbox.clone(), pool.clone(), handlers, me, assignment);
+    let mut busy = processor.busy_partitions();
+    let processor = tokio::spawn(processor.run(stop.clone()));
+    entered.acquire().await.unwrap().forget();
+    // Record 1 is in the handler; the lease deadline passes; then the handler returns.
+    tokio::time::sleep_until(deadline + Duration::from_millis(50)).await;
+    release.add_permits(10);
+    busy.wait_for(|b| b.is_empty()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(sink.seqs_of("k"), [1], "records 2 and 3 were fetched with record 1 but not handed out");
+    assert_eq!(pending(&pool).await, 2, "record 1 completed (the epoch is still ours)");
+    stop.cancel();
+    processor.await.unwrap().unwrap();
 }

@@ -107,8 +107,9 @@ struct Flushed {
     written: BTreeSet<Uuid>,
 }
 
-/// A fetch's limit and its heads, each with the epoch it was fetched under.
-type Fetched = (usize, Result<Vec<(Record, i64)>>);
+/// A fetch's limit and its runs (a key's head and the records after it), each with the epoch it was
+/// fetched under.
+type Fetched = (usize, Result<Vec<(Vec<Record>, i64)>>);
 
 /// A flush hands its outcomes back on error, so nothing is forgotten.
 type FlushResult = std::result::Result<Flushed, (Vec<Outcome>, Error)>;
@@ -147,7 +148,10 @@ impl Processor {
 
         // Keys dispatched and not yet completed in the database, with their partition.
         let mut in_flight: HashMap<String, Partition> = HashMap::new();
-        let mut deliveries: JoinSet<Outcome> = JoinSet::new();
+        let mut deliveries: JoinSet<(String, Vec<Outcome>)> = JoinSet::new();
+        // Records fetched after each head: only with stop-on-first-failure, where a key's records go
+        // strictly one after another anyway.
+        let followers = if config.stop_on_first_failure { config.key_lookahead - 1 } else { 0 };
         let mut outcomes: Vec<Outcome> = Vec::new();
         let mut fetch: Pending<Fetched> = None;
         let mut flush: Pending<FlushResult> = None;
@@ -180,7 +184,7 @@ impl Processor {
                     let exclude: Vec<String> = in_flight.keys().cloned().collect();
                     let (outbox, pool) = (self.outbox.clone(), self.pool.clone());
                     fetch = Some(Box::pin(async move {
-                        let fetched = fetch_heads(&outbox, &pool, &partitions, &exclude, limit).await;
+                        let fetched = fetch_runs(&outbox, &pool, &partitions, &exclude, limit, followers).await;
                         (limit, fetched.map(|records| with_epochs(records, &assignment)))
                     }));
                 }
@@ -207,7 +211,11 @@ impl Processor {
                     return Err(Error::ShutdownTimeout(config.shutdown_timeout));
                 }
                 Some(joined) = deliveries.join_next() => match joined {
-                    Ok(outcome) => outcomes.push(outcome),
+                    Ok((_, run)) if !run.is_empty() => outcomes.extend(run),
+                    Ok((key, _)) => {
+                        in_flight.remove(&key);
+                        self.publish_busy(&in_flight);
+                    }
                     // Only an abort gets here (panics are caught inside the task); nothing to complete.
                     Err(e) => error!(error = %e, "delivery task ended without an outcome"),
                 },
@@ -220,14 +228,19 @@ impl Processor {
                             // have been visible to this fetch): keep that request.
                             want_fetch |= records.len() == limit;
                             let current = self.assignment.borrow().clone();
-                            for (mut record, epoch) in records {
+                            for (mut run, epoch) in records {
+                                let Some(head) = run.first() else { continue };
                                 // The assignment may have changed, or its deadline passed, while the fetch ran.
-                                if current.epoch(record.partition) != Some(epoch) {
+                                if current.epoch(head.partition) != Some(epoch) {
                                     continue;
                                 }
-                                record.epoch = epoch;
-                                in_flight.insert(record.key.clone(), record.partition);
-                                deliveries.spawn(deliver(self.handlers.clone(), config.clone(), record, epoch));
+                                in_flight.insert(head.key.clone(), head.partition);
+                                for record in &mut run {
+                                    record.epoch = epoch;
+                                }
+                                let (handlers, config) = (self.handlers.clone(), config.clone());
+                                let (assignment, stop) = (self.assignment.clone(), shutdown.clone());
+                                deliveries.spawn(deliver_run(handlers, config, run, epoch, assignment, stop));
                             }
                             self.publish_busy(&in_flight);
                         }
@@ -330,8 +343,13 @@ fn rotate(partitions: impl Iterator<Item = i16>, rotation: &mut usize) -> Vec<i1
     list
 }
 
-fn with_epochs(records: Vec<Record>, assignment: &Assignment) -> Vec<(Record, i64)> {
-    records.into_iter().filter_map(|r| assignment.epochs.get(&r.partition).map(|&epoch| (r, epoch))).collect()
+fn with_epochs(runs: Vec<Vec<Record>>, assignment: &Assignment) -> Vec<(Vec<Record>, i64)> {
+    runs.into_iter()
+        .filter_map(|run| {
+            let epoch = assignment.epochs.get(&run.first()?.partition).copied()?;
+            Some((run, epoch))
+        })
+        .collect()
 }
 
 async fn poll_opt<T>(pending: &mut Pending<T>) -> T {
@@ -349,23 +367,38 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
 }
 
 #[instrument(skip_all, fields(partitions = partitions.len(), limit))]
-async fn fetch_heads(
+async fn fetch_runs(
     outbox: &Outbox,
     pool: &PgPool,
     partitions: &[i16],
     exclude: &[String],
     limit: usize,
-) -> Result<Vec<Record>> {
+    followers: usize,
+) -> Result<Vec<Vec<Record>>> {
     let rows = sqlx::query(stmt(&outbox.sql().fetch))
         .bind(partitions)
         .bind(exclude)
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .bind(i64::try_from(followers).unwrap_or(i64::MAX))
         .fetch_all(pool)
         .await
         .map_err(|e| outbox.db_error(e))?;
-    let records = rows.iter().map(record_from_row).collect::<Result<Vec<_>>>()?;
-    debug!(fetched = records.len(), "fetched heads");
-    Ok(records)
+    let mut by_key: HashMap<String, Vec<(Record, bool)>> = HashMap::new();
+    for row in &rows {
+        let record = record_from_row(row)?;
+        let due: bool = row.try_get("due")?;
+        by_key.entry(record.key.clone()).or_default().push((record, due));
+    }
+    let runs: Vec<Vec<Record>> = by_key
+        .into_values()
+        .map(|mut run| {
+            run.sort_by_key(|(r, _)| r.seq);
+            // A run stops before the first record that is not due (FAILED or waiting for a retry).
+            run.into_iter().take_while(|(_, due)| *due).map(|(r, _)| r).collect()
+        })
+        .collect();
+    debug!(keys = runs.len(), records = rows.len(), "fetched");
+    Ok(runs)
 }
 
 fn record_from_row(row: &PgRow) -> Result<Record> {
@@ -385,9 +418,36 @@ fn record_from_row(row: &PgRow) -> Result<Record> {
     })
 }
 
+/// Delivers a key's run one record at a time, each finished before the next starts. Stops after a
+/// record that is not completed (retry or FAILED: the rest must wait), and before the next record if
+/// the partition is no longer assigned at this epoch (or the lease deadline passed), or on shutdown.
+async fn deliver_run(
+    handlers: Arc<Handlers>,
+    config: crate::Config,
+    run: Vec<Record>,
+    epoch: i64,
+    assignment: watch::Receiver<Assignment>,
+    shutdown: CancellationToken,
+) -> (String, Vec<Outcome>) {
+    let key = run.first().map(|r| r.key.clone()).unwrap_or_default();
+    let mut outcomes = Vec::with_capacity(run.len());
+    for (i, record) in run.into_iter().enumerate() {
+        if i > 0 && (shutdown.is_cancelled() || assignment.borrow().epoch(record.partition) != Some(epoch)) {
+            break;
+        }
+        let outcome = deliver(&handlers, &config, record, epoch).await;
+        let completed = matches!(outcome.verdict, Verdict::Delivered | Verdict::Fallback);
+        outcomes.push(outcome);
+        if !completed {
+            break;
+        }
+    }
+    (key, outcomes)
+}
+
 /// Delivers one record: handler (with timeout), then retry decision, then fallback. Never panics and
 /// always returns an outcome, so no record is forgotten.
-async fn deliver(handlers: Arc<Handlers>, config: crate::Config, record: Record, epoch: i64) -> Outcome {
+async fn deliver(handlers: &Handlers, config: &crate::Config, record: Record, epoch: i64) -> Outcome {
     let route = handlers.get(&record.event_type);
     let timeout = config.handler_timeout;
     let result = match route {

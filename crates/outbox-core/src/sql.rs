@@ -41,29 +41,41 @@ const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.p
 
 const DUE: &str = "r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())";
 
-/// Fetches up to `$3` head records, one per key, from partitions `$1`, skipping keys `$2` (in flight).
+/// Fetches up to `$3` head records, one per key, from partitions `$1`, skipping keys `$2` (in flight),
+/// each followed by up to `$4` further records of its key in sequence order (the lookahead), each with
+/// a `due` flag: the processor delivers a key's run one record at a time and stops before the first
+/// record that is not due.
 ///
-/// A loose index scan: for each partition, walk its keys in index order, one probe per key, taking the
-/// key's first row. The cost grows with the number of keys, not records, and the walk stops as soon as
-/// the batch is full. With stop-on-first-failure the head is the key's lowest sequence, and a key whose
-/// head is FAILED or backing off is passed over (so blocked keys never fill a batch); without it, the
-/// walk takes each key's first *due* record.
-const FETCH: &str =
-    "SELECT h.id, h.partition, h.key, h.seq, h.event_type, h.payload, h.headers, h.attempts, h.created_at
-FROM unnest($1::smallint[]) AS p(part)
-CROSS JOIN LATERAL (
-    WITH RECURSIVE walk AS (
-        (SELECT {cols} FROM {s}.records r WHERE r.partition = p.part {step_due} ORDER BY r.key, r.seq LIMIT 1)
-        UNION ALL
-        SELECT n.* FROM walk w CROSS JOIN LATERAL (
-            SELECT {cols} FROM {s}.records r
-            WHERE r.partition = w.partition AND r.key > w.key {step_due}
-            ORDER BY r.key, r.seq LIMIT 1) n
-    )
-    SELECT * FROM walk
-) h
-WHERE {head_due} AND h.key <> ALL($2::text[])
-LIMIT $3";
+/// Heads come from a loose index scan: for each partition, walk its keys in index order, one probe per
+/// key, taking the key's first row. The cost grows with the number of keys, not records, and the walk
+/// stops as soon as the batch is full. With stop-on-first-failure the head is the key's lowest
+/// sequence, and a key whose head is FAILED or backing off is passed over (so blocked keys never fill a
+/// batch); without it, the walk takes each key's first *due* record.
+const FETCH: &str = "WITH heads AS MATERIALIZED (
+    SELECT h.id, h.partition, h.key, h.seq, h.event_type, h.payload, h.headers, h.attempts, h.created_at
+    FROM unnest($1::smallint[]) AS p(part)
+    CROSS JOIN LATERAL (
+        WITH RECURSIVE walk AS (
+            (SELECT {cols} FROM {s}.records r WHERE r.partition = p.part {step_due} ORDER BY r.key, r.seq LIMIT 1)
+            UNION ALL
+            SELECT n.* FROM walk w CROSS JOIN LATERAL (
+                SELECT {cols} FROM {s}.records r
+                WHERE r.partition = w.partition AND r.key > w.key {step_due}
+                ORDER BY r.key, r.seq LIMIT 1) n
+        )
+        SELECT * FROM walk
+    ) h
+    WHERE {head_due} AND h.key <> ALL($2::text[])
+    LIMIT $3
+)
+SELECT heads.*, true AS due FROM heads
+UNION ALL
+SELECT f.id, f.partition, f.key, f.seq, f.event_type, f.payload, f.headers, f.attempts, f.created_at,
+       f.failed_at IS NULL AND (f.next_attempt_at IS NULL OR f.next_attempt_at <= now()) AS due
+FROM heads CROSS JOIN LATERAL (
+    SELECT {cols} FROM {s}.records r
+    WHERE r.partition = heads.partition AND r.key = heads.key AND r.seq > heads.seq
+    ORDER BY r.seq LIMIT $4) f";
 
 /// Completes delivered records (fenced): delete, and copy to `completed` when keeping them.
 /// `$4` ids, `$5` outcomes, `$6` attempts.
@@ -207,6 +219,7 @@ mod tests {
             .bind(partitions)
             .bind(Vec::<String>::new())
             .bind(100_i64)
+            .bind(7_i64)
             .fetch_all(pool)
             .await
             .unwrap();
