@@ -4,8 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
-ensure_postgres
-ensure_nats
-ensure_database outbox_demo
-export DATABASE_URL="$DATABASE_URL_BASE/outbox_demo"
+use_demo_services
 cargo run --quiet --release -p outbox-demo -- bench "$@"

@@ -65,3 +65,11 @@ ensure_nats() {
   fi
   export NATS_URL="nats://127.0.0.1:$NATS_PORT"
 }
+
+# PostgreSQL and NATS running, and DATABASE_URL pointing at the demo's database (demo.sh, bench.sh).
+use_demo_services() {
+  ensure_postgres
+  ensure_nats
+  ensure_database outbox_demo
+  export DATABASE_URL="$DATABASE_URL_BASE/outbox_demo"
+}

@@ -348,18 +348,8 @@ async fn a_write_from_a_stale_epoch_changes_nothing(pool: PgPool) {
     .unwrap();
     commit(&outbox, &pool, vec![NewRecord::new("k", "t", ""), NewRecord::new("k", "t", "")]).await;
 
-    let (entered, release) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
     let sink = Sink::new();
-    let (s, e, r) = (sink.clone(), entered.clone(), release.clone());
-    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |rec| {
-        let (s, e, r) = (s.clone(), e.clone(), r.clone());
-        async move {
-            s.record(&rec);
-            e.add_permits(1);
-            r.acquire().await.unwrap().forget();
-            Ok(())
-        }
-    })));
+    let (handlers, Gate { entered, release }) = gated(&sink);
     let (_tx, assignment) = watch::channel(Assignment::new([(partition, epoch)].into()));
     let stop = CancellationToken::new();
     let processor = Processor::new(outbox.clone(), pool.clone(), handlers, me, assignment);
@@ -506,18 +496,8 @@ async fn a_run_stops_at_the_lease_deadline(pool: PgPool) {
         .await
         .unwrap();
     commit(&outbox, &pool, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
-    let (entered, release) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
     let sink = Sink::new();
-    let (s, e, r) = (sink.clone(), entered.clone(), release.clone());
-    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |rec| {
-        let (s, e, r) = (s.clone(), e.clone(), r.clone());
-        async move {
-            s.record(&rec);
-            e.add_permits(1);
-            r.acquire().await.unwrap().forget();
-            Ok(())
-        }
-    })));
+    let (handlers, Gate { entered, release }) = gated(&sink);
     let deadline = tokio::time::Instant::now() + Duration::from_millis(300);
     let (_tx, assignment) = watch::channel(Assignment { epochs: [(partition, 3)].into(), valid_until: Some(deadline) });
     let stop = CancellationToken::new();

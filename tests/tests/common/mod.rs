@@ -141,6 +141,28 @@ pub async fn drained(pool: &PgPool, timeout: Duration) {
     .await;
 }
 
+/// A handler that records each delivery, signals `entered`, then waits for a `release` permit.
+pub struct Gate {
+    pub entered: Arc<tokio::sync::Semaphore>,
+    pub release: Arc<tokio::sync::Semaphore>,
+}
+
+pub fn gated(sink: &Arc<Sink>) -> (Handlers, Gate) {
+    let gate =
+        Gate { entered: Arc::new(tokio::sync::Semaphore::new(0)), release: Arc::new(tokio::sync::Semaphore::new(0)) };
+    let (s, e, r) = (sink.clone(), gate.entered.clone(), gate.release.clone());
+    let handlers = Handlers::new().default_route(outbox_core::Route::new(outbox_core::handler_fn(move |rec| {
+        let (s, e, r) = (s.clone(), e.clone(), r.clone());
+        async move {
+            s.record(&rec);
+            e.add_permits(1);
+            r.acquire().await.unwrap().forget();
+            Ok(())
+        }
+    })));
+    (handlers, gate)
+}
+
 /// Sets a test-wide tracing subscriber once (RUST_LOG controls it).
 pub fn logs() {
     let _ = tracing_subscriber::fmt()
