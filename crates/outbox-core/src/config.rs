@@ -23,6 +23,9 @@ pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 /// Polling is the correctness path for new and due records; 100 ms bounds the added latency while an idle
 /// instance sends ten cheap index probes a second.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// While fetches keep finding records, poll every 5 ms: a record committed into a busy outbox is picked
+/// up within a few milliseconds, and the extra fetches only happen while there is work.
+pub const DEFAULT_ACTIVE_POLL_INTERVAL: Duration = Duration::from_millis(5);
 /// Heads (one record per key) read per fetch: one round trip feeds many keys.
 pub const DEFAULT_BATCH_SIZE: usize = 500;
 /// Keys in flight at once. A slow key occupies one slot, never the others.
@@ -63,6 +66,9 @@ pub struct Config {
     /// How often the processor looks for new or due records when nothing woke it.
     #[serde(with = "humantime_serde")]
     pub poll_interval: Duration,
+    /// Poll interval while recent fetches found records (within the last second); at most `poll_interval`.
+    #[serde(with = "humantime_serde")]
+    pub active_poll_interval: Duration,
     /// Heads fetched per round trip.
     pub batch_size: usize,
     /// Keys in flight at once.
@@ -98,6 +104,7 @@ impl Default for Config {
             schema: DEFAULT_SCHEMA.into(),
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             poll_interval: DEFAULT_POLL_INTERVAL,
+            active_poll_interval: DEFAULT_ACTIVE_POLL_INTERVAL,
             batch_size: DEFAULT_BATCH_SIZE,
             concurrency: DEFAULT_CONCURRENCY,
             key_lookahead: DEFAULT_KEY_LOOKAHEAD,
@@ -128,6 +135,7 @@ impl Config {
         }
         for (name, value) in [
             ("poll_interval", self.poll_interval),
+            ("active_poll_interval", self.active_poll_interval),
             ("handler_timeout", self.handler_timeout),
             ("purge_interval", self.purge_interval),
             ("shutdown_timeout", self.shutdown_timeout),
@@ -145,6 +153,12 @@ impl Config {
             if value == 0 || value > max {
                 return bad(format!("{name} must be within 1..={max}, got {value}"));
             }
+        }
+        if self.active_poll_interval > self.poll_interval {
+            return bad(format!(
+                "active_poll_interval ({:?}) must not exceed poll_interval ({:?})",
+                self.active_poll_interval, self.poll_interval
+            ));
         }
         self.retry.validate()
     }

@@ -26,7 +26,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
-use tokio::time::{Instant, MissedTickBehavior};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, instrument, warn};
 use uuid::Uuid;
@@ -143,8 +143,11 @@ impl Processor {
     #[instrument(skip_all, fields(instance = %self.owner))]
     pub async fn run(mut self, shutdown: CancellationToken) -> Result<()> {
         let config = self.outbox.config().clone();
-        let mut ticker = tokio::time::interval(config.poll_interval);
-        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // Adaptive polling: every `active_poll_interval` while fetches keep finding records (low
+        // latency under load), every `poll_interval` once a whole ACTIVE_WINDOW found nothing (cheap
+        // when idle).
+        let mut last_found: Option<Instant> = None;
+        let mut next_poll = Instant::now() + config.poll_interval;
 
         // Keys dispatched and not yet completed in the database, with their partition.
         let mut in_flight: HashMap<String, Partition> = HashMap::new();
@@ -227,6 +230,10 @@ impl Processor {
                             // fetch ran has already asked for another (its keys' next records may not
                             // have been visible to this fetch): keep that request.
                             want_fetch |= records.len() == limit;
+                            if !records.is_empty() {
+                                last_found = Some(Instant::now());
+                                next_poll = next_poll.min(Instant::now() + config.active_poll_interval);
+                            }
                             let current = self.assignment.borrow().clone();
                             for (mut run, epoch) in records {
                                 let Some(head) = run.first() else { continue };
@@ -288,7 +295,11 @@ impl Processor {
                 }
                 () = tokio::time::sleep_until(flush_not_before), if !outcomes.is_empty() && flush.is_none() => {}
                 () = sleep_until_opt(next_due) => { next_due = None; want_fetch = true; }
-                _ = ticker.tick() => want_fetch = true,
+                () = tokio::time::sleep_until(next_poll) => {
+                    want_fetch = true;
+                    let active = last_found.is_some_and(|at| at.elapsed() < ACTIVE_WINDOW);
+                    next_poll = Instant::now() + if active { config.active_poll_interval } else { config.poll_interval };
+                }
                 changed = self.assignment.changed(), if assignment_open => {
                     if changed.is_err() {
                         // The ownership layer is gone, so ownership can no longer be confirmed: stop as
@@ -329,6 +340,9 @@ fn record_metrics(outcome: &Outcome) {
         Verdict::Failed { .. } => metrics::counter!("outbox_records_failed_total").increment(1),
     }
 }
+
+/// How long after the last fetch that found records the processor keeps polling at the active rate.
+const ACTIVE_WINDOW: Duration = Duration::from_secs(1);
 
 const FLUSH_RETRY_MIN: Duration = Duration::from_millis(100);
 const FLUSH_RETRY_MAX: Duration = Duration::from_secs(5);
