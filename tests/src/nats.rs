@@ -14,7 +14,11 @@ pub struct NatsServer {
     child: Option<Child>,
 }
 
+/// `OUTBOX_NATS_SERVER` picks another binary (e.g. a newer server); else Debian's, else `PATH`'s.
 fn binary() -> String {
+    if let Ok(path) = std::env::var("OUTBOX_NATS_SERVER") {
+        return path;
+    }
     ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"]
         .into_iter()
         .find(|p| std::path::Path::new(p).exists())
