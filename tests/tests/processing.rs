@@ -446,19 +446,25 @@ async fn graceful_stop_completes_in_flight_records(pool: PgPool) {
     assert_eq!(count(&pool, "SELECT count(*) FROM outbox.instances").await, 0, "deregistered");
 }
 
+/// Makes a new instance id the owner of `key`'s partition at `epoch`, as the ownership layer would.
+async fn own_partition_of(pool: &PgPool, key: &str, epoch: i64) -> (uuid::Uuid, outbox_core::Partition) {
+    let (me, partition) = (uuid::Uuid::now_v7(), partition_of(key));
+    sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = $2 WHERE partition = $3")
+        .bind(me)
+        .bind(epoch)
+        .bind(i16::from(partition))
+        .execute(pool)
+        .await
+        .unwrap();
+    (me, partition)
+}
+
 /// Past the assignment's deadline (the lease may have expired while the process was paused) nothing
 /// is fetched or handed to a handler; a renewed deadline resumes delivery.
 #[sqlx::test(migrations = false)]
 async fn nothing_is_delivered_past_the_assignment_deadline(pool: PgPool) {
     let outbox = outbox(&pool, |_| {}).await;
-    let me = uuid::Uuid::now_v7();
-    let partition = partition_of("k");
-    sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 7 WHERE partition = $2")
-        .bind(me)
-        .bind(i16::from(partition))
-        .execute(&pool)
-        .await
-        .unwrap();
+    let (me, partition) = own_partition_of(&pool, "k", 7).await;
     commit(&outbox, &pool, vec![NewRecord::new("k", "t", "")]).await;
     let expired = Assignment { epochs: [(partition, 7)].into(), valid_until: Some(tokio::time::Instant::now()) };
     let (tx, assignment) = watch::channel(expired);
@@ -487,14 +493,7 @@ async fn the_in_process_sink_passes_the_handler_conformance_suite(pool: PgPool) 
 #[sqlx::test(migrations = false)]
 async fn a_run_stops_at_the_lease_deadline(pool: PgPool) {
     let outbox = outbox(&pool, |c| c.key_lookahead = 8).await;
-    let me = uuid::Uuid::now_v7();
-    let partition = partition_of("k");
-    sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 3 WHERE partition = $2")
-        .bind(me)
-        .bind(i16::from(partition))
-        .execute(&pool)
-        .await
-        .unwrap();
+    let (me, partition) = own_partition_of(&pool, "k", 3).await;
     commit(&outbox, &pool, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
     let sink = Sink::new();
     let (handlers, Gate { entered, release }) = gated(&sink);
