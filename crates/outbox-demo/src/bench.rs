@@ -32,6 +32,25 @@ pub struct BenchArgs {
     /// Small sizes and short durations: a smoke test (CI), not figures to quote.
     #[arg(long)]
     pub quick: bool,
+    /// Run only these scenarios (the yardsticks always run, for the ratios): drain, processes, failing,
+    /// steady, idle.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    pub only: Vec<Scenario>,
+}
+
+/// A scenario `--only` can select.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scenario {
+    /// Drain a preloaded backlog with one in-process instance.
+    Drain,
+    /// Drain with four worker processes.
+    Processes,
+    /// Drain with 1 % of keys failing twice.
+    Failing,
+    /// Steady offered load, commit-to-ack latency.
+    Steady,
+    /// An idle instance's cost to PostgreSQL.
+    Idle,
 }
 
 struct Sizes {
@@ -88,15 +107,28 @@ pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<E
         Bench { pool: ctx.pool.clone(), outbox, nats, database_url: database_url.into(), sizes: Sizes::of(args.quick) };
     let mut rows = Vec::new();
     let publish = bench.raw_publish().await?;
+    let ordered = bench.ordered_publish(256).await?;
     let relay = bench.idealised_relay().await?;
     rows.push(publish);
+    rows.push(ordered);
     let relay_rate = relay.value;
     rows.push(relay);
-    rows.push(bench.drain_in_process().await?);
-    rows.push(bench.drain_processes(4).await?);
-    rows.push(bench.failing_keys().await?);
-    rows.push(bench.steady().await?);
-    rows.push(bench.idle().await?);
+    let wanted = |scenario| args.only.is_empty() || args.only.contains(&scenario);
+    if wanted(Scenario::Drain) {
+        rows.push(bench.drain_in_process().await?);
+    }
+    if wanted(Scenario::Processes) {
+        rows.push(bench.drain_processes(4).await?);
+    }
+    if wanted(Scenario::Failing) {
+        rows.push(bench.failing_keys().await?);
+    }
+    if wanted(Scenario::Steady) {
+        rows.push(bench.steady().await?);
+    }
+    if wanted(Scenario::Idle) {
+        rows.push(bench.idle().await?);
+    }
 
     println!("{:<28} {:>14} {:<16} {:>10}", "scenario", "value", "unit", "vs relay");
     for row in &rows {
@@ -213,6 +245,37 @@ impl Bench {
             value: rate,
             unit: "records/s",
             extra: json!({"records": n}),
+        })
+    }
+
+    /// What strict per-key order costs JetStream alone: `keys` keys at once, each publishing its next
+    /// message only after the previous one's ack (no database at all).
+    async fn ordered_publish(&self, keys: usize) -> Result<Row, Failure> {
+        let client = self.reset().await?;
+        let js = async_nats::jetstream::new(client);
+        let n = self.sizes.records();
+        let per_key = n.div_ceil(keys);
+        let started = Instant::now();
+        let tasks = (0..keys).map(|k| {
+            let js = js.clone();
+            async move {
+                for i in 0..per_key {
+                    let message = async_nats::jetstream::message::PublishMessage::build()
+                        .payload(payload().into())
+                        .message_id(format!("ordered-{k}-{i}"));
+                    let ack = js.send_publish("bench.ordered", message).await.map_err(|e| Failure(e.to_string()))?;
+                    ack.await.map_err(|e| Failure(e.to_string()))?;
+                }
+                Ok::<(), Failure>(())
+            }
+        });
+        try_join_all(tasks).await?;
+        let rate = (per_key * keys) as f64 / started.elapsed().as_secs_f64();
+        Ok(Row {
+            scenario: "yardstick_ordered_publish",
+            value: rate,
+            unit: "records/s",
+            extra: json!({"records": per_key * keys, "keys_at_once": keys}),
         })
     }
 
