@@ -394,6 +394,7 @@ async fn fetch_runs(
         .bind(exclude)
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
         .bind(i64::try_from(followers).unwrap_or(i64::MAX))
+        .bind(i64::try_from(outbox.config().key_lookahead_bytes).unwrap_or(i64::MAX))
         .fetch_all(pool)
         .await
         .map_err(|e| outbox.db_error(e))?;
@@ -600,4 +601,39 @@ async fn write_outcomes(outbox: &Outbox, pool: &PgPool, owner: Uuid, outcomes: &
 fn fence_params(outcomes: &[&Outcome]) -> (Vec<i16>, Vec<i64>) {
     let pairs: BTreeSet<(Partition, i64)> = outcomes.iter().map(|o| (o.partition, o.epoch)).collect();
     pairs.into_iter().map(|(p, e)| (i16::from(p), e)).unzip()
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::PgPool;
+
+    use crate::{Config, NewRecord, Outbox};
+
+    /// A key's run stops before the record that would take its payloads past `key_lookahead_bytes`;
+    /// a head larger than the budget still comes, alone.
+    #[sqlx::test(migrations = false)]
+    async fn lookahead_stops_at_the_byte_budget(pool: PgPool) {
+        let outbox = Outbox::new(Config { key_lookahead_bytes: 64 * 1024, ..Config::default() }).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        let mut records = Vec::new();
+        for _ in 0..5 {
+            records.push(NewRecord::new("large", "t", vec![0_u8; 30 * 1024]));
+            records.push(NewRecord::new("small", "t", vec![0_u8; 10]));
+        }
+        records.push(NewRecord::new("huge", "t", vec![0_u8; 100 * 1024]));
+        records.push(NewRecord::new("huge", "t", vec![0_u8; 10]));
+        let mut tx = pool.begin().await.unwrap();
+        outbox.schedule_batch(&mut tx, &records).await.unwrap();
+        tx.commit().await.unwrap();
+
+        let partitions: Vec<i16> = (0..256).collect();
+        let runs = super::fetch_runs(&outbox, &pool, &partitions, &[], 10, 7).await.unwrap();
+        let mut lengths: Vec<(String, usize)> = runs.iter().map(|run| (run[0].key.clone(), run.len())).collect();
+        lengths.sort();
+        let expected = [("huge".to_string(), 1), ("large".to_string(), 2), ("small".to_string(), 5)];
+        assert_eq!(lengths, expected);
+        for run in &runs {
+            assert!(run.windows(2).all(|w| w[1].seq == w[0].seq + 1), "a run is consecutive: {run:?}");
+        }
+    }
 }

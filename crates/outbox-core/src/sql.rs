@@ -47,8 +47,8 @@ const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.p
 const DUE: &str = "r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())";
 
 /// Fetches up to `$3` head records, one per key, from partitions `$1`, skipping keys `$2` (in flight),
-/// each followed by up to `$4` further records of its key in sequence order (the lookahead), each with
-/// a `due` flag: the processor delivers a key's run one record at a time and stops before the first
+/// each followed by up to `$4` further records of its key in sequence order (the lookahead) as long as
+/// the run's payloads total at most `$5` bytes (the head always comes), each with a `due` flag: the processor delivers a key's run one record at a time and stops before the first
 /// record that is not due.
 ///
 /// Heads come from a loose index scan: for each partition, walk its keys in index order, one probe per
@@ -78,9 +78,10 @@ UNION ALL
 SELECT f.id, f.partition, f.key, f.seq, f.event_type, f.payload, f.headers, f.attempts, f.created_at,
        f.failed_at IS NULL AND (f.next_attempt_at IS NULL OR f.next_attempt_at <= now()) AS due
 FROM heads CROSS JOIN LATERAL (
-    SELECT {cols} FROM {s}.records r
+    SELECT {cols}, sum(octet_length(r.payload)) OVER (ORDER BY r.seq) AS run_bytes FROM {s}.records r
     WHERE r.partition = heads.partition AND r.key = heads.key AND r.seq > heads.seq
-    ORDER BY r.seq LIMIT $4) f";
+    ORDER BY r.seq LIMIT $4) f
+WHERE octet_length(heads.payload) + f.run_bytes <= $5";
 
 /// Completes delivered records (fenced): delete, and copy to `completed` when keeping them.
 /// `$4` ids, `$5` outcomes, `$6` attempts.
@@ -232,6 +233,7 @@ mod tests {
             .bind(Vec::<String>::new())
             .bind(100_i64)
             .bind(7_i64)
+            .bind(65_536_i64)
             .fetch_all(pool)
             .await
             .unwrap();
