@@ -187,6 +187,27 @@ impl Bench {
         Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&self.pool).await?)
     }
 
+    /// Waits until the bench stream holds `expected` messages. Cheap to poll (a NATS request), unlike
+    /// counting pending records, which reads the table and would take CPU from the drain it measures.
+    async fn wait_published(&self, expected: usize) -> Result<(), Failure> {
+        let js = async_nats::jetstream::new(outbox_nats::connect(&self.nats).await?);
+        let mut stream = js.get_stream(STREAM).await.map_err(|e| Failure(e.to_string()))?;
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while stream.info().await.map_err(|e| Failure(e.to_string()))?.state.messages < expected as u64 {
+            if Instant::now() > deadline {
+                return Err(Failure("bench: records were not published within 10 minutes".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    }
+
+    /// Waits until every record is acked (in the stream) and completed (gone from `records`).
+    async fn wait_delivered(&self, expected: usize) -> Result<(), Failure> {
+        self.wait_published(expected).await?;
+        self.wait_drained().await
+    }
+
     async fn wait_drained(&self) -> Result<(), Failure> {
         let deadline = Instant::now() + Duration::from_secs(600);
         while self.pending().await? > 0 {
@@ -316,7 +337,7 @@ impl Bench {
         let handlers = Handlers::new().default_route(Route::new(self.jetstream().await?));
         let started = Instant::now();
         let node = self.node(handlers).await?;
-        self.wait_drained().await?;
+        self.wait_delivered(n).await?;
         let elapsed = started.elapsed();
         node.shutdown().await?;
         let written = self.rows_written().await? - before;
@@ -365,7 +386,7 @@ impl Bench {
             Ok(()) => {
                 let release = format!("UPDATE {SCHEMA}.records SET next_attempt_at = NULL");
                 match sqlx::query(sqlx::AssertSqlSafe(release)).execute(&self.pool).await {
-                    Ok(_) => self.wait_drained().await,
+                    Ok(_) => self.wait_delivered(n).await,
                     Err(e) => Err(e.into()),
                 }
             }
@@ -456,15 +477,17 @@ impl Bench {
     async fn steady(&self) -> Result<Row, Failure> {
         self.reset().await?;
         let committed: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
-        let acked: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
+        // Per record: when the handler was called, and when JetStream acked.
+        let acked: Arc<Mutex<HashMap<Uuid, (Instant, Instant)>>> = Arc::default();
         let jetstream = self.jetstream().await?;
         let a = acked.clone();
         let handler = handler_fn(move |r: Record| {
             let (jetstream, a) = (jetstream.clone(), a.clone());
             async move {
+                let called = Instant::now();
                 jetstream.handle(&r).await?;
                 if let Ok(mut acked) = a.lock() {
-                    acked.insert(r.id, Instant::now());
+                    acked.insert(r.id, (called, Instant::now()));
                 }
                 Ok(())
             }
@@ -500,22 +523,31 @@ impl Bench {
         node.shutdown().await?;
         let (committed, acked) =
             (committed.lock().map_err(|_| Failure("lock".into()))?, acked.lock().map_err(|_| Failure("lock".into()))?);
-        let mut latencies: Vec<f64> = committed
-            .iter()
-            .filter_map(|(id, at)| acked.get(id).map(|ack| ack.saturating_duration_since(*at).as_secs_f64() * 1000.0))
-            .collect();
-        latencies.sort_by(f64::total_cmp);
-        let pct = |p: f64| {
-            latencies
-                .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
-                .copied()
-                .unwrap_or(0.0)
+        let ms = |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64() * 1000.0;
+        let mut latencies = Vec::new();
+        let mut waits = Vec::new();
+        let mut publishes = Vec::new();
+        for (id, at) in committed.iter() {
+            if let Some(&(called, ack)) = acked.get(id) {
+                latencies.push(ms(*at, ack));
+                waits.push(ms(*at, called));
+                publishes.push(ms(called, ack));
+            }
+        }
+        for list in [&mut latencies, &mut waits, &mut publishes] {
+            list.sort_by(f64::total_cmp);
+        }
+        let percentile = |list: &[f64], p: f64| {
+            list.get(((list.len() as f64 * p) as usize).min(list.len().saturating_sub(1))).copied().unwrap_or(0.0)
         };
+        let pct = |p: f64| percentile(&latencies, p);
         Ok(Row {
             scenario: "steady_commit_to_ack_p50",
             value: pct(0.50),
             unit: "ms",
-            extra: json!({"offered_per_s": rate, "secs": secs, "records": latencies.len(), "p95_ms": pct(0.95), "p99_ms": pct(0.99), "max_ms": latencies.last().copied().unwrap_or(0.0)}),
+            extra: json!({"offered_per_s": rate, "secs": secs, "records": latencies.len(), "p95_ms": pct(0.95), "p99_ms": pct(0.99), "max_ms": latencies.last().copied().unwrap_or(0.0),
+                "commit_to_handler_p50_ms": percentile(&waits, 0.5), "commit_to_handler_p99_ms": percentile(&waits, 0.99),
+                "publish_p50_ms": percentile(&publishes, 0.5), "publish_p99_ms": percentile(&publishes, 0.99)}),
         })
     }
 
