@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use futures::future::try_join_all;
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Config, Handler, HandlerError, Handlers, NewRecord, Outbox, Record, Route, handler_fn};
+use outbox_core::{Completion, Config, Handler, HandlerError, Handlers, NewRecord, Outbox, Record, Route, handler_fn};
 use outbox_nats::{JetStreamHandler, NatsConfig, StreamSettings};
 use rand::RngExt;
 use serde_json::json;
@@ -41,7 +41,7 @@ pub struct BenchArgs {
 /// A scenario `--only` can select.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scenario {
-    /// Drain a preloaded backlog with one in-process instance.
+    /// Drain a preloaded backlog with one in-process instance (completion keep, then delete).
     Drain,
     /// Drain with four worker processes.
     Processes,
@@ -115,7 +115,10 @@ pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<E
     rows.push(relay);
     let wanted = |scenario| args.only.is_empty() || args.only.contains(&scenario);
     if wanted(Scenario::Drain) {
-        rows.push(bench.drain_in_process().await?);
+        rows.push(bench.drain_in_process(&bench.outbox, "drain_1_instance").await?);
+        // The same with `completion = "delete"`: no copy into `completed`, as in the relay.
+        let deleting = Outbox::new(Config { completion: Completion::Delete, ..bench.outbox.config().clone() })?;
+        rows.push(bench.drain_in_process(&deleting, "drain_1_instance_completion_delete").await?);
     }
     if wanted(Scenario::Processes) {
         rows.push(bench.drain_processes(4).await?);
@@ -130,10 +133,10 @@ pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<E
         rows.push(bench.idle().await?);
     }
 
-    println!("{:<28} {:>14} {:<16} {:>10}", "scenario", "value", "unit", "vs relay");
+    println!("{:<36} {:>14} {:<16} {:>10}", "scenario", "value", "unit", "vs relay");
     for row in &rows {
         let ratio = if row.unit == "records/s" { format!("{:.2}x", row.value / relay_rate) } else { "-".into() };
-        println!("{:<28} {:>14.1} {:<16} {:>10}", row.scenario, row.value, row.unit, ratio);
+        println!("{:<36} {:>14.1} {:<16} {:>10}", row.scenario, row.value, row.unit, ratio);
     }
     for row in &rows {
         let mut line = json!({"scenario": row.scenario, "value": row.value, "unit": row.unit, "quick": args.quick});
@@ -174,11 +177,16 @@ impl Bench {
                 records.push(NewRecord::new(format!("key-{k}"), "bench", payload()));
             }
         }
+        // On a pool of its own, closed at the end: a backend's table statistics reach
+        // pg_stat_user_tables for sure only when it exits, and `rows_written` must not see the
+        // preload's arrive late.
+        let pool = self.separate_pool().await?;
         for chunk in records.chunks(1000) {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = pool.begin().await?;
             self.outbox.schedule_batch(&mut tx, chunk).await?;
             tx.commit().await?;
         }
+        pool.close().await;
         Ok(records.len())
     }
 
@@ -232,9 +240,16 @@ impl Bench {
         Ok(JetStreamHandler::new(client, &self.nats)?)
     }
 
-    /// Rows inserted, updated and deleted in the bench schema so far (statistics, flushed lazily).
+    /// A small pool with the bench pool's connection options.
+    async fn separate_pool(&self) -> Result<PgPool, Failure> {
+        let options = self.pool.connect_options().as_ref().clone();
+        Ok(sqlx::postgres::PgPoolOptions::new().max_connections(8).connect_with(options).await?)
+    }
+
+    /// Rows inserted, updated and deleted in the bench schema so far, as counted by the statistics
+    /// of backends that have exited (callers close the pools that wrote first).
     async fn rows_written(&self) -> Result<i64, Failure> {
-        tokio::time::sleep(Duration::from_millis(1200)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
         let n: Option<i64> = sqlx::query_scalar(
             "SELECT sum(n_tup_ins + n_tup_upd + n_tup_del)::bigint FROM pg_stat_user_tables WHERE schemaname = $1",
         )
@@ -307,10 +322,12 @@ impl Bench {
         let js = async_nats::jetstream::new(client);
         let select = format!("SELECT id, payload FROM {SCHEMA}.records ORDER BY id LIMIT 500");
         let delete = format!("DELETE FROM {SCHEMA}.records WHERE id = ANY($1)");
+        // A pool of its own, closed at the end, so its statistics cannot land in a later scenario's count.
+        let pool = self.separate_pool().await?;
         let started = Instant::now();
         loop {
             let rows: Vec<(Uuid, Vec<u8>)> =
-                sqlx::query_as(sqlx::AssertSqlSafe(select.clone())).fetch_all(&self.pool).await?;
+                sqlx::query_as(sqlx::AssertSqlSafe(select.clone())).fetch_all(&pool).await?;
             if rows.is_empty() {
                 break;
             }
@@ -323,27 +340,31 @@ impl Bench {
             }
             try_join_all(acks.into_iter().map(|ack| ack.into_future())).await.map_err(|e| Failure(e.to_string()))?;
             let ids: Vec<Uuid> = rows.iter().map(|(id, _)| *id).collect();
-            sqlx::query(sqlx::AssertSqlSafe(delete.clone())).bind(&ids).execute(&self.pool).await?;
+            sqlx::query(sqlx::AssertSqlSafe(delete.clone())).bind(&ids).execute(&pool).await?;
         }
         let rate = n as f64 / started.elapsed().as_secs_f64();
+        pool.close().await;
         Ok(Row { scenario: "yardstick_idealised_relay", value: rate, unit: "records/s", extra: json!({"records": n}) })
     }
 
-    /// The outbox, one in-process instance, draining a preloaded backlog.
-    async fn drain_in_process(&self) -> Result<Row, Failure> {
+    /// The outbox, one in-process instance, draining a preloaded backlog (`outbox` decides the
+    /// completion mode).
+    async fn drain_in_process(&self, outbox: &Outbox, scenario: &'static str) -> Result<Row, Failure> {
         self.reset().await?;
         let n = self.preload().await?;
         let before = self.rows_written().await?;
         let handlers = Handlers::new().default_route(Route::new(self.jetstream().await?));
+        let pool = self.separate_pool().await?;
         let started = Instant::now();
-        let node = self.node(handlers).await?;
+        let node = Node::start(outbox.clone(), pool.clone(), handlers, Self::cluster("bench")).await?;
         self.wait_delivered(n).await?;
         let elapsed = started.elapsed();
         node.shutdown().await?;
+        pool.close().await;
         let written = self.rows_written().await? - before;
         let rate = n as f64 / elapsed.as_secs_f64();
         Ok(Row {
-            scenario: "drain_1_instance",
+            scenario,
             value: rate,
             unit: "records/s",
             extra: json!({"records": n, "secs": elapsed.as_secs_f64(), "pg_rows_written_per_record": written as f64 / n as f64}),
