@@ -428,8 +428,18 @@ async fn fetch_runs(
 /// (PostgreSQL's default) every fetch was compiled first: ~45 ms of CPU for a query that runs in ~1 ms
 /// (seen with auto_explain). `BEGIN` and `SET LOCAL` travel in one round trip; nothing outlives the
 /// transaction, so pooled connections are left as they were.
+///
+/// Cancel-safe: the `BEGIN` runs on a task of its own. sqlx 0.9's Postgres `begin` is not: a future
+/// dropped while `BEGIN` is in flight returns its connection to the pool inside a transaction nobody
+/// tracks (transact-rs/sqlx#4393), and the next borrower's statements then hold their row locks
+/// forever. The processor drops its in-flight fetch at shutdown, and a node stopping that way
+/// deadlocked its own `release` behind such a transaction. Dropped here, the task still finishes and
+/// its `Transaction` rolls back properly.
 async fn begin(outbox: &Outbox, pool: &PgPool) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
-    pool.begin_with("BEGIN; SET LOCAL jit = off").await.map_err(|e| outbox.db_error(e))
+    let pool = pool.clone();
+    let begun = tokio::spawn(async move { pool.begin_with("BEGIN; SET LOCAL jit = off").await });
+    // The task is never aborted; it can only end without an answer if it panicked inside sqlx.
+    begun.await.unwrap_or(Err(sqlx::Error::WorkerCrashed)).map_err(|e| outbox.db_error(e))
 }
 
 fn record_from_row(row: &PgRow) -> Result<Record> {
@@ -640,6 +650,38 @@ mod tests {
         let default: String =
             sqlx::query_scalar("SELECT reset_val FROM pg_settings WHERE name = 'jit'").fetch_one(&pool).await.unwrap();
         assert_eq!(after, default);
+    }
+
+    /// A fetch or flush dropped at any point, even while its `BEGIN` is in flight, leaves no transaction
+    /// open on the pooled connection (sqlx's own `begin` does: transact-rs/sqlx#4393).
+    #[sqlx::test(migrations = false)]
+    async fn a_dropped_begin_leaves_no_transaction_open(pool: PgPool) {
+        let options = pool.connect_options().as_ref().clone();
+        let single = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
+        let outbox = Outbox::new(Config::default()).unwrap();
+        // Sweep the drop point across the BEGIN round trip (tens of microseconds on loopback).
+        for step in 0..300_u64 {
+            let dropped =
+                tokio::time::timeout(std::time::Duration::from_micros(step * 2), super::begin(&outbox, &single));
+            if let Ok(tx) = dropped.await {
+                drop(tx.unwrap());
+            }
+            // The task of a dropped `begin` finishes and rolls back before the connection idles in the pool.
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&single).await.unwrap();
+            let mut state = String::new();
+            for _ in 0..100 {
+                state = sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE pid = $1")
+                    .bind(pid)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                if state != "active" {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+            assert_eq!(state, "idle", "connection state after dropping begin at {} µs", step * 2);
+        }
     }
 
     /// A key's run stops before the record that would take its payloads past `key_lookahead_bytes`;
