@@ -121,7 +121,7 @@ impl Node {
 
 fn not_migrated(outbox: &Outbox, e: Error) -> Error {
     match e {
-        Error::Database(sqlx::Error::Database(db)) if matches!(db.code().as_deref(), Some("42P01" | "3F000")) => {
+        Error::Database(e) if outbox_core::is_not_migrated(&e) => {
             Error::Core(outbox_core::Error::NotMigrated { schema: outbox.config().schema.clone() })
         }
         other => other,

@@ -128,3 +128,9 @@ fn is_transient_db(e: &sqlx::Error) -> bool {
 
 /// Result alias of `outbox-core`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Whether a database error says the outbox's tables or schema do not exist (SQLSTATE 42P01 undefined
+/// table, 3F000 undefined schema): the database needs `migrate` first.
+pub fn is_not_migrated(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01" | "3F000")))
+}

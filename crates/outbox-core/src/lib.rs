@@ -52,7 +52,7 @@ use std::sync::Arc;
 use sqlx::PgPool;
 
 pub use config::{Completion, Config};
-pub use error::{Error, Result};
+pub use error::{Error, Result, is_not_migrated};
 pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handlers, Route, fallback_fn, handler_fn};
 pub use operator::{FailedRecord, PartitionStats};
 pub use partition::{PARTITIONS, Partition, partition_of};
@@ -96,8 +96,10 @@ impl Outbox {
 
     /// Maps "relation/schema does not exist" to [`Error::NotMigrated`], which says what to do.
     pub(crate) fn db_error(&self, e: sqlx::Error) -> Error {
-        let missing =
-            matches!(&e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01" | "3F000")));
-        if missing { Error::NotMigrated { schema: self.config().schema.clone() } } else { Error::Database(e) }
+        if is_not_migrated(&e) {
+            Error::NotMigrated { schema: self.config().schema.clone() }
+        } else {
+            Error::Database(e)
+        }
     }
 }

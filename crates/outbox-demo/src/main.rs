@@ -124,7 +124,7 @@ impl From<outbox_nats::Error> for Failure {
 impl From<sqlx::Error> for Failure {
     fn from(e: sqlx::Error) -> Self {
         match &e {
-            sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01" | "3F000")) => {
+            sqlx::Error::Database(db) if outbox_core::is_not_migrated(&e) => {
                 Failure(format!("{}: run `outbox-demo migrate` first", db.message()))
             }
             _ => Failure(format!("database error: {e}")),
