@@ -36,6 +36,10 @@ pub struct BenchArgs {
     /// steady, idle.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub only: Vec<Scenario>,
+    /// Rounds to run; medians are reported (default 3, or 1 with --quick). The machine is shared and
+    /// single runs swing by tens of percent.
+    #[arg(long)]
+    pub rounds: Option<usize>,
 }
 
 /// A scenario `--only` can select.
@@ -105,47 +109,44 @@ pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<E
     };
     let bench =
         Bench { pool: ctx.pool.clone(), outbox, nats, database_url: database_url.into(), sizes: Sizes::of(args.quick) };
-    let mut rows = Vec::new();
-    let publish = bench.raw_publish().await?;
-    let ordered = bench.ordered_publish(256).await?;
-    let relay = bench.idealised_relay().await?;
-    rows.push(publish);
-    rows.push(ordered);
-    let relay_rate = relay.value;
-    rows.push(relay);
-    let wanted = |scenario| args.only.is_empty() || args.only.contains(&scenario);
-    if wanted(Scenario::Drain) {
-        rows.push(bench.drain_in_process(&bench.outbox, "drain_1_instance").await?);
-        // The same with `completion = "delete"`: no copy into `completed`, as in the relay.
-        let deleting = Outbox::new(Config { completion: Completion::Delete, ..bench.outbox.config().clone() })?;
-        rows.push(bench.drain_in_process(&deleting, "drain_1_instance_completion_delete").await?);
-    }
-    if wanted(Scenario::Processes) {
-        rows.push(bench.drain_processes(4).await?);
-    }
-    if wanted(Scenario::Failing) {
-        rows.push(bench.failing_keys().await?);
-    }
-    if wanted(Scenario::Steady) {
-        rows.push(bench.steady().await?);
-    }
-    if wanted(Scenario::Idle) {
-        rows.push(bench.idle().await?);
+    let rounds = args.rounds.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
+    // Every round measures the yardsticks and the scenarios anew; each ratio compares figures of the
+    // same round. Reported: the median value and the median ratio over the rounds.
+    let mut measured: Vec<Vec<(Row, f64)>> = Vec::new();
+    for _ in 0..rounds {
+        let rows = bench.round(&args).await?;
+        let relay = rows.iter().find(|r| r.scenario == "yardstick_idealised_relay").map_or(f64::NAN, |r| r.value);
+        for (i, row) in rows.into_iter().enumerate() {
+            let ratio = row.value / relay;
+            match measured.get_mut(i) {
+                Some(list) => list.push((row, ratio)),
+                None => measured.push(vec![(row, ratio)]),
+            }
+        }
     }
 
-    println!("{:<36} {:>14} {:<16} {:>10}", "scenario", "value", "unit", "vs relay");
-    for row in &rows {
-        let ratio = if row.unit == "records/s" { format!("{:.2}x", row.value / relay_rate) } else { "-".into() };
-        println!("{:<36} {:>14.1} {:<16} {:>10}", row.scenario, row.value, row.unit, ratio);
-    }
-    for row in &rows {
-        let mut line = json!({"scenario": row.scenario, "value": row.value, "unit": row.unit, "quick": args.quick});
+    println!("{:<36} {:>14} {:<16} {:>10}   ({rounds} rounds: medians)", "scenario", "value", "unit", "vs relay");
+    let mut lines = Vec::new();
+    for list in &mut measured {
+        let values: Vec<f64> = list.iter().map(|(row, _)| row.value).collect();
+        let mut ratios: Vec<f64> = list.iter().map(|(_, ratio)| *ratio).collect();
+        ratios.sort_by(f64::total_cmp);
+        list.sort_by(|a, b| a.0.value.total_cmp(&b.0.value));
+        let (row, _) = &list[list.len() / 2];
+        let ratio = ratios[ratios.len() / 2];
+        let shown = if row.unit == "records/s" { format!("{ratio:.2}x") } else { "-".into() };
+        println!("{:<36} {:>14.1} {:<16} {:>10}", row.scenario, row.value, row.unit, shown);
+        let mut line = json!({"scenario": row.scenario, "value": row.value, "unit": row.unit, "quick": args.quick,
+            "rounds": values});
         if row.unit == "records/s" {
-            line["relay_ratio"] = json!(row.value / relay_rate);
+            line["relay_ratio"] = json!(ratio);
         }
         if let (Some(line), Some(extra)) = (line.as_object_mut(), row.extra.as_object()) {
             line.extend(extra.clone());
         }
+        lines.push(line);
+    }
+    for line in lines {
         println!("{line}");
     }
     Ok(ExitCode::SUCCESS)
@@ -156,6 +157,31 @@ fn payload() -> Vec<u8> {
 }
 
 impl Bench {
+    /// One round: the yardsticks, then the selected scenarios.
+    async fn round(&self, args: &BenchArgs) -> Result<Vec<Row>, Failure> {
+        let mut rows = vec![self.raw_publish().await?, self.ordered_publish(256).await?, self.idealised_relay().await?];
+        let wanted = |scenario| args.only.is_empty() || args.only.contains(&scenario);
+        if wanted(Scenario::Drain) {
+            rows.push(self.drain_in_process(&self.outbox, "drain_1_instance").await?);
+            // The same with `completion = "delete"`: no copy into `completed`, as in the relay.
+            let deleting = Outbox::new(Config { completion: Completion::Delete, ..self.outbox.config().clone() })?;
+            rows.push(self.drain_in_process(&deleting, "drain_1_instance_completion_delete").await?);
+        }
+        if wanted(Scenario::Processes) {
+            rows.push(self.drain_processes(4).await?);
+        }
+        if wanted(Scenario::Failing) {
+            rows.push(self.failing_keys().await?);
+        }
+        if wanted(Scenario::Steady) {
+            rows.push(self.steady().await?);
+        }
+        if wanted(Scenario::Idle) {
+            rows.push(self.idle().await?);
+        }
+        Ok(rows)
+    }
+
     async fn reset(&self) -> Result<async_nats::Client, Failure> {
         let reset = format!(
             "TRUNCATE {SCHEMA}.records, {SCHEMA}.completed, {SCHEMA}.keys, {SCHEMA}.instances; UPDATE {SCHEMA}.partitions SET owner = NULL, target_owner = NULL"
