@@ -110,30 +110,28 @@ pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<E
     let bench =
         Bench { pool: ctx.pool.clone(), outbox, nats, database_url: database_url.into(), sizes: Sizes::of(args.quick) };
     let rounds = args.rounds.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
-    // Every round measures the yardsticks and the scenarios anew; each ratio compares figures of the
-    // same round. Reported: the median value and the median ratio over the rounds.
-    let mut measured: Vec<Vec<(Row, f64)>> = Vec::new();
+    // Every round measures the yardsticks and the scenarios anew; a ratio compares figures of the same
+    // round. `by_scenario[i]` holds scenario i's row and relay ratio from every round.
+    let mut by_scenario: Vec<Vec<(Row, f64)>> = Vec::new();
     for _ in 0..rounds {
         let rows = bench.round(&args).await?;
         let relay = rows.iter().find(|r| r.scenario == "yardstick_idealised_relay").map_or(f64::NAN, |r| r.value);
-        for (i, row) in rows.into_iter().enumerate() {
+        by_scenario.resize_with(rows.len(), Vec::new);
+        for (list, row) in by_scenario.iter_mut().zip(rows) {
             let ratio = row.value / relay;
-            match measured.get_mut(i) {
-                Some(list) => list.push((row, ratio)),
-                None => measured.push(vec![(row, ratio)]),
-            }
+            list.push((row, ratio));
         }
     }
 
+    // Reported per scenario: the round with the median value (its extra figures too) and the median
+    // of the ratios (the upper middle one for an even number of rounds).
     println!("{:<36} {:>14} {:<16} {:>10}   ({rounds} rounds: medians)", "scenario", "value", "unit", "vs relay");
     let mut lines = Vec::new();
-    for list in &mut measured {
+    for list in &by_scenario {
         let values: Vec<f64> = list.iter().map(|(row, _)| row.value).collect();
-        let mut ratios: Vec<f64> = list.iter().map(|(_, ratio)| *ratio).collect();
-        ratios.sort_by(f64::total_cmp);
-        list.sort_by(|a, b| a.0.value.total_cmp(&b.0.value));
-        let (row, _) = &list[list.len() / 2];
-        let ratio = ratios[ratios.len() / 2];
+        let ratio = median(list.iter().map(|(_, ratio)| *ratio).collect());
+        let middle = median(values.clone());
+        let Some((row, _)) = list.iter().find(|(row, _)| row.value.total_cmp(&middle).is_eq()) else { continue };
         let shown = if row.unit == "records/s" { format!("{ratio:.2}x") } else { "-".into() };
         println!("{:<36} {:>14.1} {:<16} {:>10}", row.scenario, row.value, row.unit, shown);
         let mut line = json!({"scenario": row.scenario, "value": row.value, "unit": row.unit, "quick": args.quick,
@@ -146,10 +144,17 @@ pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<E
         }
         lines.push(line);
     }
+    // The JSON lines after the table, one per scenario, for comparing runs.
     for line in lines {
         println!("{line}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The middle value (the upper middle one of an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn payload() -> Vec<u8> {
