@@ -27,6 +27,7 @@ pub mod ownership;
 pub mod rebalance;
 pub mod registry;
 mod sql;
+mod sqlite;
 pub mod status;
 
 pub use config::ClusterConfig;

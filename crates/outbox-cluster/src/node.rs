@@ -20,8 +20,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Assignment, Epochs, Handlers, Outbox, Partition, Processor};
-use sqlx::{Connection, PgConnection, PgPool};
+use outbox_core::{Assignment, Db, Epochs, Handlers, Outbox, Partition, Processor};
+use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -39,7 +39,7 @@ use crate::{Error, Result, ownership};
 /// [`Node::kill`] in tests) to end it.
 pub struct Node {
     id: Uuid,
-    pool: PgPool,
+    pool: Db,
     sql: Arc<Sql>,
     assignment: watch::Receiver<Assignment>,
     stop_processor: CancellationToken,
@@ -50,10 +50,11 @@ pub struct Node {
 
 impl Node {
     /// Validates `config`, registers the instance and starts its tasks.
-    pub async fn start(outbox: Outbox, pool: PgPool, handlers: Handlers, config: ClusterConfig) -> Result<Node> {
+    pub async fn start(outbox: Outbox, db: impl Into<Db>, handlers: Handlers, config: ClusterConfig) -> Result<Node> {
         config.validate()?;
+        let pool = db.into();
         let id = Uuid::now_v7();
-        let sql = Arc::new(Sql::new(&outbox.config().schema));
+        let sql = Arc::new(Sql::new(&outbox));
         registry::register(&pool, &sql, id, &config.name, config.stale_timeout)
             .await
             .map_err(|e| not_migrated(&outbox, e))?;
@@ -137,7 +138,7 @@ fn self_fence_after(config: &ClusterConfig) -> Duration {
 #[derive(Clone)]
 struct Ctx {
     id: Uuid,
-    pool: PgPool,
+    pool: Db,
     sql: Arc<Sql>,
     config: ClusterConfig,
     assign: Arc<watch::Sender<Assignment>>,
@@ -200,10 +201,19 @@ impl Ctx {
         }
     }
 
+    /// PostgreSQL: on the heartbeat's own connection. SQLite: through the pool (statements run in
+    /// process; the wait that matters there is the write lock, which a connection of its own would
+    /// not avoid).
     async fn renew(&self, conn: &mut Option<PgConnection>) -> Result<bool> {
+        let pool = match &self.pool {
+            Db::Postgres(pool) => pool,
+            Db::Sqlite(pool) => {
+                return crate::sqlite::heartbeat(pool, &self.sql.sqlite, self.id, self.config.stale_timeout).await;
+            }
+        };
         let conn = match conn {
             Some(conn) => conn,
-            None => conn.insert(PgConnection::connect_with(&self.pool.connect_options()).await?),
+            None => conn.insert(PgConnection::connect_with(&pool.connect_options()).await?),
         };
         registry::heartbeat(conn, &self.sql, self.id, self.config.stale_timeout).await
     }

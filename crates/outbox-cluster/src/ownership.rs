@@ -1,18 +1,20 @@
 //! Partition ownership: acquire (free or dead owner) and release, each a compare-and-set that bumps the
 //! partition's epoch. The processor fences every write with the (owner, epoch) it was given.
 
-use outbox_core::{Epochs, Partition};
-use sqlx::PgPool;
+use outbox_core::{Db, Epochs, Partition};
 use tracing::info;
 use uuid::Uuid;
 
-use crate::Result;
 use crate::sql::{Sql, stmt};
+use crate::{Result, sqlite};
 
 /// Acquires the partitions targeted at this instance that are free or whose owner is dead; returns them
 /// with their new epochs.
-pub(crate) async fn acquire(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Epochs> {
-    let rows: Vec<(i16, i64, Option<Uuid>)> = sqlx::query_as(stmt(&sql.acquire)).bind(me).fetch_all(pool).await?;
+pub(crate) async fn acquire(db: &Db, sql: &Sql, me: Uuid) -> Result<Epochs> {
+    let rows: Vec<(i16, i64, Option<Uuid>)> = match db {
+        Db::Postgres(pool) => sqlx::query_as(stmt(&sql.acquire)).bind(me).fetch_all(pool).await?,
+        Db::Sqlite(pool) => sqlite::acquire(pool, &sql.sqlite, me).await?,
+    };
     let mut acquired = Epochs::new();
     for (partition, epoch, previous) in rows {
         let partition = to_partition(partition)?;
@@ -28,22 +30,30 @@ pub(crate) async fn acquire(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Epochs
 }
 
 /// What the database says this instance owns.
-pub(crate) async fn owned(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<Epochs> {
-    let rows: Vec<(i16, i64)> = sqlx::query_as(stmt(&sql.owned)).bind(me).fetch_all(pool).await?;
+pub(crate) async fn owned(db: &Db, sql: &Sql, me: Uuid) -> Result<Epochs> {
+    let rows: Vec<(i16, i64)> = match db {
+        Db::Postgres(pool) => sqlx::query_as(stmt(&sql.owned)).bind(me).fetch_all(pool).await?,
+        Db::Sqlite(pool) => sqlite::owned(pool, &sql.sqlite, me).await?,
+    };
     rows.into_iter().map(|(p, e)| Ok((to_partition(p)?, e))).collect()
 }
 
 /// Releases the given partitions (at their epochs); returns how many were still ours to release.
 pub(crate) async fn release(
-    pool: &PgPool,
+    db: &Db,
     sql: &Sql,
     me: Uuid,
     partitions: &Epochs,
     reason: &'static str,
 ) -> Result<usize> {
-    let (ids, epochs): (Vec<i16>, Vec<i64>) = partitions.iter().map(|(&p, &e)| (i16::from(p), e)).unzip();
-    let rows: Vec<(i16,)> =
-        sqlx::query_as(stmt(&sql.release)).bind(me).bind(&ids).bind(&epochs).fetch_all(pool).await?;
+    let held: Vec<(i16, i64)> = partitions.iter().map(|(&p, &e)| (i16::from(p), e)).collect();
+    let rows: Vec<(i16,)> = match db {
+        Db::Postgres(pool) => {
+            let (ids, epochs): (Vec<i16>, Vec<i64>) = held.into_iter().unzip();
+            sqlx::query_as(stmt(&sql.release)).bind(me).bind(&ids).bind(&epochs).fetch_all(pool).await?
+        }
+        Db::Sqlite(pool) => sqlite::release(pool, &sql.sqlite, me, &held).await?,
+    };
     for (p,) in &rows {
         info!(partition = p, instance = %me, reason, "partition released");
     }
@@ -69,23 +79,28 @@ pub struct PartitionRow {
 }
 
 /// Every partition's ownership row.
-pub(crate) async fn partitions(pool: &PgPool, sql: &Sql) -> Result<Vec<PartitionRow>> {
-    let rows: Vec<(i16, Option<Uuid>, i64, Option<Uuid>)> =
-        sqlx::query_as(stmt(&sql.partitions)).fetch_all(pool).await?;
+pub(crate) async fn partitions(db: &Db, sql: &Sql) -> Result<Vec<PartitionRow>> {
+    let rows: Vec<(i16, Option<Uuid>, i64, Option<Uuid>)> = match db {
+        Db::Postgres(pool) => sqlx::query_as(stmt(&sql.partitions)).fetch_all(pool).await?,
+        Db::Sqlite(pool) => sqlite::partitions(pool, &sql.sqlite).await?,
+    };
     rows.into_iter()
         .map(|(p, owner, epoch, target)| Ok(PartitionRow { partition: to_partition(p)?, owner, epoch, target }))
         .collect()
 }
 
 /// Live instances taking part in the assignment, by id.
-pub(crate) async fn live(pool: &PgPool, sql: &Sql) -> Result<Vec<Uuid>> {
-    let rows: Vec<(Uuid,)> = sqlx::query_as(stmt(&sql.live)).fetch_all(pool).await?;
+pub(crate) async fn live(db: &Db, sql: &Sql) -> Result<Vec<Uuid>> {
+    let rows: Vec<(Uuid,)> = match db {
+        Db::Postgres(pool) => sqlx::query_as(stmt(&sql.live)).fetch_all(pool).await?,
+        Db::Sqlite(pool) => sqlite::live(pool, &sql.sqlite).await?,
+    };
     Ok(rows.into_iter().map(|(id,)| id).collect())
 }
 
 /// Computes the targets from the database's view and writes those that changed; returns them.
 pub(crate) async fn rebalance(
-    pool: &PgPool,
+    db: &Db,
     sql: &Sql,
     me: Uuid,
     live: &[Uuid],
@@ -98,8 +113,14 @@ pub(crate) async fn rebalance(
         .filter_map(|r| r.target.filter(is_live).or(r.owner.filter(is_live)).map(|h| (r.partition, h)))
         .collect();
     let targets = crate::rebalance::assign(live, &current);
-    let (ids, owners): (Vec<i16>, Vec<Uuid>) = targets.iter().map(|(&p, &id)| (i16::from(p), id)).unzip();
-    let changed: Vec<(i16,)> = sqlx::query_as(stmt(&sql.set_targets)).bind(&ids).bind(&owners).fetch_all(pool).await?;
+    let wanted: Vec<(i16, Uuid)> = targets.iter().map(|(&p, &id)| (i16::from(p), id)).collect();
+    let changed: Vec<(i16,)> = match db {
+        Db::Postgres(pool) => {
+            let (ids, owners): (Vec<i16>, Vec<Uuid>) = wanted.into_iter().unzip();
+            sqlx::query_as(stmt(&sql.set_targets)).bind(&ids).bind(&owners).fetch_all(pool).await?
+        }
+        Db::Sqlite(pool) => sqlite::set_targets(pool, &sql.sqlite, &wanted).await?,
+    };
     if !changed.is_empty() {
         metrics::counter!("outbox_rebalances_total").increment(1);
         info!(instance = %me, live = live.len(), moved = changed.len(), "rebalanced: partition targets changed");
@@ -108,7 +129,12 @@ pub(crate) async fn rebalance(
 }
 
 /// Marks this instance as leaving, so assignments stop counting it.
-pub(crate) async fn drain(pool: &PgPool, sql: &Sql, me: Uuid) -> Result<()> {
-    sqlx::query(stmt(&sql.drain)).bind(me).execute(pool).await?;
-    Ok(())
+pub(crate) async fn drain(db: &Db, sql: &Sql, me: Uuid) -> Result<()> {
+    match db {
+        Db::Postgres(pool) => {
+            sqlx::query(stmt(&sql.drain)).bind(me).execute(pool).await?;
+            Ok(())
+        }
+        Db::Sqlite(pool) => sqlite::drain(pool, &sql.sqlite, me).await,
+    }
 }

@@ -3,11 +3,12 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, PgPool, Row};
+use outbox_core::Db;
+use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
-use crate::Result;
 use crate::sql::{Sql, millis, stmt};
+use crate::{Result, sqlite};
 
 /// One registered instance, as status shows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,9 +27,14 @@ pub struct InstanceInfo {
     pub partitions: i64,
 }
 
-pub(crate) async fn register(pool: &PgPool, sql: &Sql, id: Uuid, name: &str, lease: Duration) -> Result<()> {
-    sqlx::query(stmt(&sql.register)).bind(id).bind(name).bind(millis(lease)).execute(pool).await?;
-    Ok(())
+pub(crate) async fn register(db: &Db, sql: &Sql, id: Uuid, name: &str, lease: Duration) -> Result<()> {
+    match db {
+        Db::Postgres(pool) => {
+            sqlx::query(stmt(&sql.register)).bind(id).bind(name).bind(millis(lease)).execute(pool).await?;
+            Ok(())
+        }
+        Db::Sqlite(pool) => sqlite::register(pool, &sql.sqlite, id, name, lease).await,
+    }
 }
 
 /// Renews the lease; `false` when the instance is no longer registered (declared dead by others).
@@ -37,17 +43,29 @@ pub(crate) async fn heartbeat(conn: &mut PgConnection, sql: &Sql, id: Uuid, leas
     Ok(row.is_some())
 }
 
-pub(crate) async fn deregister(pool: &PgPool, sql: &Sql, id: Uuid) -> Result<()> {
-    sqlx::query(stmt(&sql.deregister)).bind(id).execute(pool).await?;
-    Ok(())
+pub(crate) async fn deregister(db: &Db, sql: &Sql, id: Uuid) -> Result<()> {
+    match db {
+        Db::Postgres(pool) => {
+            sqlx::query(stmt(&sql.deregister)).bind(id).execute(pool).await?;
+            Ok(())
+        }
+        Db::Sqlite(pool) => sqlite::deregister(pool, &sql.sqlite, id).await,
+    }
 }
 
 /// Deletes instances whose lease expired more than `grace` ago.
-pub(crate) async fn reap(pool: &PgPool, sql: &Sql, grace: Duration) -> Result<u64> {
-    Ok(sqlx::query(stmt(&sql.reap)).bind(millis(grace)).execute(pool).await?.rows_affected())
+pub(crate) async fn reap(db: &Db, sql: &Sql, grace: Duration) -> Result<u64> {
+    match db {
+        Db::Postgres(pool) => Ok(sqlx::query(stmt(&sql.reap)).bind(millis(grace)).execute(pool).await?.rows_affected()),
+        Db::Sqlite(pool) => sqlite::reap(pool, &sql.sqlite, grace).await,
+    }
 }
 
-pub(crate) async fn instances(pool: &PgPool, sql: &Sql) -> Result<Vec<InstanceInfo>> {
+pub(crate) async fn instances(db: &Db, sql: &Sql) -> Result<Vec<InstanceInfo>> {
+    let pool = match db {
+        Db::Postgres(pool) => pool,
+        Db::Sqlite(pool) => return sqlite::instances(pool, &sql.sqlite).await,
+    };
     let rows = sqlx::query(stmt(&sql.instances)).fetch_all(pool).await?;
     rows.iter()
         .map(|row| {

@@ -1,4 +1,5 @@
-//! Every SQL statement of `outbox-cluster`, in one place (`{s}` is the outbox schema).
+//! Every PostgreSQL statement of `outbox-cluster`, in one place (`{s}` is the outbox schema); SQLite's
+//! are in `sqlite.rs`.
 
 use std::sync::Arc;
 
@@ -76,11 +77,14 @@ pub(crate) struct Sql {
     pub(crate) partitions: Arc<str>,
     pub(crate) set_targets: Arc<str>,
     pub(crate) drain: Arc<str>,
+    /// The same steps for SQLite.
+    pub(crate) sqlite: crate::sqlite::Sql,
 }
 
 impl Sql {
-    /// `schema` comes from a validated outbox `Config`.
-    pub(crate) fn new(schema: &str) -> Self {
+    /// The statements for `outbox`'s (validated) schema.
+    pub(crate) fn new(outbox: &outbox_core::Outbox) -> Self {
+        let schema = outbox.config().schema.as_str();
         let build = |text: &str| -> Arc<str> { text.replace("{s}", schema).into() };
         Self {
             register: build(REGISTER),
@@ -95,6 +99,7 @@ impl Sql {
             partitions: build(PARTITIONS),
             set_targets: build(SET_TARGETS),
             drain: build(DRAIN),
+            sqlite: crate::sqlite::Sql::new(outbox),
         }
     }
 }

@@ -1,8 +1,7 @@
 //! What an operator wants to see: instances with their last heartbeat, and partition → owner, epoch,
 //! target.
 
-use outbox_core::Outbox;
-use sqlx::PgPool;
+use outbox_core::{Db, Outbox};
 
 use crate::Result;
 use crate::ownership::{self, PartitionRow};
@@ -19,10 +18,10 @@ pub struct ClusterStatus {
 }
 
 /// Reads the cluster's state (any process may call it; it needs no running node).
-pub async fn status(pool: &PgPool, outbox: &Outbox) -> Result<ClusterStatus> {
-    let sql = Sql::new(&outbox.config().schema);
+pub async fn status(db: impl Into<Db>, outbox: &Outbox) -> Result<ClusterStatus> {
+    let (db, sql) = (db.into(), Sql::new(outbox));
     Ok(ClusterStatus {
-        instances: registry::instances(pool, &sql).await?,
-        partitions: ownership::partitions(pool, &sql).await?,
+        instances: registry::instances(&db, &sql).await?,
+        partitions: ownership::partitions(&db, &sql).await?,
     })
 }

@@ -117,6 +117,11 @@ fn is_transient_db(e: &sqlx::Error) -> bool {
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::Tls(_) => true,
+        // SQLite: busy (another writer held the lock past the busy timeout, or a read transaction's
+        // snapshot went stale before its first write) and locked.
+        sqlx::Error::Database(db) if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() => {
+            db.code().is_some_and(|code| matches!(code.as_ref(), "5" | "6" | "261" | "262" | "517"))
+        }
         // SQLSTATE classes: 08 connection exception, 40 transaction rollback (serialization failure,
         // deadlock), 53 insufficient resources, 57P01..03 admin shutdown / crash / cannot connect now.
         sqlx::Error::Database(db) => db.code().is_some_and(|code| {
@@ -129,8 +134,13 @@ fn is_transient_db(e: &sqlx::Error) -> bool {
 /// Result alias of `outbox-core`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Whether a database error says the outbox's tables or schema do not exist (SQLSTATE 42P01 undefined
-/// table, 3F000 undefined schema): the database needs `migrate` first.
+/// Whether a database error says the outbox's tables or schema do not exist (PostgreSQL: SQLSTATE 42P01
+/// undefined table, 3F000 undefined schema; SQLite, which has no code of its own for it: "no such
+/// table"): the database needs `migrate` first.
 pub fn is_not_migrated(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01" | "3F000")))
+    let sqlx::Error::Database(db) = e else { return false };
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        return db.message().starts_with("no such table");
+    }
+    matches!(db.code().as_deref(), Some("42P01" | "3F000"))
 }

@@ -1,6 +1,6 @@
 //! # outbox-core
 //!
-//! A transactional outbox on PostgreSQL. A service writes its business rows and the events describing
+//! A transactional outbox on PostgreSQL or SQLite ([`Db`]). A service writes its business rows and the events describing
 //! them in **one transaction**; a [`Processor`] then delivers those events to a [`Handler`] **at least
 //! once**, in **strict per-key order**, with retries, an optional fallback, and a visible FAILED state.
 //!
@@ -8,7 +8,8 @@
 //! → [`schedule`](Outbox::schedule) (inside the caller's transaction) → [`processor`] (fetch each key's
 //! head from owned partitions, deliver many keys at once, complete in fenced batches) → [`retry`] /
 //! [`handler`] (retry, fallback, FAILED) → [`operator`] (list, requeue, skip FAILED; stats) → [`purge`].
-//! All SQL is in `sql.rs`; the schema is in `migrations/`.
+//! PostgreSQL's SQL is in `sql.rs`, SQLite's in `sqlite.rs` (the [`db`] module says what differs); the
+//! schemas are in `migrations/postgres/` and `migrations/sqlite/`.
 //!
 //! ```no_run
 //! use outbox_core::{Config, Handlers, HandlerError, NewRecord, Outbox, handler_fn};
@@ -35,6 +36,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod config;
+pub mod db;
 pub mod error;
 pub mod handler;
 pub mod migrate;
@@ -46,15 +48,15 @@ pub mod record;
 pub mod retry;
 mod schedule;
 mod sql;
+mod sqlite;
 
 use std::sync::Arc;
 
-use sqlx::PgPool;
-
 pub use config::{Completion, Config};
+pub use db::{Conn, Db};
 pub use error::{Error, Result, is_not_migrated};
 pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handlers, Route, fallback_fn, handler_fn};
-pub use operator::{FailedRecord, PartitionStats};
+pub use operator::{FailedFilter, FailedRecord, PartitionStats};
 pub use partition::{PARTITIONS, Partition, partition_of};
 pub use processor::{Assignment, Epochs, Processor};
 pub use record::{Headers, MAX_EVENT_TYPE_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled};
@@ -70,14 +72,17 @@ pub struct Outbox {
 struct Inner {
     config: Config,
     sql: sql::Sql,
+    sqlite: sqlite::Sql,
 }
 
 impl Outbox {
     /// Validates `config` and prepares the statements for its schema.
     pub fn new(config: Config) -> Result<Self> {
         config.validate()?;
-        let sql = sql::Sql::new(&config.schema, config.stop_on_first_failure, config.completion == Completion::Keep);
-        Ok(Self { inner: Arc::new(Inner { config, sql }) })
+        let keep = config.completion == Completion::Keep;
+        let sql = sql::Sql::new(&config.schema, config.stop_on_first_failure, keep);
+        let sqlite = sqlite::Sql::new(&config.schema, config.stop_on_first_failure, keep);
+        Ok(Self { inner: Arc::new(Inner { config, sql, sqlite }) })
     }
 
     /// The configuration.
@@ -86,12 +91,19 @@ impl Outbox {
     }
 
     /// Applies missing migrations to the configured schema (see [`migrate`]).
-    pub async fn migrate(&self, pool: &PgPool) -> Result<()> {
-        migrate::run(pool, &self.inner.sql).await
+    pub async fn migrate(&self, db: impl Into<Db>) -> Result<()> {
+        match db.into() {
+            Db::Postgres(pool) => migrate::postgres(&pool, &self.inner.sql).await,
+            Db::Sqlite(pool) => sqlite::migrate(&pool, &self.inner.sqlite).await,
+        }
     }
 
     pub(crate) fn sql(&self) -> &sql::Sql {
         &self.inner.sql
+    }
+
+    pub(crate) fn sqlite(&self) -> &sqlite::Sql {
+        &self.inner.sqlite
     }
 
     /// Maps "relation/schema does not exist" to [`Error::NotMigrated`], which says what to do.
@@ -100,6 +112,14 @@ impl Outbox {
             Error::NotMigrated { schema: self.config().schema.clone() }
         } else {
             Error::Database(e)
+        }
+    }
+
+    /// [`Outbox::db_error`] for an error already wrapped.
+    pub(crate) fn not_migrated(&self, e: Error) -> Error {
+        match e {
+            Error::Database(e) => self.db_error(e),
+            other => other,
         }
     }
 }

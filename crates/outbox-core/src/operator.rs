@@ -1,12 +1,13 @@
 //! Operator functions: inspect and resolve FAILED records, and watch the backlog.
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgPool, Row};
+use sqlx::Row;
 use tracing::{info, instrument};
 use uuid::Uuid;
 
-use crate::Outbox;
+use crate::db::Db;
 use crate::error::{Error, Result};
+use crate::{Outbox, sqlite};
 use crate::partition::Partition;
 use crate::sql::stmt;
 
@@ -60,12 +61,16 @@ pub struct FailedFilter {
 impl Outbox {
     /// Lists FAILED records in (partition, key, seq) order.
     #[instrument(skip_all)]
-    pub async fn failed(&self, pool: &PgPool, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
+    pub async fn failed(&self, db: impl Into<Db>, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
+        let pool = match db.into() {
+            Db::Postgres(pool) => pool,
+            Db::Sqlite(pool) => return sqlite::failed(&pool, self.sqlite(), filter).await.map_err(|e| self.not_migrated(e)),
+        };
         let rows = sqlx::query(stmt(&self.sql().list_failed))
             .bind(filter.key.as_deref())
             .bind(filter.partition.map(i16::from))
             .bind(filter.limit.unwrap_or(100))
-            .fetch_all(pool)
+            .fetch_all(&pool)
             .await
             .map_err(|e| self.db_error(e))?;
         rows.iter()
@@ -86,9 +91,9 @@ impl Outbox {
     }
 
     /// Requeues one FAILED record with a fresh retry budget; its key unblocks when it is delivered.
-    #[instrument(skip(self, pool))]
-    pub async fn requeue(&self, pool: &PgPool, id: Uuid) -> Result<()> {
-        let n = self.requeue_where(pool, Some(id), None).await?;
+    #[instrument(skip(self, db))]
+    pub async fn requeue(&self, db: impl Into<Db>, id: Uuid) -> Result<()> {
+        let n = self.requeue_where(db.into(), Some(id), None).await?;
         if n == 0 {
             return Err(Error::RecordNotFound { id, state: "FAILED" });
         }
@@ -96,29 +101,37 @@ impl Outbox {
     }
 
     /// Requeues every FAILED record of `key`; returns how many.
-    #[instrument(skip(self, pool))]
-    pub async fn requeue_key(&self, pool: &PgPool, key: &str) -> Result<u64> {
-        self.requeue_where(pool, None, Some(key)).await
+    #[instrument(skip(self, db))]
+    pub async fn requeue_key(&self, db: impl Into<Db>, key: &str) -> Result<u64> {
+        self.requeue_where(db.into(), None, Some(key)).await
     }
 
-    async fn requeue_where(&self, pool: &PgPool, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
-        let done = sqlx::query(stmt(&self.sql().requeue))
-            .bind(id)
-            .bind(key)
-            .execute(pool)
-            .await
-            .map_err(|e| self.db_error(e))?;
-        info!(?id, ?key, requeued = done.rows_affected(), "requeued FAILED records");
-        Ok(done.rows_affected())
+    async fn requeue_where(&self, db: Db, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
+        let requeued = match db {
+            Db::Postgres(pool) => {
+                let query = sqlx::query(stmt(&self.sql().requeue)).bind(id).bind(key);
+                query.execute(&pool).await.map_err(|e| self.db_error(e))?.rows_affected()
+            }
+            Db::Sqlite(pool) => {
+                sqlite::requeue(&pool, self.sqlite(), id, key).await.map_err(|e| self.not_migrated(e))?
+            }
+        };
+        info!(?id, ?key, requeued, "requeued FAILED records");
+        Ok(requeued)
     }
 
     /// Skips one FAILED record: it counts as handled (kept in `completed` as `skipped`), and the next
     /// record of its key proceeds.
-    #[instrument(skip(self, pool))]
-    pub async fn skip(&self, pool: &PgPool, id: Uuid) -> Result<()> {
-        let skipped =
-            sqlx::query(stmt(&self.sql().skip)).bind(id).fetch_optional(pool).await.map_err(|e| self.db_error(e))?;
-        if skipped.is_none() {
+    #[instrument(skip(self, db))]
+    pub async fn skip(&self, db: impl Into<Db>, id: Uuid) -> Result<()> {
+        let skipped = match db.into() {
+            Db::Postgres(pool) => {
+                let query = sqlx::query(stmt(&self.sql().skip)).bind(id);
+                query.fetch_optional(&pool).await.map_err(|e| self.db_error(e))?.is_some()
+            }
+            Db::Sqlite(pool) => sqlite::skip(&pool, self.sqlite(), id).await.map_err(|e| self.not_migrated(e))?,
+        };
+        if !skipped {
             return Err(Error::RecordNotFound { id, state: "FAILED" });
         }
         info!(%id, "skipped FAILED record");
@@ -128,8 +141,12 @@ impl Outbox {
     /// Pending and FAILED counts per partition (only partitions holding records), with the age of the
     /// oldest pending record.
     #[instrument(skip_all)]
-    pub async fn stats(&self, pool: &PgPool) -> Result<Vec<PartitionStats>> {
-        let rows = sqlx::query(stmt(&self.sql().stats)).fetch_all(pool).await.map_err(|e| self.db_error(e))?;
+    pub async fn stats(&self, db: impl Into<Db>) -> Result<Vec<PartitionStats>> {
+        let pool = match db.into() {
+            Db::Postgres(pool) => pool,
+            Db::Sqlite(pool) => return sqlite::stats(&pool, self.sqlite()).await.map_err(|e| self.not_migrated(e)),
+        };
+        let rows = sqlx::query(stmt(&self.sql().stats)).fetch_all(&pool).await.map_err(|e| self.db_error(e))?;
         rows.iter()
             .map(|row| {
                 let oldest: Option<f64> = row.try_get("oldest_pending_secs")?;

@@ -24,6 +24,8 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
+
+use crate::db::Db;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -72,7 +74,7 @@ impl Assignment {
 /// Delivers the records of the assigned partitions. See the [module docs](self).
 pub struct Processor {
     outbox: Outbox,
-    pool: PgPool,
+    pool: Db,
     handlers: Arc<Handlers>,
     owner: Uuid,
     assignment: watch::Receiver<Assignment>,
@@ -81,7 +83,7 @@ pub struct Processor {
 
 /// What happened to one delivery.
 #[derive(Debug)]
-enum Verdict {
+pub(crate) enum Verdict {
     Delivered,
     Fallback,
     Retry { delay: Duration, error: String },
@@ -89,15 +91,15 @@ enum Verdict {
 }
 
 #[derive(Debug)]
-struct Outcome {
-    id: Uuid,
-    partition: Partition,
-    epoch: i64,
+pub(crate) struct Outcome {
+    pub(crate) id: Uuid,
+    pub(crate) partition: Partition,
+    pub(crate) epoch: i64,
     key: String,
     /// Failed deliveries including this one (unchanged on success).
-    attempts: i32,
+    pub(crate) attempts: i32,
     created_at: chrono::DateTime<chrono::Utc>,
-    verdict: Verdict,
+    pub(crate) verdict: Verdict,
 }
 
 /// What one flush wrote.
@@ -120,12 +122,12 @@ impl Processor {
     /// A processor delivering through `handlers` for `owner`, processing what `assignment` holds.
     pub fn new(
         outbox: Outbox,
-        pool: PgPool,
+        db: impl Into<Db>,
         handlers: Handlers,
         owner: Uuid,
         assignment: watch::Receiver<Assignment>,
     ) -> Self {
-        Self { outbox, pool, handlers: Arc::new(handlers), owner, assignment, busy: watch::Sender::default() }
+        Self { outbox, pool: db.into(), handlers: Arc::new(handlers), owner, assignment, busy: watch::Sender::default() }
     }
 
     /// Partitions with records in flight (delivering or awaiting completion). A partition that left the
@@ -388,12 +390,54 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
 #[instrument(skip_all, fields(partitions = partitions.len(), limit))]
 async fn fetch_runs(
     outbox: &Outbox,
-    pool: &PgPool,
+    db: &Db,
     partitions: &[i16],
     exclude: &[String],
     limit: usize,
     followers: usize,
 ) -> Result<Vec<Vec<Record>>> {
+    let rows = match db {
+        Db::Postgres(pool) => fetch_postgres(outbox, pool, partitions, exclude, limit, followers).await?,
+        Db::Sqlite(pool) => crate::sqlite::fetch(pool, outbox.sqlite(), partitions, exclude, limit, followers)
+            .await
+            .map_err(|e| outbox.not_migrated(e))?,
+    };
+    let fetched = rows.len();
+    let mut by_key: HashMap<String, Vec<(Record, bool)>> = HashMap::new();
+    for (record, due) in rows {
+        by_key.entry(record.key.clone()).or_default().push((record, due));
+    }
+    let budget = outbox.config().key_lookahead_bytes;
+    let runs: Vec<Vec<Record>> = by_key
+        .into_values()
+        .map(|mut run| {
+            run.sort_by_key(|(r, _)| r.seq);
+            // A run stops before the first record that is not due (FAILED or waiting for a retry), and
+            // before the record that takes its payloads past the byte budget (the head always comes).
+            let mut bytes = 0;
+            run.into_iter()
+                .enumerate()
+                .take_while(|(i, (r, due))| {
+                    bytes += r.payload.len();
+                    *due && (*i == 0 || bytes <= budget)
+                })
+                .map(|(_, (r, _))| r)
+                .collect()
+        })
+        .collect();
+    debug!(keys = runs.len(), records = fetched, "fetched");
+    Ok(runs)
+}
+
+/// PostgreSQL's fetch: one statement in a JIT-off transaction; rows of (record, due).
+async fn fetch_postgres(
+    outbox: &Outbox,
+    pool: &PgPool,
+    partitions: &[i16],
+    exclude: &[String],
+    limit: usize,
+    followers: usize,
+) -> Result<Vec<(Record, bool)>> {
     let mut tx = begin(outbox, pool).await?;
     let rows = sqlx::query(stmt(&outbox.sql().fetch))
         .bind(partitions)
@@ -405,22 +449,7 @@ async fn fetch_runs(
         .await
         .map_err(|e| outbox.db_error(e))?;
     tx.commit().await.map_err(|e| outbox.db_error(e))?;
-    let mut by_key: HashMap<String, Vec<(Record, bool)>> = HashMap::new();
-    for row in &rows {
-        let record = record_from_row(row)?;
-        let due: bool = row.try_get("due")?;
-        by_key.entry(record.key.clone()).or_default().push((record, due));
-    }
-    let runs: Vec<Vec<Record>> = by_key
-        .into_values()
-        .map(|mut run| {
-            run.sort_by_key(|(r, _)| r.seq);
-            // A run stops before the first record that is not due (FAILED or waiting for a retry).
-            run.into_iter().take_while(|(_, due)| *due).map(|(r, _)| r).collect()
-        })
-        .collect();
-    debug!(keys = runs.len(), records = rows.len(), "fetched");
-    Ok(runs)
+    rows.iter().map(|row| Ok((record_from_row(row)?, row.try_get("due")?))).collect()
 }
 
 /// Starts a transaction for the processor's statements, with JIT compilation off. The planner prices
@@ -557,8 +586,12 @@ async fn guarded(
 
 /// Writes a batch of outcomes in one transaction: completions in one fenced statement, failures in
 /// another.
-async fn complete(outbox: &Outbox, pool: &PgPool, owner: Uuid, outcomes: Vec<Outcome>) -> FlushResult {
-    match write_outcomes(outbox, pool, owner, &outcomes).await {
+async fn complete(outbox: &Outbox, db: &Db, owner: Uuid, outcomes: Vec<Outcome>) -> FlushResult {
+    let written = match db {
+        Db::Postgres(pool) => write_outcomes(outbox, pool, owner, &outcomes).await,
+        Db::Sqlite(pool) => crate::sqlite::write_outcomes(pool, outbox.sqlite(), owner, &outcomes).await,
+    };
+    match written {
         Ok(written) => Ok(Flushed { outcomes, written }),
         Err(e) => Err((outcomes, e)),
     }

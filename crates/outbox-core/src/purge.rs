@@ -3,38 +3,43 @@
 
 use std::time::Duration;
 
-use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, instrument, warn};
 
-use crate::Outbox;
+use crate::db::Db;
 use crate::error::Result;
+use crate::{Outbox, sqlite};
 use crate::sql::stmt;
 
 impl Outbox {
     /// Deletes completed records older than `retention`, `batch_size` per statement, until none are
     /// left; returns how many.
-    #[instrument(skip(self, pool))]
-    pub async fn purge_completed(&self, pool: &PgPool, retention: Duration, batch_size: usize) -> Result<u64> {
+    #[instrument(skip(self, db))]
+    pub async fn purge_completed(&self, db: impl Into<Db>, retention: Duration, batch_size: usize) -> Result<u64> {
+        let db = db.into();
         let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
         let limit = i64::try_from(batch_size).unwrap_or(i64::MAX);
         let mut total = 0;
         loop {
-            let done = sqlx::query(stmt(&self.sql().purge))
-                .bind(retention_ms)
-                .bind(limit)
-                .execute(pool)
-                .await
-                .map_err(|e| self.db_error(e))?;
-            total += done.rows_affected();
-            if done.rows_affected() < batch_size as u64 {
+            let done = match &db {
+                Db::Postgres(pool) => {
+                    let query = sqlx::query(stmt(&self.sql().purge)).bind(retention_ms).bind(limit);
+                    query.execute(pool).await.map_err(|e| self.db_error(e))?.rows_affected()
+                }
+                Db::Sqlite(pool) => {
+                    sqlite::purge(pool, self.sqlite(), retention, limit).await.map_err(|e| self.not_migrated(e))?
+                }
+            };
+            total += done;
+            if done < batch_size as u64 {
                 return Ok(total);
             }
         }
     }
 
     /// Purges every `purge_interval` until `shutdown` (with `completion = "keep"`; nothing to do otherwise).
-    pub async fn run_purge(self, pool: PgPool, shutdown: CancellationToken) {
+    pub async fn run_purge(self, db: impl Into<Db>, shutdown: CancellationToken) {
+        let db = db.into();
         let config = self.config().clone();
         let mut ticker = tokio::time::interval(config.purge_interval);
         loop {
@@ -42,7 +47,7 @@ impl Outbox {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
             }
-            match self.purge_completed(&pool, config.completed_retention, config.purge_batch_size).await {
+            match self.purge_completed(&db, config.completed_retention, config.purge_batch_size).await {
                 Ok(n) => debug!(purged = n, "purged completed records"),
                 Err(e) => warn!(error = %e, "purge failed; will retry at the next interval"),
             }

@@ -96,19 +96,25 @@ struct Bench {
 }
 
 pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<ExitCode, Failure> {
+    let outbox_core::Db::Postgres(pool) = &ctx.db else {
+        return Err(Failure(
+            "bench measures PostgreSQL and NATS JetStream: set DATABASE_URL=postgres://… and NATS_URL (./scripts/bench.sh does)"
+                .into(),
+        ));
+    };
     let outbox = Outbox::new(Config {
         schema: SCHEMA.into(),
         completion: ctx.config.outbox.completion,
         ..ctx.config.outbox.clone()
     })?;
-    outbox.migrate(&ctx.pool).await?;
+    outbox.migrate(pool).await?;
     let nats = NatsConfig {
         subject: "bench.{event_type}".into(),
         stream: StreamSettings { name: STREAM.into(), subjects: vec!["bench.>".into()], ..StreamSettings::default() },
         ..ctx.config.nats.clone()
     };
     let bench =
-        Bench { pool: ctx.pool.clone(), outbox, nats, database_url: database_url.into(), sizes: Sizes::of(args.quick) };
+        Bench { pool: pool.clone(), outbox, nats, database_url: database_url.into(), sizes: Sizes::of(args.quick) };
     let rounds = args.rounds.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
     // Every round measures the yardsticks and the scenarios anew; a ratio compares figures of the same
     // round. `by_scenario[i]` holds scenario i's row and relay ratio from every round.

@@ -18,6 +18,9 @@ pub struct DemoConfig {
     pub cluster: ClusterConfig,
     /// NATS connection, subject and stream.
     pub nats: NatsConfig,
+    /// Whether events go to NATS: a `[nats]` section or a NATS URL was given (otherwise: the local sink).
+    #[serde(skip)]
+    pub use_nats: bool,
 }
 
 impl DemoConfig {
@@ -26,12 +29,17 @@ impl DemoConfig {
         let mut config = match path {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-                toml::from_str(&text).map_err(|e| format!("bad configuration in {}: {e}", path.display()))?
+                let mut config: DemoConfig =
+                    toml::from_str(&text).map_err(|e| format!("bad configuration in {}: {e}", path.display()))?;
+                let table: toml::Table = text.parse().map_err(|e| format!("bad configuration in {}: {e}", path.display()))?;
+                config.use_nats = table.contains_key("nats");
+                config
             }
             None => DemoConfig::default(),
         };
         if let Some(url) = nats_url {
             config.nats.servers = url.split(',').map(str::trim).map(String::from).collect();
+            config.use_nats = true;
         }
         config.outbox.validate().map_err(|e| e.to_string())?;
         config.cluster.validate().map_err(|e| e.to_string())?;

@@ -9,9 +9,11 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use outbox_cluster::{ClusterConfig, Node};
+use outbox_core::Db;
 use uuid::Uuid;
 
 use crate::orders::{self, OrderEvent, ProduceArgs};
+use crate::sink::Sink;
 use crate::{Context, Failure, operator, verify, worker};
 
 /// `run` options.
@@ -75,17 +77,25 @@ impl Checker {
 
 pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
     operator::migrate(ctx).await?;
-    let schema = &ctx.config.outbox.schema;
-    let reset = format!("TRUNCATE demo_orders, demo_order_events; TRUNCATE {schema}.records, {schema}.completed");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(&ctx.pool).await?;
-    let mut stream = verify::open_stream_or_create(ctx).await?;
+    let (records, completed) = (ctx.outbox_table("records"), ctx.outbox_table("completed"));
+    let reset = format!("DELETE FROM demo_orders; DELETE FROM demo_order_events; DELETE FROM {records}; DELETE FROM {completed}");
+    match &ctx.db {
+        Db::Postgres(pool) => sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(pool).await.map(drop)?,
+        Db::Sqlite(pool) => sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(pool).await.map(drop)?,
+    }
+    let mut stream = Sink::open(ctx, true).await?;
     // A fresh story: the verification compares this run's stream with this run's orders.
-    stream.purge().await.map_err(|e| Failure(format!("purging the demo stream: {e}")))?;
-    let start_seq = stream.info().await.map_err(|e| Failure(e.to_string()))?.state.last_sequence + 1;
+    stream.purge().await?;
+    let start_seq = stream.last_seq().await? + 1;
+    let target = match &ctx.target {
+        crate::sink::Target::JetStream => format!("NATS JetStream stream {:?}", ctx.config.nats.stream.name),
+        crate::sink::Target::Local(path) => format!("the local sink {} (set NATS_URL for JetStream)", path.display()),
+    };
     println!(
         "== outbox demo: {} orders × {} events, workers joining, leaving and crashing ==",
         args.orders, args.events_per_order
     );
+    println!("   database: {}; events go to {target}", ctx.db.backend());
 
     let mut nodes: BTreeMap<String, Node> = BTreeMap::new();
     for name in ["w1", "w2", "w3"] {
@@ -100,8 +110,8 @@ pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
         concurrency: 4,
     };
     let mut producer = {
-        let (outbox, pool) = (ctx.outbox.clone(), ctx.pool.clone());
-        Some(tokio::spawn(async move { orders::produce(&outbox, &pool, &produce).await }))
+        let (outbox, db) = (ctx.outbox.clone(), ctx.db.clone());
+        Some(tokio::spawn(async move { orders::produce(&outbox, &db, &produce).await }))
     };
     let mut produced = orders::Produced::default();
 
@@ -136,14 +146,14 @@ pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
                 }
             }
         }
-        let last_seq = stream.info().await.map_err(|e| Failure(e.to_string()))?.state.last_sequence;
+        let last_seq = stream.last_seq().await?;
         if last_seq >= checker.next_seq {
-            let events = verify::read_range(&stream, checker.next_seq, last_seq).await?;
+            let events = stream.read_range(checker.next_seq, last_seq).await?;
             checker.feed(&events);
             checker.next_seq = last_seq + 1;
         }
         let delivered = checker.seen.len();
-        let pending: i64 = ctx.outbox.stats(&ctx.pool).await?.iter().map(|s| s.pending).sum();
+        let pending: i64 = ctx.outbox.stats(&ctx.db).await?.iter().map(|s| s.pending).sum();
         let map = partition_map(ctx).await?;
         println!(
             "t={:>3}s  {map:<40} pending {pending:>5}  delivered {delivered:>6} (+{}/s)  order violations {}  duplicates {}",
@@ -180,7 +190,7 @@ pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
 
 /// "w1:86 w3:85 w4:85" from the database's ownership.
 async fn partition_map(ctx: &Context) -> Result<String, Failure> {
-    let status = outbox_cluster::status(&ctx.pool, &ctx.outbox).await?;
+    let status = outbox_cluster::status(&ctx.db, &ctx.outbox).await?;
     let names: BTreeMap<Uuid, &str> = status.instances.iter().map(|i| (i.id, i.name.as_str())).collect();
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     for p in &status.partitions {

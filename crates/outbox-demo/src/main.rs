@@ -1,5 +1,7 @@
-//! `outbox-demo`: an order service whose events flow through the outbox to NATS JetStream, with its
-//! workers, a load generator, a verifier and the operator commands.
+//! `outbox-demo`: an order service whose events flow through the outbox to NATS JetStream (or, without
+//! `NATS_URL`, to a local sink file), with its workers, a load generator, a verifier and the operator
+//! commands. Without `DATABASE_URL` it keeps everything in a SQLite file, so it runs with nothing
+//! installed.
 //!
 //! Subcommands: `run` (the default: the whole story live in one process), `worker`, `produce`,
 //! `verify`, `status`, `failed list|requeue|skip`, `purge`, `migrate`. See `--help`.
@@ -9,6 +11,7 @@ mod config;
 mod live;
 mod operator;
 mod orders;
+mod sink;
 mod verify;
 mod worker;
 
@@ -17,14 +20,14 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use outbox_core::Outbox;
-use sqlx::PgPool;
+use outbox_core::{Db, Outbox};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::SqlitePoolOptions;
 
 use crate::config::DemoConfig;
 
-/// Where `./scripts/demo.sh` puts the database.
-const DEFAULT_DATABASE_URL: &str = "postgres://root:outbox@127.0.0.1:5432/outbox_demo";
+/// The database when no `DATABASE_URL` is given: a SQLite file in the current directory.
+const DEFAULT_DATABASE_URL: &str = "sqlite://outbox-demo.db";
 
 #[derive(Parser)]
 #[command(name = "outbox-demo", version, about = "Orders whose events flow through the outbox to NATS JetStream")]
@@ -40,12 +43,16 @@ struct Global {
     /// TOML file with `outbox`, `cluster` and `nats` sections.
     #[arg(long, env = "OUTBOX_CONFIG", global = true)]
     config: Option<PathBuf>,
-    /// PostgreSQL connection URL.
+    /// Database URL: `postgres://…`, or `sqlite://path` (default: sqlite://outbox-demo.db).
     #[arg(long, env = "DATABASE_URL", global = true, default_value = DEFAULT_DATABASE_URL, hide_default_value = true)]
     database_url: String,
-    /// NATS server URL(s), comma-separated; overrides the file's `nats.servers`.
+    /// NATS server URL(s), comma-separated: deliver to JetStream (overrides the file's `nats.servers`).
+    /// Without it and without a `[nats]` section in the config file, events go to a local sink file.
     #[arg(long, env = "NATS_URL", global = true)]
     nats_url: Option<String>,
+    /// The local sink (a SQLite file) used when no NATS is configured.
+    #[arg(long, env = "OUTBOX_DEMO_SINK", global = true, default_value = sink::DEFAULT_PATH)]
+    sink: PathBuf,
     /// Log format.
     #[arg(long, env = "OUTBOX_LOG_FORMAT", global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -132,31 +139,53 @@ impl From<sqlx::Error> for Failure {
     }
 }
 
-/// What every command needs: the configuration, a pool and the outbox.
+/// What every command needs: the configuration, the database, the outbox and the delivery target.
 struct Context {
     config: DemoConfig,
-    pool: PgPool,
+    db: Db,
     outbox: Outbox,
+    target: sink::Target,
 }
 
 impl Context {
     async fn connect(global: &Global) -> Result<Context, Failure> {
         let config = DemoConfig::load(global.config.as_deref(), global.nats_url.as_deref()).map_err(Failure)?;
-        let options: PgConnectOptions =
-            global.database_url.parse().map_err(|e| Failure(format!("bad DATABASE_URL: {e}")))?;
-        let (host, port) = (options.get_host().to_string(), options.get_port());
-        let pool = PgPoolOptions::new()
-            .max_connections(16)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options)
-            .await
-            .map_err(|e| {
-                Failure(format!(
-                    "cannot connect to PostgreSQL at {host}:{port} ({e}): start it, or run ./scripts/demo.sh"
-                ))
-            })?;
+        let url = global.database_url.as_str();
+        let db = if url.starts_with("sqlite:") {
+            let options = outbox_core::db::sqlite_options(url).map_err(|e| Failure(format!("bad DATABASE_URL: {e}")))?;
+            let pool = SqlitePoolOptions::new()
+                .max_connections(8)
+                .connect_with(options)
+                .await
+                .map_err(|e| Failure(format!("cannot open the SQLite database {url} ({e})")))?;
+            Db::Sqlite(pool)
+        } else {
+            let options: PgConnectOptions = url.parse().map_err(|e| Failure(format!("bad DATABASE_URL: {e}")))?;
+            let (host, port) = (options.get_host().to_string(), options.get_port());
+            let pool = PgPoolOptions::new()
+                .max_connections(16)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_with(options)
+                .await
+                .map_err(|e| {
+                    Failure(format!(
+                        "cannot connect to PostgreSQL at {host}:{port} ({e}): start it, or run ./scripts/demo.sh"
+                    ))
+                })?;
+            Db::Postgres(pool)
+        };
         let outbox = Outbox::new(config.outbox.clone())?;
-        Ok(Context { config, pool, outbox })
+        let target = if config.use_nats { sink::Target::JetStream } else { sink::Target::Local(global.sink.clone()) };
+        Ok(Context { config, db, outbox, target })
+    }
+
+    /// A table of the outbox: `outbox.records` on PostgreSQL, `outbox_records` on SQLite.
+    fn outbox_table(&self, table: &str) -> String {
+        let schema = &self.config.outbox.schema;
+        match self.db {
+            Db::Postgres(_) => format!("{schema}.{table}"),
+            Db::Sqlite(_) => format!("{schema}_{table}"),
+        }
     }
 }
 

@@ -7,7 +7,6 @@ use clap::Subcommand;
 use outbox_core::operator::FailedFilter;
 use uuid::Uuid;
 
-use crate::orders::TABLES;
 use crate::{Context, Failure};
 
 /// `failed` subcommands.
@@ -42,15 +41,15 @@ pub enum FailedCommand {
 }
 
 pub async fn migrate(ctx: &Context) -> Result<(), Failure> {
-    ctx.outbox.migrate(&ctx.pool).await?;
-    sqlx::raw_sql(TABLES).execute(&ctx.pool).await?;
+    ctx.outbox.migrate(&ctx.db).await?;
+    crate::orders::create_tables(&ctx.db).await?;
     println!("migrated: outbox schema {:?} and the demo tables are up to date", ctx.config.outbox.schema);
     Ok(())
 }
 
 pub async fn status(ctx: &Context) -> Result<(), Failure> {
-    let cluster = outbox_cluster::status(&ctx.pool, &ctx.outbox).await?;
-    let stats = ctx.outbox.stats(&ctx.pool).await?;
+    let cluster = outbox_cluster::status(&ctx.db, &ctx.outbox).await?;
+    let stats = ctx.outbox.stats(&ctx.db).await?;
     println!("instances");
     let mut names: BTreeMap<Uuid, String> = BTreeMap::new();
     for i in &cluster.instances {
@@ -101,7 +100,7 @@ pub async fn failed(ctx: &Context, command: FailedCommand) -> Result<(), Failure
     match command {
         FailedCommand::List { key, partition, limit } => {
             let filter = FailedFilter { key, partition, limit: Some(limit) };
-            let failed = ctx.outbox.failed(&ctx.pool, &filter).await?;
+            let failed = ctx.outbox.failed(&ctx.db, &filter).await?;
             for f in &failed {
                 println!(
                     "{}  key {:?}  seq {}  partition {}  {}  attempts {}  failed {}  {}",
@@ -118,16 +117,16 @@ pub async fn failed(ctx: &Context, command: FailedCommand) -> Result<(), Failure
             println!("{} FAILED records", failed.len());
         }
         FailedCommand::Requeue { id: Some(id), .. } => {
-            ctx.outbox.requeue(&ctx.pool, id).await?;
+            ctx.outbox.requeue(&ctx.db, id).await?;
             println!("requeued {id}");
         }
         FailedCommand::Requeue { key: Some(key), .. } => {
-            let n = ctx.outbox.requeue_key(&ctx.pool, &key).await?;
+            let n = ctx.outbox.requeue_key(&ctx.db, &key).await?;
             println!("requeued {n} records of key {key:?}");
         }
         FailedCommand::Requeue { .. } => return Err(Failure("give a record id or --key".into())),
         FailedCommand::Skip { id } => {
-            ctx.outbox.skip(&ctx.pool, id).await?;
+            ctx.outbox.skip(&ctx.db, id).await?;
             println!("skipped {id}");
         }
     }
@@ -135,7 +134,7 @@ pub async fn failed(ctx: &Context, command: FailedCommand) -> Result<(), Failure
 }
 
 pub async fn purge(ctx: &Context, older_than: Duration) -> Result<(), Failure> {
-    let n = ctx.outbox.purge_completed(&ctx.pool, older_than, ctx.config.outbox.purge_batch_size).await?;
+    let n = ctx.outbox.purge_completed(&ctx.db, older_than, ctx.config.outbox.purge_batch_size).await?;
     println!("purged {n} completed records older than {}", humantime::format_duration(older_than));
     Ok(())
 }

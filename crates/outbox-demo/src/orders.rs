@@ -9,31 +9,51 @@
 use std::time::Duration;
 
 use clap::Args;
-use outbox_core::{NewRecord, Outbox};
+use outbox_core::{Db, NewRecord, Outbox};
 use rand::RngExt;
 use serde::{Deserialize, Serialize};
-use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::{Context, Failure};
 
-/// The demo's business tables.
-pub const TABLES: &str = "
+/// The demo's business tables (the same SQL on PostgreSQL and SQLite).
+const TABLES: &str = "
 CREATE TABLE IF NOT EXISTS demo_orders (
     id         text        PRIMARY KEY,
     status     text        NOT NULL,
-    updated_at timestamptz NOT NULL DEFAULT now()
+    updated_at timestamptz NOT NULL DEFAULT CURRENT_TIMESTAMP
 );
--- Databases from the first demo version lack this column.
-ALTER TABLE demo_orders ADD COLUMN IF NOT EXISTS updated_at timestamptz NOT NULL DEFAULT now();
 CREATE TABLE IF NOT EXISTS demo_order_events (
     event_id     uuid        PRIMARY KEY,
     order_id     text        NOT NULL,
     seq          integer     NOT NULL,
     step         text        NOT NULL,
-    committed_at timestamptz NOT NULL DEFAULT now(),
+    committed_at timestamptz NOT NULL DEFAULT CURRENT_TIMESTAMP,
     UNIQUE (order_id, seq)
 )";
+
+/// Databases from the first demo version lack this column (PostgreSQL only; SQLite came later).
+const UPGRADE_POSTGRES: &str =
+    "ALTER TABLE demo_orders ADD COLUMN IF NOT EXISTS updated_at timestamptz NOT NULL DEFAULT now()";
+
+/// Creates the demo's tables if they do not exist.
+pub async fn create_tables(db: &Db) -> Result<(), Failure> {
+    match db {
+        Db::Postgres(pool) => {
+            sqlx::raw_sql(TABLES).execute(pool).await?;
+            sqlx::raw_sql(UPGRADE_POSTGRES).execute(pool).await?;
+        }
+        Db::Sqlite(pool) => {
+            sqlx::raw_sql(TABLES).execute(pool).await?;
+        }
+    }
+    Ok(())
+}
+
+const UPSERT_ORDER: &str = "INSERT INTO demo_orders (id, status) VALUES ($1, $2)
+ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status, updated_at = CURRENT_TIMESTAMP";
+
+const INSERT_EVENT: &str = "INSERT INTO demo_order_events (event_id, order_id, seq, step) VALUES ($1, $2, $3, $4)";
 
 const STEPS: [&str; 5] = ["created", "paid", "shipped", "delivered", "closed"];
 
@@ -85,7 +105,7 @@ pub struct Produced {
 
 pub async fn produce_command(ctx: &Context, args: ProduceArgs) -> Result<(), Failure> {
     let started = std::time::Instant::now();
-    let produced = produce(&ctx.outbox, &ctx.pool, &args).await?;
+    let produced = produce(&ctx.outbox, &ctx.db, &args).await?;
     println!(
         "produced {} events for {} orders ({} transactions rolled back on purpose) in {:.1?}",
         produced.committed,
@@ -97,7 +117,7 @@ pub async fn produce_command(ctx: &Context, args: ProduceArgs) -> Result<(), Fai
 }
 
 /// Places `args.orders` orders with `args.events_per_order` events each.
-pub async fn produce(outbox: &Outbox, pool: &PgPool, args: &ProduceArgs) -> Result<Produced, Failure> {
+pub async fn produce(outbox: &Outbox, db: &Db, args: &ProduceArgs) -> Result<Produced, Failure> {
     if !(0.0..1.0).contains(&args.rollback_fraction) {
         return Err(Failure(format!("--rollback-fraction must be within [0, 1), got {}", args.rollback_fraction)));
     }
@@ -105,7 +125,7 @@ pub async fn produce(outbox: &Outbox, pool: &PgPool, args: &ProduceArgs) -> Resu
     let workers = args.concurrency.max(1);
     let pause = (args.rate > 0.0).then(|| Duration::from_secs_f64(f64::from(workers) / args.rate));
     let tasks = (0..workers).map(|w| {
-        let (outbox, pool, args, run) = (outbox.clone(), pool.clone(), args.clone(), run.clone());
+        let (outbox, db, args, run) = (outbox.clone(), db.clone(), args.clone(), run.clone());
         tokio::spawn(async move {
             let mut produced = Produced::default();
             let orders: Vec<String> =
@@ -118,7 +138,7 @@ pub async fn produce(outbox: &Outbox, pool: &PgPool, args: &ProduceArgs) -> Resu
                             ticker.tick().await;
                         }
                         let rollback = rand::rng().random::<f64>() < args.rollback_fraction;
-                        place(&outbox, &pool, order, seq, rollback).await?;
+                        place(&outbox, &db, order, seq, rollback).await?;
                         if rollback {
                             produced.rolled_back += 1;
                         } else {
@@ -141,30 +161,25 @@ pub async fn produce(outbox: &Outbox, pool: &PgPool, args: &ProduceArgs) -> Resu
 }
 
 /// One business transaction: the order's status, its history row and its event; rolled back on request.
-async fn place(outbox: &Outbox, pool: &PgPool, order: &str, seq: u32, rollback: bool) -> Result<(), Failure> {
+async fn place(outbox: &Outbox, db: &Db, order: &str, seq: u32, rollback: bool) -> Result<(), Failure> {
     let event = OrderEvent { event_id: Uuid::now_v7(), key: order.to_string(), seq, step: step(seq) };
-    let mut tx = pool.begin().await?;
-    sqlx::query(
-        "INSERT INTO demo_orders (id, status) VALUES ($1, $2)
-         ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status, updated_at = now()",
-    )
-    .bind(order)
-    .bind(&event.step)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query("INSERT INTO demo_order_events (event_id, order_id, seq, step) VALUES ($1, $2, $3, $4)")
-        .bind(event.event_id)
-        .bind(order)
-        .bind(seq as i32)
-        .bind(&event.step)
-        .execute(&mut *tx)
-        .await?;
     let record = NewRecord::json(order, format!("order.{}", event.step), &event)?;
-    outbox.schedule(&mut tx, record).await?;
-    if rollback {
-        tx.rollback().await?;
-    } else {
-        tx.commit().await?;
+    // The same statements on either backend's transaction.
+    macro_rules! transaction {
+        ($tx:expr) => {{
+            let mut tx = $tx;
+            sqlx::query(UPSERT_ORDER).bind(order).bind(&event.step).execute(&mut *tx).await?;
+            let query = sqlx::query(INSERT_EVENT).bind(event.event_id).bind(order);
+            query.bind(seq as i32).bind(&event.step).execute(&mut *tx).await?;
+            outbox.schedule(&mut tx, record).await?;
+            if rollback { tx.rollback().await? } else { tx.commit().await? }
+        }};
+    }
+    match db {
+        Db::Postgres(pool) => transaction!(pool.begin().await?),
+        // The write lock from the start: a transaction that upgrades from reading to writing can fail
+        // with "busy" when another writer commits in between.
+        Db::Sqlite(pool) => transaction!(pool.begin_with("BEGIN IMMEDIATE").await?),
     }
     Ok(())
 }

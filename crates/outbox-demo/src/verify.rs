@@ -5,10 +5,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
 
-use futures::{StreamExt, TryStreamExt};
+use outbox_core::Db;
 use uuid::Uuid;
 
 use crate::orders::OrderEvent;
+use crate::sink::Sink;
 use crate::{Context, Failure};
 
 /// What the verifier found.
@@ -60,13 +61,16 @@ pub async fn command(ctx: &Context) -> Result<ExitCode, Failure> {
     Ok(if report.ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-/// Compares the stream with `demo_order_events`.
+/// Compares the stream (or the local sink) with `demo_order_events`.
 pub async fn verify(ctx: &Context) -> Result<Report, Failure> {
-    let rows: Vec<(Uuid, String, i32)> =
-        sqlx::query_as("SELECT event_id, order_id, seq FROM demo_order_events").fetch_all(&ctx.pool).await?;
+    const COMMITTED: &str = "SELECT event_id, order_id, seq FROM demo_order_events";
+    let rows: Vec<(Uuid, String, i32)> = match &ctx.db {
+        Db::Postgres(pool) => sqlx::query_as(COMMITTED).fetch_all(pool).await?,
+        Db::Sqlite(pool) => sqlx::query_as(COMMITTED).fetch_all(pool).await?,
+    };
     let committed: BTreeMap<Uuid, (String, u32)> =
         rows.into_iter().map(|(id, order, seq)| (id, (order, seq as u32))).collect();
-    let events = read_stream(ctx).await?;
+    let events = Sink::open(ctx, false).await?.read_all().await?;
     Ok(compare(&committed, &events))
 }
 
@@ -95,54 +99,6 @@ pub fn compare(committed: &BTreeMap<Uuid, (String, u32)>, stream: &[OrderEvent])
         }
     }
     report
-}
-
-/// Every order event in the stream, in stream order (messages that are not order events are skipped).
-async fn read_stream(ctx: &Context) -> Result<Vec<OrderEvent>, Failure> {
-    let mut stream = open_stream(ctx).await?;
-    let state = stream.info().await.map_err(|e| Failure(format!("stream info: {e}")))?.state.clone();
-    if state.messages == 0 {
-        return Ok(Vec::new());
-    }
-    read_range(&stream, state.first_sequence, state.last_sequence).await
-}
-
-/// Opens the configured stream.
-pub async fn open_stream(ctx: &Context) -> Result<async_nats::jetstream::stream::Stream, Failure> {
-    let settings = &ctx.config.nats.stream;
-    let client = outbox_nats::connect(&ctx.config.nats).await?;
-    async_nats::jetstream::new(client)
-        .get_stream(&settings.name)
-        .await
-        .map_err(|e| Failure(format!("cannot open stream {:?}: {e} (has a worker run yet?)", settings.name)))
-}
-
-/// Opens the configured stream, creating it if this is the first run.
-pub async fn open_stream_or_create(ctx: &Context) -> Result<async_nats::jetstream::stream::Stream, Failure> {
-    let client = outbox_nats::connect(&ctx.config.nats).await?;
-    outbox_nats::ensure_stream(&client, &ctx.config.nats.stream).await?;
-    open_stream(ctx).await
-}
-
-/// The order events with stream sequence `from..=to`, in order; other messages and gaps are skipped.
-pub async fn read_range(
-    stream: &async_nats::jetstream::stream::Stream,
-    from: u64,
-    to: u64,
-) -> Result<Vec<OrderEvent>, Failure> {
-    let messages: Vec<Option<OrderEvent>> = futures::stream::iter(from..=to)
-        .map(|seq| async move {
-            match stream.get_raw_message(seq).await {
-                Ok(message) => Ok(serde_json::from_slice::<OrderEvent>(&message.payload).ok()),
-                // A deleted sequence number inside the range is not an error.
-                Err(e) if e.to_string().contains("not found") => Ok(None),
-                Err(e) => Err(Failure(format!("reading stream message {seq}: {e}"))),
-            }
-        })
-        .buffered(64)
-        .try_collect()
-        .await?;
-    Ok(messages.into_iter().flatten().collect())
 }
 
 #[cfg(test)]

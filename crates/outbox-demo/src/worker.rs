@@ -8,8 +8,6 @@ use std::time::Duration;
 use clap::Args;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Handlers, Route};
-use outbox_nats::JetStreamHandler;
 use tokio::signal::unix::{SignalKind, signal};
 use tracing::warn;
 
@@ -26,13 +24,11 @@ pub struct WorkerArgs {
     pub metrics_addr: Option<SocketAddr>,
 }
 
-/// Connects to NATS, makes sure the stream exists, and starts a node delivering to it.
+/// Starts a node delivering to the configured target (JetStream, making sure the stream exists, or the
+/// local sink).
 pub async fn start_node(ctx: &Context, cluster: ClusterConfig) -> Result<Node, Failure> {
-    let client = outbox_nats::connect(&ctx.config.nats).await?;
-    outbox_nats::ensure_stream(&client, &ctx.config.nats.stream).await?;
-    let handler = JetStreamHandler::new(client, &ctx.config.nats)?;
-    let handlers = Handlers::new().default_route(Route::new(handler));
-    Ok(Node::start(ctx.outbox.clone(), ctx.pool.clone(), handlers, cluster).await?)
+    let handlers = crate::sink::handlers(ctx).await?;
+    Ok(Node::start(ctx.outbox.clone(), &ctx.db, handlers, cluster).await?)
 }
 
 pub async fn run(ctx: &Context, args: WorkerArgs) -> Result<(), Failure> {
@@ -41,7 +37,7 @@ pub async fn run(ctx: &Context, args: WorkerArgs) -> Result<(), Failure> {
             .with_http_listener(addr)
             .install()
             .map_err(|e| Failure(format!("cannot serve metrics on {addr}: {e}")))?;
-        tokio::spawn(backlog_gauges(ctx.outbox.clone(), ctx.pool.clone()));
+        tokio::spawn(backlog_gauges(ctx.outbox.clone(), ctx.db.clone()));
     }
     let mut cluster = ctx.config.cluster.clone();
     if let Some(name) = args.name {
@@ -62,12 +58,12 @@ pub async fn run(ctx: &Context, args: WorkerArgs) -> Result<(), Failure> {
 }
 
 /// Pending and FAILED records per partition and the oldest pending age, every 5 s.
-async fn backlog_gauges(outbox: outbox_core::Outbox, pool: sqlx::PgPool) {
+async fn backlog_gauges(outbox: outbox_core::Outbox, db: outbox_core::Db) {
     let mut reported: BTreeSet<u8> = BTreeSet::new();
     let mut ticker = tokio::time::interval(Duration::from_secs(5));
     loop {
         ticker.tick().await;
-        let stats = match outbox.stats(&pool).await {
+        let stats = match outbox.stats(&db).await {
             Ok(stats) => stats,
             Err(e) => {
                 warn!(error = %e, "reading backlog for metrics failed");

@@ -1,0 +1,151 @@
+//! The two databases the outbox runs on, behind one API: PostgreSQL (any number of hosts) and SQLite
+//! (one database file; instances in one process or on one host).
+//!
+//! Every function that reads or writes takes `impl Into<Db>`, so a `&PgPool` or a `&SqlitePool` can be
+//! passed as it is; [`Outbox::schedule`](crate::Outbox::schedule) takes the caller's transaction as
+//! `impl Into<Conn>` (`&mut *tx` or `&mut tx`), never a pool.
+//!
+//! What differs on SQLite: there is one writer at a time, so per-key order and the fence come from the
+//! database's write lock instead of row locks; "database time" is SQLite's clock, the host's; the
+//! configured schema name prefixes the table names (`outbox_records`). The pool must use WAL mode and a
+//! busy timeout ([`sqlite_options`] sets both); a transaction that reads before it schedules should
+//! start with `BEGIN IMMEDIATE` (`pool.begin_with("BEGIN IMMEDIATE")`), or its first write may fail with
+//! a (transient) busy error when another writer committed in between.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::PgPoolOptions;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{PgConnection, PgPool, Postgres, SqliteConnection, SqlitePool, Transaction};
+
+use crate::error::Result;
+
+/// How long a SQLite connection waits for the write lock before a statement fails with "busy".
+/// Writers hold it for milliseconds; a long wait means something is wrong, not busy.
+pub const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A connection pool of either backend. Cheap to clone (pools are shared handles).
+#[derive(Debug, Clone)]
+pub enum Db {
+    /// PostgreSQL.
+    Postgres(PgPool),
+    /// SQLite (WAL mode).
+    Sqlite(SqlitePool),
+}
+
+impl Db {
+    /// Connects by URL: `postgres://…` / `postgresql://…`, or `sqlite://path` / `sqlite::memory:` (created
+    /// if missing, with [`sqlite_options`]).
+    pub async fn connect(url: &str) -> Result<Db> {
+        if url.starts_with("sqlite:") {
+            let pool = SqlitePoolOptions::new().max_connections(8).connect_with(sqlite_options(url)?).await?;
+            Ok(Db::Sqlite(pool))
+        } else {
+            Ok(Db::Postgres(PgPoolOptions::new().connect(url).await?))
+        }
+    }
+
+    /// `"postgres"` or `"sqlite"`.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Db::Postgres(_) => "postgres",
+            Db::Sqlite(_) => "sqlite",
+        }
+    }
+
+    /// Closes the pool.
+    pub async fn close(&self) {
+        match self {
+            Db::Postgres(pool) => pool.close().await,
+            Db::Sqlite(pool) => pool.close().await,
+        }
+    }
+}
+
+/// Connection options for a SQLite outbox database: created if missing, WAL mode (readers never block
+/// the writer), `synchronous = NORMAL` and [`SQLITE_BUSY_TIMEOUT`].
+///
+/// `NORMAL` is SQLite's recommendation for WAL: commits do not wait for an fsync, so the write lock is
+/// held for microseconds instead of milliseconds and heartbeats do not starve behind it (with `FULL` a
+/// heartbeat waited over a second in the demo). The cost: a power cut (not a process crash) may lose the
+/// last transactions, business rows and their records together, never one without the other. Set
+/// `.synchronous(SqliteSynchronous::Full)` on the result if that matters more.
+pub fn sqlite_options(url: &str) -> Result<SqliteConnectOptions> {
+    Ok(SqliteConnectOptions::from_str(url)?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Normal)
+        .busy_timeout(SQLITE_BUSY_TIMEOUT))
+}
+
+impl From<PgPool> for Db {
+    fn from(pool: PgPool) -> Self {
+        Db::Postgres(pool)
+    }
+}
+
+impl From<&PgPool> for Db {
+    fn from(pool: &PgPool) -> Self {
+        Db::Postgres(pool.clone())
+    }
+}
+
+impl From<SqlitePool> for Db {
+    fn from(pool: SqlitePool) -> Self {
+        Db::Sqlite(pool)
+    }
+}
+
+impl From<&SqlitePool> for Db {
+    fn from(pool: &SqlitePool) -> Self {
+        Db::Sqlite(pool.clone())
+    }
+}
+
+impl From<&Db> for Db {
+    fn from(db: &Db) -> Self {
+        db.clone()
+    }
+}
+
+/// The caller's connection (inside its transaction) for [`Outbox::schedule`](crate::Outbox::schedule).
+/// Built from `&mut *tx` or `&mut tx`; there is deliberately no conversion from a pool.
+#[derive(Debug)]
+pub enum Conn<'c> {
+    /// A PostgreSQL connection.
+    Postgres(&'c mut PgConnection),
+    /// A SQLite connection.
+    Sqlite(&'c mut SqliteConnection),
+}
+
+impl<'c> From<&'c mut PgConnection> for Conn<'c> {
+    fn from(conn: &'c mut PgConnection) -> Self {
+        Conn::Postgres(conn)
+    }
+}
+
+impl<'c> From<&'c mut SqliteConnection> for Conn<'c> {
+    fn from(conn: &'c mut SqliteConnection) -> Self {
+        Conn::Sqlite(conn)
+    }
+}
+
+impl<'c, 't> From<&'c mut Transaction<'t, Postgres>> for Conn<'c> {
+    fn from(tx: &'c mut Transaction<'t, Postgres>) -> Self {
+        Conn::Postgres(&mut **tx)
+    }
+}
+
+impl<'c, 't> From<&'c mut Transaction<'t, sqlx::Sqlite>> for Conn<'c> {
+    fn from(tx: &'c mut Transaction<'t, sqlx::Sqlite>) -> Self {
+        Conn::Sqlite(&mut **tx)
+    }
+}
+
+/// Renders a SQLite statement: `{s}` becomes the table prefix (the configured schema name) and `{now}`
+/// SQLite's clock in milliseconds since the Unix epoch, as the outbox tables store times. For crates
+/// that add statements over the outbox tables (`outbox-cluster`).
+pub fn sqlite_statement(text: &str, schema: &str) -> std::sync::Arc<str> {
+    crate::sqlite::render(text, schema)
+}
