@@ -114,13 +114,14 @@ async fn produce(outbox: Outbox, pool: PgPool, stop: Arc<AtomicBool>) -> Produce
     produced
 }
 
-async fn owners(pool: &PgPool) -> usize {
-    count(pool, "SELECT count(DISTINCT owner) FROM outbox.partitions WHERE owner IS NOT NULL").await as usize
+async fn owners(db: &TestDb) -> usize {
+    count(db, "SELECT count(DISTINCT owner) FROM outbox.partitions WHERE owner IS NOT NULL").await as usize
 }
 
 #[sqlx::test(migrations = false)]
 async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(pool: PgPool) {
-    let outbox = outbox(&pool, |_| {}).await;
+    let db = TestDb::postgres(pool.clone());
+    let outbox = outbox(&db, |_| {}).await;
     sqlx::query(
         "CREATE TABLE fault_deliveries (id bigserial PRIMARY KEY, instance text NOT NULL, record_id uuid NOT NULL,
          key text NOT NULL, seq bigint NOT NULL, partition smallint NOT NULL, epoch bigint NOT NULL)",
@@ -133,8 +134,8 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(pool: Pg
     let producer = tokio::spawn(produce(outbox.clone(), pool.clone(), stop.clone()));
     let step = Duration::from_millis(1500);
     let wait_owners = |n: usize| {
-        let pool = pool.clone();
-        async move { wait_for(&format!("{n} owners"), Duration::from_secs(30), || async { owners(&pool).await == n }).await }
+        let db = db.clone();
+        async move { wait_for(&format!("{n} owners"), Duration::from_secs(30), || async { owners(&db).await == n }).await }
     };
 
     let mut workers: BTreeMap<String, Worker> = BTreeMap::new();
@@ -216,7 +217,7 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(pool: Pg
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, Ordering::SeqCst);
     let produced = producer.await.unwrap();
-    drained(&pool, DRAIN_BOUND).await;
+    drained(&db, DRAIN_BOUND).await;
     eprintln!("drained {:?} after the last crash", last_crash.elapsed());
     for (_, worker) in std::mem::take(&mut workers) {
         worker.stop().await;
@@ -263,8 +264,8 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(pool: Pg
     let shared: Vec<_> = by_epoch.iter().filter(|(_, instances)| instances.len() > 1).collect();
     assert!(shared.is_empty(), "(partition, epoch) delivered by two instances: {shared:?}");
 
-    assert_eq!(failed_count(&pool).await, 0);
-    assert_eq!(pending(&pool).await, 0);
+    assert_eq!(failed_count(&db).await, 0);
+    assert_eq!(pending(&db).await, 0);
     eprintln!(
         "committed {}, rolled back {}, deliveries {} ({} duplicates after crashes), epochs seen {}",
         produced.committed.len(),
@@ -284,7 +285,7 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(pool: Pg
 #[sqlx::test(migrations = false)]
 #[ignore = "measurement, run on demand"]
 async fn measure_handover_failover_and_idle_load(pool: PgPool) {
-    outbox(&pool, |_| {}).await;
+    outbox(&TestDb::postgres(pool.clone()), |_| {}).await;
     sqlx::query("CREATE TABLE fault_deliveries (id bigserial, instance text, record_id uuid, key text, seq bigint, partition smallint, epoch bigint)")
         .execute(&pool)
         .await

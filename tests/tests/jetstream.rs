@@ -74,20 +74,22 @@ impl Target for JetStreamTarget {
 
 #[sqlx::test(migrations = false)]
 async fn the_jetstream_handler_passes_the_handler_conformance_suite(pool: PgPool) {
+    let db = TestDb::postgres(pool.clone());
     let server = NatsServer::start();
     let (client, handler, _) = jetstream(&server).await;
-    let outbox = outbox(&pool, |_| {}).await;
-    common::conformance::run(&outbox, &pool, &JetStreamTarget { client, handler }).await;
+    let outbox = outbox(&db, |_| {}).await;
+    common::conformance::run(&outbox, &db, &JetStreamTarget { client, handler }).await;
 }
 
 /// Published, then the worker dies before completing: the next owner publishes again, and the stream
 /// keeps one copy (the ack says duplicate, which counts as delivered).
 #[sqlx::test(migrations = false)]
 async fn a_record_published_twice_after_a_crash_is_stored_once(pool: PgPool) {
+    let db = TestDb::postgres(pool.clone());
     let server = NatsServer::start();
     let (client, handler, _) = jetstream(&server).await;
-    let outbox = outbox(&pool, |_| {}).await;
-    commit(&outbox, &pool, (0..30).map(|k| NewRecord::new(format!("k{k}"), "t", format!("{k}"))).collect()).await;
+    let outbox = outbox(&db, |_| {}).await;
+    commit(&outbox, &db, (0..30).map(|k| NewRecord::new(format!("k{k}"), "t", format!("{k}"))).collect()).await;
 
     let (published, never) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
     let (h, p, n) = (handler.clone(), published.clone(), never.clone());
@@ -100,13 +102,13 @@ async fn a_record_published_twice_after_a_crash_is_stored_once(pool: PgPool) {
             Ok::<(), HandlerError>(())
         }
     });
-    let first = start(&outbox, &pool, Handlers::new().default_route(Route::new(hangs_after_publish))).await;
+    let first = start(&outbox, &db, Handlers::new().default_route(Route::new(hangs_after_publish))).await;
     published.acquire_many(30).await.unwrap().forget();
     first.kill();
-    assert_eq!(pending(&pool).await, 30, "nothing was completed");
+    assert_eq!(pending(&db).await, 30, "nothing was completed");
 
-    let second = start(&outbox, &pool, Handlers::new().default_route(Route::new(handler.clone()))).await;
-    drained(&pool, LONG).await;
+    let second = start(&outbox, &db, Handlers::new().default_route(Route::new(handler.clone()))).await;
+    drained(&db, LONG).await;
     second.shutdown().await.unwrap();
     let stored = read_stream(&client, "OUTBOX").await;
     assert_eq!(stored.len(), 30, "redeliveries were deduplicated by Nats-Msg-Id");
@@ -114,12 +116,13 @@ async fn a_record_published_twice_after_a_crash_is_stored_once(pool: PgPool) {
 
 #[sqlx::test(migrations = false)]
 async fn each_keys_records_are_in_sequence_order_in_the_stream(pool: PgPool) {
+    let db = TestDb::postgres(pool.clone());
     let server = NatsServer::start();
     let (client, handler, _) = jetstream(&server).await;
-    let outbox = outbox(&pool, |c| c.concurrency = 32).await;
+    let outbox = outbox(&db, |c| c.concurrency = 32).await;
     let keys = 40;
     for _ in 0..10 {
-        commit(&outbox, &pool, (0..keys).map(|k| NewRecord::new(format!("key-{k}"), "order.event", "{}")).collect())
+        commit(&outbox, &db, (0..keys).map(|k| NewRecord::new(format!("key-{k}"), "order.event", "{}")).collect())
             .await;
     }
     let h = handler.clone();
@@ -131,8 +134,8 @@ async fn each_keys_records_are_in_sequence_order_in_the_stream(pool: PgPool) {
             h.handle(&r).await
         }
     });
-    let node = start(&outbox, &pool, Handlers::new().default_route(Route::new(jittery))).await;
-    drained(&pool, LONG).await;
+    let node = start(&outbox, &db, Handlers::new().default_route(Route::new(jittery))).await;
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
     let stored = read_stream(&client, "OUTBOX").await;
     assert_eq!(stored.len(), keys * 10);
@@ -149,34 +152,35 @@ async fn each_keys_records_are_in_sequence_order_in_the_stream(pool: PgPool) {
 /// in per-key order, and nothing went to FAILED (the outage is shorter than the retry budget).
 #[sqlx::test(migrations = false)]
 async fn a_broker_outage_delays_but_loses_nothing(pool: PgPool) {
+    let db = TestDb::postgres(pool.clone());
     let mut server = NatsServer::start();
     let (client, handler, _) = jetstream(&server).await;
-    let outbox = outbox(&pool, |_| {}).await;
-    let node = start(&outbox, &pool, Handlers::new().default_route(Route::new(handler))).await;
+    let outbox = outbox(&db, |_| {}).await;
+    let node = start(&outbox, &db, Handlers::new().default_route(Route::new(handler))).await;
     let produce = |round: usize| {
-        let (outbox, pool) = (outbox.clone(), pool.clone());
+        let (outbox, db) = (outbox.clone(), db.clone());
         async move {
-            commit(&outbox, &pool, (0..20).map(|k| NewRecord::new(format!("k{k}"), "t", format!("{round}"))).collect())
+            commit(&outbox, &db, (0..20).map(|k| NewRecord::new(format!("k{k}"), "t", format!("{round}"))).collect())
                 .await;
         }
     };
     for round in 0..3 {
         produce(round).await;
     }
-    drained(&pool, LONG).await;
+    drained(&db, LONG).await;
     server.stop();
     for round in 3..8 {
         produce(round).await;
     }
     // While the broker is down, deliveries fail and wait for their retries.
     wait_for("a failed publish recorded", LONG, || async {
-        count(&pool, "SELECT count(*) FROM outbox.records WHERE attempts > 0").await > 0
+        count(&db, "SELECT count(*) FROM outbox.records WHERE attempts > 0").await > 0
     })
     .await;
     server.restart();
-    drained(&pool, LONG).await;
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
-    assert_eq!(failed_count(&pool).await, 0);
+    assert_eq!(failed_count(&db).await, 0);
     let stored = read_stream(&client, "OUTBOX").await;
     let mut per_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for r in &stored {
@@ -194,6 +198,7 @@ async fn a_broker_outage_delays_but_loses_nothing(pool: PgPool) {
 /// goes to its fallback, or to FAILED with the reason stored.
 #[sqlx::test(migrations = false)]
 async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason(pool: PgPool) {
+    let db = TestDb::postgres(pool.clone());
     let server = NatsServer::start_with("max_payload: 4096");
     let config = NatsConfig {
         servers: vec![server.url()],
@@ -204,7 +209,7 @@ async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason
     let client = outbox_nats::connect(&config).await.unwrap();
     ensure_stream(&client, &config.stream).await.unwrap();
     let handler = JetStreamHandler::new(client.clone(), &config).unwrap();
-    let outbox = outbox(&pool, |_| {}).await;
+    let outbox = outbox(&db, |_| {}).await;
     let archived = Sink::new();
     let a = archived.clone();
     let handlers = Handlers::new()
@@ -222,7 +227,7 @@ async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason
         .route("billing.charged", Route::new(handler));
     commit(
         &outbox,
-        &pool,
+        &db,
         vec![
             NewRecord::new("big", "orders.created", vec![7u8; 8192]),
             NewRecord::new("big-with-fallback", "orders.archived", vec![7u8; 8192]),
@@ -231,12 +236,12 @@ async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason
         ],
     )
     .await;
-    let node = start(&outbox, &pool, handlers).await;
-    wait_failed(&pool, 2).await;
-    drained(&pool, LONG).await;
+    let node = start(&outbox, &db, handlers).await;
+    wait_failed(&db, 2).await;
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
 
-    let failed = outbox.failed(&pool, &Default::default()).await.unwrap();
+    let failed = outbox.failed(&db, &Default::default()).await.unwrap();
     let reason = |key: &str| failed.iter().find(|f| f.key == key).unwrap().last_error.clone().unwrap();
     let big = reason("big");
     assert!(big.starts_with("permanent") && big.contains("max_payload") && big.contains("\"big\""), "{big}");

@@ -2,6 +2,7 @@
 //! remedies, stop-on-first-failure, fencing, redelivery after a crash, graceful stop.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[macro_use]
 mod common;
 
 use std::collections::BTreeMap;
@@ -15,9 +16,24 @@ use outbox_core::{
     Assignment, HandlerError, Handlers, NewRecord, Processor, RetryPolicy, Route, fallback_fn, handler_fn, partition_of,
 };
 use rand::RngExt;
-use sqlx::PgPool;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
+
+both!(
+    many_keys_are_delivered_in_per_key_order_with_random_latency,
+    retries_wait_the_policy_delays_then_succeed,
+    handler_timeout_counts_as_a_retryable_failure,
+    exhausted_retries_go_to_the_fallback_or_to_failed,
+    failed_blocks_its_key_until_requeue_or_skip,
+    without_stop_on_first_failure_later_records_proceed,
+    slow_and_blocked_keys_do_not_stall_other_keys,
+    a_write_from_a_stale_epoch_changes_nothing,
+    a_crash_mid_batch_redelivers_without_reordering,
+    graceful_stop_completes_in_flight_records,
+    nothing_is_delivered_past_the_assignment_deadline,
+    the_in_process_sink_passes_the_handler_conformance_suite,
+    a_run_stops_at_the_lease_deadline,
+);
 
 const LONG: Duration = Duration::from_secs(60);
 
@@ -39,10 +55,9 @@ fn assert_in_order(sink: &Sink, keys: &[String], n: i64) {
     }
 }
 
-#[sqlx::test(migrations = false)]
-async fn many_keys_are_delivered_in_per_key_order_with_random_latency(pool: PgPool) {
+async fn many_keys_are_delivered_in_per_key_order_with_random_latency(db: TestDb) {
     logs();
-    let outbox = outbox(&pool, |c| {
+    let outbox = outbox(&db, |c| {
         c.concurrency = 16;
         c.batch_size = 7;
     })
@@ -51,7 +66,7 @@ async fn many_keys_are_delivered_in_per_key_order_with_random_latency(pool: PgPo
     let per_key = 12;
     // Writers interleave keys across concurrent transactions, as a busy service would.
     let writers = (0..4).map(|w| {
-        let (o, p, keys) = (outbox.clone(), pool.clone(), keys.clone());
+        let (o, p, keys) = (outbox.clone(), db.clone(), keys.clone());
         tokio::spawn(async move {
             for round in 0..per_key / 4 {
                 let _ = round;
@@ -80,18 +95,17 @@ async fn many_keys_are_delivered_in_per_key_order_with_random_latency(pool: PgPo
             }
         }),
     );
-    let node = start(&outbox, &pool, handlers).await;
+    let node = start(&outbox, &db, handlers).await;
     futures::future::join_all(writers).await;
-    drained(&pool, LONG).await;
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
     assert_in_order(&sink, &keys, per_key as i64);
     assert_eq!(sink.len(), keys.len() * per_key);
-    assert_eq!(count(&pool, "SELECT count(*) FROM outbox.completed WHERE outcome = 'delivered'").await, 720);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'delivered'").await, 720);
 }
 
-#[sqlx::test(migrations = false)]
-async fn retries_wait_the_policy_delays_then_succeed(pool: PgPool) {
-    let outbox = outbox(&pool, |_| {}).await;
+async fn retries_wait_the_policy_delays_then_succeed(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
     let sink = Sink::new();
     let s = sink.clone();
     let policy = RetryPolicy::exponential(Duration::from_millis(150), 2.0, 3);
@@ -106,9 +120,9 @@ async fn retries_wait_the_policy_delays_then_succeed(pool: PgPool) {
         }))
         .retry(policy),
     );
-    commit(&outbox, &pool, vec![NewRecord::new("k", "t", "x"), NewRecord::new("k", "t", "y")]).await;
-    let node = start(&outbox, &pool, handlers).await;
-    drained(&pool, LONG).await;
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "x"), NewRecord::new("k", "t", "y")]).await;
+    let node = start(&outbox, &db, handlers).await;
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
 
     let first: Vec<_> = sink.all().into_iter().filter(|d| d.seq == 1).collect();
@@ -119,17 +133,12 @@ async fn retries_wait_the_policy_delays_then_succeed(pool: PgPool) {
     // Record 2 waited for record 1 (stop-on-first-failure) and was delivered after its success.
     let second = sink.of_key("k").into_iter().filter(|d| d.seq == 2).collect::<Vec<_>>();
     assert!(second[0].at > first[2].at);
-    let attempts: Vec<(i64, i32, String)> =
-        sqlx::query_as("SELECT seq, attempts, outcome FROM outbox.completed ORDER BY seq")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+    let attempts = rows!(db, (i64, i32, String), "SELECT seq, attempts, outcome FROM {s}completed ORDER BY seq");
     assert_eq!(attempts, [(1, 2, "delivered".into()), (2, 0, "delivered".into())]);
 }
 
-#[sqlx::test(migrations = false)]
-async fn handler_timeout_counts_as_a_retryable_failure(pool: PgPool) {
-    let outbox = outbox(&pool, |c| c.handler_timeout = Duration::from_millis(100)).await;
+async fn handler_timeout_counts_as_a_retryable_failure(db: TestDb) {
+    let outbox = outbox(&db, |c| c.handler_timeout = Duration::from_millis(100)).await;
     let sink = Sink::new();
     let s = sink.clone();
     let handlers = Handlers::new().route(
@@ -146,16 +155,15 @@ async fn handler_timeout_counts_as_a_retryable_failure(pool: PgPool) {
         }))
         .retry(RetryPolicy::fixed(Duration::from_millis(10), 1)),
     );
-    commit(&outbox, &pool, vec![NewRecord::new("k", "t", "")]).await;
-    let node = start(&outbox, &pool, handlers).await;
-    drained(&pool, LONG).await;
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    let node = start(&outbox, &db, handlers).await;
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
     assert_eq!(sink.all().iter().map(|d| d.attempts).collect::<Vec<_>>(), [0, 1]);
 }
 
-#[sqlx::test(migrations = false)]
-async fn exhausted_retries_go_to_the_fallback_or_to_failed(pool: PgPool) {
-    let outbox = outbox(&pool, |_| {}).await;
+async fn exhausted_retries_go_to_the_fallback_or_to_failed(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
     let fallback_saw = Sink::new();
     let fb = fallback_saw.clone();
     let failing = || handler_fn(|_| async { Err::<(), _>(HandlerError::retryable("broker down")) });
@@ -182,7 +190,7 @@ async fn exhausted_retries_go_to_the_fallback_or_to_failed(pool: PgPool) {
         .route("malformed", Route::new(handler_fn(|_| async { Err::<(), _>(HandlerError::permanent("bad schema")) })));
     commit(
         &outbox,
-        &pool,
+        &db,
         vec![
             NewRecord::new("a", "rescued", ""),
             NewRecord::new("b", "doomed", ""),
@@ -191,17 +199,16 @@ async fn exhausted_retries_go_to_the_fallback_or_to_failed(pool: PgPool) {
         ],
     )
     .await;
-    let node = start(&outbox, &pool, handlers).await;
-    wait_failed(&pool, 3).await;
-    drained(&pool, LONG).await;
+    let node = start(&outbox, &db, handlers).await;
+    wait_failed(&db, 3).await;
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
 
     // 1 + 2 retries, then the fallback completed it.
     assert_eq!(fallback_saw.all().iter().map(|d| (d.key.as_str(), d.attempts)).collect::<Vec<_>>(), [("a", 2)]);
-    let completed: Vec<(String, i32, String)> =
-        sqlx::query_as("SELECT key, attempts, outcome FROM outbox.completed").fetch_all(&pool).await.unwrap();
+    let completed = rows!(db, (String, i32, String), "SELECT key, attempts, outcome FROM {s}completed");
     assert_eq!(completed, [("a".into(), 3, "fallback".into())]);
-    let failed = outbox.failed(&pool, &FailedFilter::default()).await.unwrap();
+    let failed = outbox.failed(&db, &FailedFilter::default()).await.unwrap();
     let by_key: BTreeMap<_, _> = failed.iter().map(|f| (f.key.as_str(), f)).collect();
     assert_eq!(by_key["b"].attempts, 2);
     let b_error = by_key["b"].last_error.as_deref().unwrap();
@@ -212,9 +219,8 @@ async fn exhausted_retries_go_to_the_fallback_or_to_failed(pool: PgPool) {
 }
 
 /// A FAILED head blocks its key until an operator acts; other keys, also in the same partition, go on.
-#[sqlx::test(migrations = false)]
-async fn failed_blocks_its_key_until_requeue_or_skip(pool: PgPool) {
-    let outbox = outbox(&pool, |_| {}).await;
+async fn failed_blocks_its_key_until_requeue_or_skip(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
     let sink = Sink::new();
     let healthy = Arc::new(AtomicBool::new(false));
     let (s, h) = (sink.clone(), healthy.clone());
@@ -236,10 +242,10 @@ async fn failed_blocks_its_key_until_requeue_or_skip(pool: PgPool) {
             records.push(NewRecord::new(key, "t", format!("{seq}")));
         }
     }
-    commit(&outbox, &pool, records).await;
-    let node = start(&outbox, &pool, handlers).await;
+    commit(&outbox, &db, records).await;
+    let node = start(&outbox, &db, handlers).await;
     wait_for("neighbour delivered and both bad heads FAILED", LONG, || async {
-        sink.seqs_of(&neighbour) == [1, 2, 3] && failed_count(&pool).await == 2
+        sink.seqs_of(&neighbour) == [1, 2, 3] && failed_count(&db).await == 2
     })
     .await;
     // Give the processor several polls: later records of the blocked keys must stay back.
@@ -247,26 +253,25 @@ async fn failed_blocks_its_key_until_requeue_or_skip(pool: PgPool) {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(sink.len(), before);
     assert_eq!(sink.seqs_of("bad-1"), [1]);
-    assert_eq!(count(&pool, "SELECT count(*) FROM outbox.records WHERE failed_at IS NULL").await, 4);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}records WHERE failed_at IS NULL").await, 4);
 
     healthy.store(true, Ordering::SeqCst);
-    let failed = outbox.failed(&pool, &FailedFilter { key: Some("bad-1".into()), ..Default::default() }).await.unwrap();
+    let failed = outbox.failed(&db, &FailedFilter { key: Some("bad-1".into()), ..Default::default() }).await.unwrap();
     assert_eq!(failed.len(), 1);
-    outbox.requeue(&pool, failed[0].id).await.unwrap();
-    let bad2 = outbox.failed(&pool, &FailedFilter { key: Some("bad-2".into()), ..Default::default() }).await.unwrap();
-    outbox.skip(&pool, bad2[0].id).await.unwrap();
-    assert!(outbox.skip(&pool, bad2[0].id).await.is_err(), "a record can be skipped once");
-    drained(&pool, LONG).await;
+    outbox.requeue(&db, failed[0].id).await.unwrap();
+    let bad2 = outbox.failed(&db, &FailedFilter { key: Some("bad-2".into()), ..Default::default() }).await.unwrap();
+    outbox.skip(&db, bad2[0].id).await.unwrap();
+    assert!(outbox.skip(&db, bad2[0].id).await.is_err(), "a record can be skipped once");
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
     assert_eq!(sink.seqs_of("bad-1"), [1, 1, 2, 3], "requeued head redelivered, then the rest in order");
     assert_eq!(sink.seqs_of("bad-2"), [1, 2, 3], "skipped head not redelivered; the rest follow");
-    assert_eq!(count(&pool, "SELECT count(*) FROM outbox.completed WHERE outcome = 'skipped'").await, 1);
-    assert_eq!(count(&pool, "SELECT count(*) FROM outbox.records").await, 0);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'skipped'").await, 1);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}records").await, 0);
 }
 
-#[sqlx::test(migrations = false)]
-async fn without_stop_on_first_failure_later_records_proceed(pool: PgPool) {
-    let outbox = outbox(&pool, |c| c.stop_on_first_failure = false).await;
+async fn without_stop_on_first_failure_later_records_proceed(db: TestDb) {
+    let outbox = outbox(&db, |c| c.stop_on_first_failure = false).await;
     let sink = Sink::new();
     let s = sink.clone();
     let handlers = Handlers::new().default_route(
@@ -279,10 +284,10 @@ async fn without_stop_on_first_failure_later_records_proceed(pool: PgPool) {
         }))
         .retry(RetryPolicy::fixed(Duration::from_millis(200), 1)),
     );
-    commit(&outbox, &pool, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
-    let node = start(&outbox, &pool, handlers).await;
-    wait_failed(&pool, 1).await;
-    drained(&pool, LONG).await;
+    commit(&outbox, &db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
+    let node = start(&outbox, &db, handlers).await;
+    wait_failed(&db, 1).await;
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
     let seqs = sink.seqs_of("k");
     assert_eq!(seqs.iter().filter(|&&s| s == 1).count(), 2);
@@ -291,9 +296,8 @@ async fn without_stop_on_first_failure_later_records_proceed(pool: PgPool) {
 }
 
 /// A slow key holds one slot only, and keys whose head is FAILED never fill a fetch batch.
-#[sqlx::test(migrations = false)]
-async fn slow_and_blocked_keys_do_not_stall_other_keys(pool: PgPool) {
-    let outbox = outbox(&pool, |c| {
+async fn slow_and_blocked_keys_do_not_stall_other_keys(db: TestDb) {
+    let outbox = outbox(&db, |c| {
         c.batch_size = 3;
         c.concurrency = 4;
     })
@@ -316,12 +320,12 @@ async fn slow_and_blocked_keys_do_not_stall_other_keys(pool: PgPool) {
     })));
     let blocked: Vec<_> =
         (0..10).flat_map(|i| (0..2).map(move |_| NewRecord::new(format!("blocked-{i}"), "t", ""))).collect();
-    commit(&outbox, &pool, blocked).await;
-    let node = start(&outbox, &pool, handlers).await;
-    wait_failed(&pool, 10).await;
+    commit(&outbox, &db, blocked).await;
+    let node = start(&outbox, &db, handlers).await;
+    wait_failed(&db, 10).await;
     let mut healthy = vec![NewRecord::new("slow", "t", "")];
     healthy.extend((0..30).flat_map(|i| (0..3).map(move |_| NewRecord::new(format!("fast-{i}"), "t", ""))));
-    commit(&outbox, &pool, healthy).await;
+    commit(&outbox, &db, healthy).await;
     wait_for("all fast keys delivered while the slow one hangs", LONG, || async { sink.len() == 90 }).await;
     assert!(sink.of_key("slow").is_empty());
     gate.add_permits(1);
@@ -333,56 +337,49 @@ async fn slow_and_blocked_keys_do_not_stall_other_keys(pool: PgPool) {
 /// fenced by the database, and it stops processing the partition. (With lookahead 1, so the record in
 /// flight is the only one it ever hands out; with a longer run, the lease deadline is what stops it
 /// between records: see `a_run_stops_at_the_lease_deadline`.)
-#[sqlx::test(migrations = false)]
-async fn a_write_from_a_stale_epoch_changes_nothing(pool: PgPool) {
-    let outbox = outbox(&pool, |c| c.key_lookahead = 1).await;
+async fn a_write_from_a_stale_epoch_changes_nothing(db: TestDb) {
+    let outbox = outbox(&db, |c| c.key_lookahead = 1).await;
     let me = uuid::Uuid::now_v7();
     let partition = partition_of("k");
-    let epoch: i64 = sqlx::query_scalar(
-        "UPDATE outbox.partitions SET owner = $1, epoch = epoch + 1 WHERE partition = $2 RETURNING epoch",
-    )
-    .bind(me)
-    .bind(i16::from(partition))
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    commit(&outbox, &pool, vec![NewRecord::new("k", "t", ""), NewRecord::new("k", "t", "")]).await;
+    let epoch = scalar!(
+        db,
+        i64,
+        "UPDATE {s}partitions SET owner = $1, epoch = epoch + 1 WHERE partition = $2 RETURNING epoch",
+        me,
+        i16::from(partition),
+    );
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", ""), NewRecord::new("k", "t", "")]).await;
 
     let sink = Sink::new();
     let (handlers, Gate { entered, release }) = gated(&sink);
     let (_tx, assignment) = watch::channel(Assignment::new([(partition, epoch)].into()));
     let stop = CancellationToken::new();
-    let processor = Processor::new(outbox.clone(), pool.clone(), handlers, me, assignment);
+    let processor = Processor::new(outbox.clone(), db.clone(), handlers, me, assignment);
     let mut busy = processor.busy_partitions();
     let processor = tokio::spawn(processor.run(stop.clone()));
     entered.acquire().await.unwrap().forget();
     // While the delivery is in flight, the partition changes hands and comes back to the same instance
     // id (as after a lost lease and re-registration): only the epoch tells the old work apart.
-    sqlx::query("UPDATE outbox.partitions SET epoch = epoch + 2 WHERE partition = $1")
-        .bind(i16::from(partition))
-        .execute(&pool)
-        .await
-        .unwrap();
+    exec!(db, "UPDATE {s}partitions SET epoch = epoch + 2 WHERE partition = $1", i16::from(partition));
     release.add_permits(10);
     // The completion is attempted and refused: the record stays pending.
     busy.wait_for(|b| b.is_empty()).await.unwrap();
     // The zombie does not go on with record 2 over the next polls.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(pending(&pool).await, 2);
-    assert_eq!(count(&pool, "SELECT count(*) FROM outbox.completed").await, 0);
+    assert_eq!(pending(&db).await, 2);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed").await, 0);
     assert_eq!(sink.seqs_of("k"), [1]);
     stop.cancel();
     processor.await.unwrap().unwrap();
 }
 
 /// A crash between delivery and completion redelivers (at least once) without reordering.
-#[sqlx::test(migrations = false)]
-async fn a_crash_mid_batch_redelivers_without_reordering(pool: PgPool) {
+async fn a_crash_mid_batch_redelivers_without_reordering(db: TestDb) {
     logs();
-    let outbox = outbox(&pool, |c| c.concurrency = 8).await;
+    let outbox = outbox(&db, |c| c.concurrency = 8).await;
     let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
     let records: Vec<_> = (0..5).flat_map(|_| keys.iter().map(|k| NewRecord::new(k.clone(), "t", ""))).collect();
-    commit(&outbox, &pool, records).await;
+    commit(&outbox, &db, records).await;
 
     // First node: delivers, but completions hang on a gate after ~30 deliveries, then it crashes.
     let sink = Sink::new();
@@ -396,14 +393,14 @@ async fn a_crash_mid_batch_redelivers_without_reordering(pool: PgPool) {
             Ok(())
         }
     })));
-    let first = start(&outbox, &pool, crashing).await;
+    let first = start(&outbox, &db, crashing).await;
     wait_for("first node stuck with deliveries in flight", LONG, || async { sink.len() >= 38 }).await;
     first.kill();
     let delivered_before_crash = sink.len();
 
     // Second node takes over once the first one's lease expires, and redelivers what was not completed.
-    let second = start(&outbox, &pool, recording(&sink)).await;
-    drained(&pool, LONG).await;
+    let second = start(&outbox, &db, recording(&sink)).await;
+    drained(&db, LONG).await;
     second.shutdown().await.unwrap();
     assert!(sink.len() > 100, "some records were delivered twice ({} > 100)", sink.len());
     assert!(delivered_before_crash >= 38);
@@ -416,9 +413,8 @@ async fn a_crash_mid_batch_redelivers_without_reordering(pool: PgPool) {
     }
 }
 
-#[sqlx::test(migrations = false)]
-async fn graceful_stop_completes_in_flight_records(pool: PgPool) {
-    let outbox = outbox(&pool, |_| {}).await;
+async fn graceful_stop_completes_in_flight_records(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
     let (entered, release) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
     let (e, r) = (entered.clone(), release.clone());
     let handlers = Handlers::new().default_route(Route::new(handler_fn(move |_| {
@@ -429,78 +425,69 @@ async fn graceful_stop_completes_in_flight_records(pool: PgPool) {
             Ok(())
         }
     })));
-    commit(&outbox, &pool, (0..5).map(|i| NewRecord::new(format!("k{i}"), "t", "")).collect()).await;
-    let node = start(&outbox, &pool, handlers).await;
+    commit(&outbox, &db, (0..5).map(|i| NewRecord::new(format!("k{i}"), "t", "")).collect()).await;
+    let node = start(&outbox, &db, handlers).await;
     entered.acquire_many(5).await.unwrap().forget();
     let stopping = tokio::spawn(node.shutdown());
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!stopping.is_finished(), "shutdown waits for in-flight deliveries");
     release.add_permits(5);
     stopping.await.unwrap().unwrap();
-    assert_eq!(pending(&pool).await, 0, "in-flight records were completed before returning");
+    assert_eq!(pending(&db).await, 0, "in-flight records were completed before returning");
     assert_eq!(
-        count(&pool, "SELECT count(*) FROM outbox.partitions WHERE owner IS NOT NULL").await,
+        count(&db, "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL").await,
         0,
         "partitions released"
     );
-    assert_eq!(count(&pool, "SELECT count(*) FROM outbox.instances").await, 0, "deregistered");
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}instances").await, 0, "deregistered");
 }
 
 /// Makes a new instance id the owner of `key`'s partition at `epoch`, as the ownership layer would.
-async fn own_partition_of(pool: &PgPool, key: &str, epoch: i64) -> (uuid::Uuid, outbox_core::Partition) {
+async fn own_partition_of(db: &TestDb, key: &str, epoch: i64) -> (uuid::Uuid, outbox_core::Partition) {
     let (me, partition) = (uuid::Uuid::now_v7(), partition_of(key));
-    sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = $2 WHERE partition = $3")
-        .bind(me)
-        .bind(epoch)
-        .bind(i16::from(partition))
-        .execute(pool)
-        .await
-        .unwrap();
+    exec!(db, "UPDATE {s}partitions SET owner = $1, epoch = $2 WHERE partition = $3", me, epoch, i16::from(partition));
     (me, partition)
 }
 
 /// Past the assignment's deadline (the lease may have expired while the process was paused) nothing
 /// is fetched or handed to a handler; a renewed deadline resumes delivery.
-#[sqlx::test(migrations = false)]
-async fn nothing_is_delivered_past_the_assignment_deadline(pool: PgPool) {
-    let outbox = outbox(&pool, |_| {}).await;
-    let (me, partition) = own_partition_of(&pool, "k", 7).await;
-    commit(&outbox, &pool, vec![NewRecord::new("k", "t", "")]).await;
+async fn nothing_is_delivered_past_the_assignment_deadline(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let (me, partition) = own_partition_of(&db, "k", 7).await;
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
     let expired = Assignment { epochs: [(partition, 7)].into(), valid_until: Some(tokio::time::Instant::now()) };
     let (tx, assignment) = watch::channel(expired);
     let sink = Sink::new();
     let stop = CancellationToken::new();
     let processor =
-        tokio::spawn(Processor::new(outbox.clone(), pool.clone(), recording(&sink), me, assignment).run(stop.clone()));
+        tokio::spawn(Processor::new(outbox.clone(), db.clone(), recording(&sink), me, assignment).run(stop.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(sink.len(), 0, "an expired assignment must not deliver");
     tx.send_modify(|a| a.valid_until = Some(tokio::time::Instant::now() + LONG));
-    drained(&pool, LONG).await;
+    drained(&db, LONG).await;
     assert_eq!(sink.all().iter().map(|d| (d.seq, d.epoch)).collect::<Vec<_>>(), [(1, 7)], "delivered under its epoch");
     stop.cancel();
     processor.await.unwrap().unwrap();
 }
 
 /// The in-process sink passes the handler conformance suite (the JetStream handler runs it too).
-#[sqlx::test(migrations = false)]
-async fn the_in_process_sink_passes_the_handler_conformance_suite(pool: PgPool) {
-    let outbox = outbox(&pool, |_| {}).await;
-    common::conformance::run(&outbox, &pool, &common::conformance::InProcess::default()).await;
+async fn the_in_process_sink_passes_the_handler_conformance_suite(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    common::conformance::run(&outbox, &db, &common::conformance::InProcess::default()).await;
 }
 
 /// A key's run (head plus lookahead) stops before its next record once the assignment's lease deadline
 /// has passed: a paused or partitioned worker hands out nothing more, whatever it had fetched.
-#[sqlx::test(migrations = false)]
-async fn a_run_stops_at_the_lease_deadline(pool: PgPool) {
-    let outbox = outbox(&pool, |c| c.key_lookahead = 8).await;
-    let (me, partition) = own_partition_of(&pool, "k", 3).await;
-    commit(&outbox, &pool, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
+async fn a_run_stops_at_the_lease_deadline(db: TestDb) {
+    let outbox = outbox(&db, |c| c.key_lookahead = 8).await;
+    let (me, partition) = own_partition_of(&db, "k", 3).await;
+    commit(&outbox, &db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
     let sink = Sink::new();
     let (handlers, Gate { entered, release }) = gated(&sink);
     let deadline = tokio::time::Instant::now() + Duration::from_millis(300);
     let (_tx, assignment) = watch::channel(Assignment { epochs: [(partition, 3)].into(), valid_until: Some(deadline) });
     let stop = CancellationToken::new();
-    let processor = Processor::new(outbox.clone(), pool.clone(), handlers, me, assignment);
+    let processor = Processor::new(outbox.clone(), db.clone(), handlers, me, assignment);
     let mut busy = processor.busy_partitions();
     let processor = tokio::spawn(processor.run(stop.clone()));
     entered.acquire().await.unwrap().forget();
@@ -510,7 +497,7 @@ async fn a_run_stops_at_the_lease_deadline(pool: PgPool) {
     busy.wait_for(|b| b.is_empty()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(sink.seqs_of("k"), [1], "records 2 and 3 were fetched with record 1 but not handed out");
-    assert_eq!(pending(&pool).await, 2, "record 1 completed (the epoch is still ours)");
+    assert_eq!(pending(&db).await, 2, "record 1 completed (the epoch is still ours)");
     stop.cancel();
     processor.await.unwrap().unwrap();
 }

@@ -9,6 +9,9 @@
 //! in flight, and the targeted instance then acquires them (release-before-acquire). A crashed
 //! instance's partitions are taken once its lease has expired by database time.
 //!
+//! Runs on PostgreSQL and on SQLite ([`outbox_core::Db`]); the SQL of each is in `sql.rs` and
+//! `sqlite.rs`.
+//!
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 //! use outbox_cluster::{ClusterConfig, Node};

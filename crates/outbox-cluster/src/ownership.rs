@@ -39,13 +39,7 @@ pub(crate) async fn owned(db: &Db, sql: &Sql, me: Uuid) -> Result<Epochs> {
 }
 
 /// Releases the given partitions (at their epochs); returns how many were still ours to release.
-pub(crate) async fn release(
-    db: &Db,
-    sql: &Sql,
-    me: Uuid,
-    partitions: &Epochs,
-    reason: &'static str,
-) -> Result<usize> {
+pub(crate) async fn release(db: &Db, sql: &Sql, me: Uuid, partitions: &Epochs, reason: &'static str) -> Result<usize> {
     let held: Vec<(i16, i64)> = partitions.iter().map(|(&p, &e)| (i16::from(p), e)).collect();
     let rows: Vec<(i16,)> = match db {
         Db::Postgres(pool) => {

@@ -153,7 +153,8 @@ pub(crate) async fn set_targets(pool: &SqlitePool, sql: &Sql, targets: &[(i16, U
     let mut tx = begin_write(pool).await?;
     let mut changed = Vec::new();
     for &(partition, owner) in targets {
-        let row: Option<(i16,)> = sqlx::query_as(stmt(&sql.set_target)).bind(partition).bind(owner).fetch_optional(&mut *tx).await?;
+        let row: Option<(i16,)> =
+            sqlx::query_as(stmt(&sql.set_target)).bind(partition).bind(owner).fetch_optional(&mut *tx).await?;
         changed.extend(row);
     }
     tx.commit().await?;
@@ -174,7 +175,8 @@ pub(crate) async fn release(pool: &SqlitePool, sql: &Sql, me: Uuid, held: &[(i16
     let mut tx = begin_write(pool).await?;
     let mut released = Vec::new();
     for &(partition, epoch) in held {
-        let row: Option<(i16,)> = sqlx::query_as(stmt(&sql.release)).bind(me).bind(partition).bind(epoch).fetch_optional(&mut *tx).await?;
+        let row: Option<(i16,)> =
+            sqlx::query_as(stmt(&sql.release)).bind(me).bind(partition).bind(epoch).fetch_optional(&mut *tx).await?;
         released.extend(row);
     }
     tx.commit().await?;

@@ -133,13 +133,13 @@ impl<'c> From<&'c mut SqliteConnection> for Conn<'c> {
 
 impl<'c, 't> From<&'c mut Transaction<'t, Postgres>> for Conn<'c> {
     fn from(tx: &'c mut Transaction<'t, Postgres>) -> Self {
-        Conn::Postgres(&mut **tx)
+        Conn::Postgres(tx)
     }
 }
 
 impl<'c, 't> From<&'c mut Transaction<'t, sqlx::Sqlite>> for Conn<'c> {
     fn from(tx: &'c mut Transaction<'t, sqlx::Sqlite>) -> Self {
-        Conn::Sqlite(&mut **tx)
+        Conn::Sqlite(tx)
     }
 }
 

@@ -7,9 +7,9 @@ use uuid::Uuid;
 
 use crate::db::Db;
 use crate::error::{Error, Result};
-use crate::{Outbox, sqlite};
 use crate::partition::Partition;
 use crate::sql::stmt;
+use crate::{Outbox, sqlite};
 
 /// A FAILED record, without its payload.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,7 +64,9 @@ impl Outbox {
     pub async fn failed(&self, db: impl Into<Db>, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
         let pool = match db.into() {
             Db::Postgres(pool) => pool,
-            Db::Sqlite(pool) => return sqlite::failed(&pool, self.sqlite(), filter).await.map_err(|e| self.not_migrated(e)),
+            Db::Sqlite(pool) => {
+                return sqlite::failed(&pool, self.sqlite(), filter).await.map_err(|e| self.not_migrated(e));
+            }
         };
         let rows = sqlx::query(stmt(&self.sql().list_failed))
             .bind(filter.key.as_deref())

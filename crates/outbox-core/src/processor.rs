@@ -3,9 +3,11 @@
 //! One loop per instance keeps three things going at once, never waiting on each other:
 //! - **fetch**: one round trip reads the head record of up to `batch_size` keys (one per key, keys in
 //!   flight excluded, blocked keys passed over) from the owned partitions;
-//! - **deliver**: each head goes to its handler in its own task, up to `concurrency` keys at once; a
-//!   key's next record is fetched only after this one is completed in the database, so a key never has
-//!   two records in flight and a slow key holds only its own slot;
+//! - **deliver**: each key's run (its head and up to `key_lookahead - 1` records after it) goes to its
+//!   handler in its own task, one record after another, each finished before the next starts, up to
+//!   `concurrency` keys at once; a key is fetched again only after its run is completed in the
+//!   database, so a slow key holds only its own slot (a crash before that completion redelivers the
+//!   run: at least once);
 //! - **complete**: outcomes are written in batches, each statement fenced by (owner, epoch) per
 //!   partition: a worker that lost a partition changes nothing.
 //!
@@ -127,7 +129,14 @@ impl Processor {
         owner: Uuid,
         assignment: watch::Receiver<Assignment>,
     ) -> Self {
-        Self { outbox, pool: db.into(), handlers: Arc::new(handlers), owner, assignment, busy: watch::Sender::default() }
+        Self {
+            outbox,
+            pool: db.into(),
+            handlers: Arc::new(handlers),
+            owner,
+            assignment,
+            busy: watch::Sender::default(),
+        }
     }
 
     /// Partitions with records in flight (delivering or awaiting completion). A partition that left the
@@ -718,11 +727,21 @@ mod tests {
     }
 
     /// A key's run stops before the record that would take its payloads past `key_lookahead_bytes`;
-    /// a head larger than the budget still comes, alone.
+    /// a head larger than the budget still comes, alone. On both backends.
     #[sqlx::test(migrations = false)]
     async fn lookahead_stops_at_the_byte_budget(pool: PgPool) {
+        lookahead_stops_at_the_byte_budget_on(pool.into()).await;
+        let sqlite = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
+            .await
+            .unwrap();
+        lookahead_stops_at_the_byte_budget_on(sqlite.into()).await;
+    }
+
+    async fn lookahead_stops_at_the_byte_budget_on(db: crate::Db) {
         let outbox = Outbox::new(Config { key_lookahead_bytes: 64 * 1024, ..Config::default() }).unwrap();
-        outbox.migrate(&pool).await.unwrap();
+        outbox.migrate(&db).await.unwrap();
         let mut records = Vec::new();
         for _ in 0..5 {
             records.push(NewRecord::new("large", "t", vec![0_u8; 30 * 1024]));
@@ -730,12 +749,21 @@ mod tests {
         }
         records.push(NewRecord::new("huge", "t", vec![0_u8; 100 * 1024]));
         records.push(NewRecord::new("huge", "t", vec![0_u8; 10]));
-        let mut tx = pool.begin().await.unwrap();
-        outbox.schedule_batch(&mut tx, &records).await.unwrap();
-        tx.commit().await.unwrap();
+        match &db {
+            crate::Db::Postgres(pool) => {
+                let mut tx = pool.begin().await.unwrap();
+                outbox.schedule_batch(&mut tx, &records).await.unwrap();
+                tx.commit().await.unwrap();
+            }
+            crate::Db::Sqlite(pool) => {
+                let mut tx = pool.begin().await.unwrap();
+                outbox.schedule_batch(&mut tx, &records).await.unwrap();
+                tx.commit().await.unwrap();
+            }
+        }
 
         let partitions: Vec<i16> = (0..256).collect();
-        let runs = super::fetch_runs(&outbox, &pool, &partitions, &[], 10, 7).await.unwrap();
+        let runs = super::fetch_runs(&outbox, &db, &partitions, &[], 10, 7).await.unwrap();
         let mut lengths: Vec<(String, usize)> = runs.iter().map(|run| (run[0].key.clone(), run.len())).collect();
         lengths.sort();
         let expected = [("huge".to_string(), 1), ("large".to_string(), 2), ("small".to_string(), 5)];

@@ -8,8 +8,8 @@ use tracing::{debug, instrument, warn};
 
 use crate::db::Db;
 use crate::error::Result;
-use crate::{Outbox, sqlite};
 use crate::sql::stmt;
+use crate::{Outbox, sqlite};
 
 impl Outbox {
     /// Deletes completed records older than `retention`, `batch_size` per statement, until none are

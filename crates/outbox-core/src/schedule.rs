@@ -6,9 +6,9 @@ use uuid::Uuid;
 
 use crate::db::Conn;
 use crate::error::{Error, Result};
-use crate::{Outbox, sqlite};
 use crate::record::{NewRecord, Scheduled};
 use crate::sql::stmt;
+use crate::{Outbox, sqlite};
 
 impl Outbox {
     /// Schedules one record in the caller's transaction.

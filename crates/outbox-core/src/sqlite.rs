@@ -67,7 +67,8 @@ JOIN {s}_records r ON r.partition = h.partition AND r.key = h.key AND r.seq BETW
 /// The fence: this worker owns the partition at this epoch.
 const FENCE: &str = "SELECT 1 FROM {s}_partitions WHERE partition = $1 AND epoch = $2 AND owner = $3";
 
-const KEEP: &str = "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
+const KEEP: &str =
+    "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
 SELECT id, partition, key, seq, event_type, payload, headers, created_at, $2, $3 FROM {s}_records WHERE id = $1";
 
 const DELETE: &str = "DELETE FROM {s}_records WHERE id = $1 RETURNING id";
@@ -86,7 +87,8 @@ ORDER BY partition, key, seq LIMIT $3";
 const REQUEUE: &str = "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL
 WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)";
 
-const SKIP_KEEP: &str = "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
+const SKIP_KEEP: &str =
+    "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
 SELECT id, partition, key, seq, event_type, payload, headers, created_at, attempts, 'skipped'
 FROM {s}_records WHERE id = $1 AND failed_at IS NOT NULL";
 
@@ -129,8 +131,7 @@ impl Sql {
     /// `schema` must already be validated as an identifier.
     pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
         let build = |text: &str| render(text, schema);
-        let (step_due, head_due) =
-            if stop_on_first_failure { ("", "{due}") } else { ("AND {due}", "true") };
+        let (step_due, head_due) = if stop_on_first_failure { ("", "{due}") } else { ("AND {due}", "true") };
         let fetch = FETCH.replace("{step_due}", step_due).replace("{head_due}", head_due);
         Self {
             schema: schema.to_string(),

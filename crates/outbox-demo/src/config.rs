@@ -31,7 +31,8 @@ impl DemoConfig {
                 let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
                 let mut config: DemoConfig =
                     toml::from_str(&text).map_err(|e| format!("bad configuration in {}: {e}", path.display()))?;
-                let table: toml::Table = text.parse().map_err(|e| format!("bad configuration in {}: {e}", path.display()))?;
+                let table: toml::Table =
+                    text.parse().map_err(|e| format!("bad configuration in {}: {e}", path.display()))?;
                 config.use_nats = table.contains_key("nats");
                 config
             }

@@ -78,7 +78,9 @@ impl Checker {
 pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
     operator::migrate(ctx).await?;
     let (records, completed) = (ctx.outbox_table("records"), ctx.outbox_table("completed"));
-    let reset = format!("DELETE FROM demo_orders; DELETE FROM demo_order_events; DELETE FROM {records}; DELETE FROM {completed}");
+    let reset = format!(
+        "DELETE FROM demo_orders; DELETE FROM demo_order_events; DELETE FROM {records}; DELETE FROM {completed}"
+    );
     match &ctx.db {
         Db::Postgres(pool) => sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(pool).await.map(drop)?,
         Db::Sqlite(pool) => sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(pool).await.map(drop)?,

@@ -152,7 +152,8 @@ impl Context {
         let config = DemoConfig::load(global.config.as_deref(), global.nats_url.as_deref()).map_err(Failure)?;
         let url = global.database_url.as_str();
         let db = if url.starts_with("sqlite:") {
-            let options = outbox_core::db::sqlite_options(url).map_err(|e| Failure(format!("bad DATABASE_URL: {e}")))?;
+            let options =
+                outbox_core::db::sqlite_options(url).map_err(|e| Failure(format!("bad DATABASE_URL: {e}")))?;
             let pool = SqlitePoolOptions::new()
                 .max_connections(8)
                 .connect_with(options)

@@ -35,7 +35,7 @@ pub enum Target {
 /// The delivery target opened for reading back.
 pub enum Sink {
     /// The JetStream stream.
-    JetStream(async_nats::jetstream::stream::Stream),
+    JetStream(Box<async_nats::jetstream::stream::Stream>),
     /// The local sink.
     Local(LocalSink),
 }
@@ -71,7 +71,7 @@ impl Sink {
                 let stream = async_nats::jetstream::new(client).get_stream(&settings.name).await.map_err(|e| {
                     Failure(format!("cannot open stream {:?}: {e} (has a worker run yet?)", settings.name))
                 })?;
-                Ok(Sink::JetStream(stream))
+                Ok(Sink::JetStream(Box::new(stream)))
             }
         }
     }

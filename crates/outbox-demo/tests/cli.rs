@@ -279,3 +279,80 @@ async fn run_tells_the_story_and_verifies_it(pool: PgPool) {
         assert!(stdout.contains(line), "missing {line:?} in:\n{stdout}");
     }
 }
+
+/// The demo with nothing configured, in a directory of its own: SQLite file, local sink, no servers.
+fn embedded(dir: &std::path::Path, args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-demo"));
+    command.args(args).current_dir(dir);
+    for var in ["DATABASE_URL", "NATS_URL", "OUTBOX_CONFIG", "OUTBOX_DEMO_SINK", "OUTBOX_WORKER_NAME"] {
+        command.env_remove(var);
+    }
+    command
+}
+
+fn embedded_ok(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = embedded(dir, args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{args:?} failed: {stdout}\n{}", stderr(&out));
+    stdout
+}
+
+/// The README's first command, `cargo run -p outbox-demo`, exactly: no arguments, no environment. It
+/// keeps the outbox in a SQLite file and delivers to a local sink, and ends with a clean verification.
+#[tokio::test]
+async fn with_nothing_configured_the_story_runs_on_sqlite_and_a_local_sink() {
+    let dir = tempfile::tempdir().unwrap();
+    let stdout = embedded_ok(dir.path(), &[]);
+    for line in [
+        "database: sqlite",
+        "the local sink outbox-demo-sink.db",
+        "w4 joins",
+        "w2 leaves gracefully",
+        "w3 crashes",
+        "committed events   900",
+        "OK: nothing lost",
+    ] {
+        assert!(stdout.contains(line), "missing {line:?} in:\n{stdout}");
+    }
+    assert!(dir.path().join("outbox-demo.db").exists() && dir.path().join("outbox-demo-sink.db").exists());
+}
+
+/// Instances of one SQLite file in separate processes on one host form one cluster, as on PostgreSQL.
+#[tokio::test]
+async fn sqlite_workers_in_separate_processes_share_the_partitions() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path();
+    embedded_ok(path, &["migrate"]);
+    let spawn = |name: &str| {
+        let mut command = embedded(path, &["worker", "--name", name]);
+        Process(command.env("RUST_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap())
+    };
+    let (w1, w2) = (spawn("w1"), spawn("w2"));
+    let url = format!("sqlite://{}", path.join("outbox-demo.db").display());
+    let pool = sqlx::SqlitePool::connect_with(outbox_core::db::sqlite_options(&url).unwrap()).await.unwrap();
+    wait_for("two workers sharing the partitions", || async {
+        let owners: i64 =
+            sqlx::query_scalar("SELECT count(DISTINCT owner) FROM outbox_partitions WHERE owner IS NOT NULL")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        owners == 2
+    })
+    .await;
+    let produced = embedded_ok(path, &["produce", "--orders", "60", "--events-per-order", "4"]);
+    assert!(produced.contains("produced 240 events for 60 orders"), "{produced}");
+    wait_for("backlog drained", || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_records").fetch_one(&pool).await.unwrap();
+        n == 0
+    })
+    .await;
+    let verified = embedded_ok(path, &["verify"]);
+    assert!(verified.contains("committed events   240") && verified.contains("stream messages    240"), "{verified}");
+    assert!(verified.contains("OK: nothing lost"), "{verified}");
+    let status = embedded_ok(path, &["status"]);
+    assert!(status.contains("w1") && status.contains("w2") && status.contains("128 partitions"), "{status}");
+    terminate(w1);
+    terminate(w2);
+    let instances: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_instances").fetch_one(&pool).await.unwrap();
+    assert_eq!(instances, 0, "graceful stops deregister");
+}

@@ -7,7 +7,6 @@ use std::future::Future;
 use std::time::Duration;
 
 use outbox_core::{Handler, Handlers, NewRecord, Outbox, Record, Route};
-use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::{drained, start};
@@ -31,7 +30,7 @@ pub trait Target {
 }
 
 /// Runs the suite on a fresh, migrated outbox.
-pub async fn run<T: Target>(outbox: &Outbox, pool: &PgPool, target: &T) {
+pub async fn run<T: Target>(outbox: &Outbox, pool: &super::TestDb, target: &T) {
     // 1. Many keys through a node: each committed record arrives, payload and headers unchanged, each
     //    key's records in sequence order.
     let keys: Vec<String> = (0..20).map(|k| format!("conf-{k}")).collect();

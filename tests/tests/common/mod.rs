@@ -1,6 +1,7 @@
-//! Shared test harness: an outbox on the test's own database, a recording sink, fast cluster tunables,
-//! and waiting on conditions (never sleeping for an outcome).
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+//! Shared test harness: one suite, two backends ([`both!`] runs a test on a fresh PostgreSQL database and
+//! on a fresh SQLite file), an outbox on the test's own database, a recording sink, fast cluster
+//! tunables, and waiting on conditions (never sleeping for an outcome).
+#![allow(dead_code, unused_macros, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod conformance;
 #[allow(unused_imports)]
@@ -11,16 +12,169 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Config, Handlers, NewRecord, Outbox, Record};
+use outbox_core::{Config, Conn, Db, Handlers, NewRecord, Outbox, Record};
 use sqlx::PgPool;
 use tokio::time::Instant;
 
-/// An outbox on `pool`'s database, migrated, with test-friendly tunables changed by `tune`.
-pub async fn outbox(pool: &PgPool, tune: impl FnOnce(&mut Config)) -> Outbox {
+/// Runs each named `async fn name(db: TestDb)` twice: `name::postgres` on a fresh PostgreSQL database
+/// (`#[sqlx::test]`) and `name::sqlite` on a fresh SQLite file.
+macro_rules! both {
+    ($($name:ident),* $(,)?) => { $(
+        mod $name {
+            #[sqlx::test(migrations = false)]
+            async fn postgres(pool: sqlx::PgPool) {
+                super::$name(crate::common::TestDb::postgres(pool)).await
+            }
+
+            #[tokio::test]
+            async fn sqlite() {
+                super::$name(crate::common::TestDb::sqlite().await).await
+            }
+        }
+    )* };
+}
+
+/// Runs a statement written for both backends (see [`TestDb::sql`]) with its binds; rows affected.
+macro_rules! exec {
+    ($db:expr, $sql:expr $(, $arg:expr)* $(,)?) => {{
+        let text = sqlx::AssertSqlSafe($db.sql(&$sql));
+        match &$db.db {
+            outbox_core::Db::Postgres(pool) => sqlx::query(text)$(.bind($arg))*.execute(pool).await.unwrap().rows_affected(),
+            outbox_core::Db::Sqlite(pool) => sqlx::query(text)$(.bind($arg))*.execute(pool).await.unwrap().rows_affected(),
+        }
+    }};
+}
+
+/// Fetches every row of a statement written for both backends as tuples of `$t`.
+macro_rules! rows {
+    ($db:expr, $t:ty, $sql:expr $(, $arg:expr)* $(,)?) => {{
+        let text = sqlx::AssertSqlSafe($db.sql(&$sql));
+        let rows: Vec<$t> = match &$db.db {
+            outbox_core::Db::Postgres(pool) => sqlx::query_as(text)$(.bind($arg))*.fetch_all(pool).await.unwrap(),
+            outbox_core::Db::Sqlite(pool) => sqlx::query_as(text)$(.bind($arg))*.fetch_all(pool).await.unwrap(),
+        };
+        rows
+    }};
+}
+
+/// Fetches one value of a statement written for both backends.
+macro_rules! scalar {
+    ($db:expr, $t:ty, $sql:expr $(, $arg:expr)* $(,)?) => {{
+        let text = sqlx::AssertSqlSafe($db.sql(&$sql));
+        let value: $t = match &$db.db {
+            outbox_core::Db::Postgres(pool) => sqlx::query_scalar(text)$(.bind($arg))*.fetch_one(pool).await.unwrap(),
+            outbox_core::Db::Sqlite(pool) => sqlx::query_scalar(text)$(.bind($arg))*.fetch_one(pool).await.unwrap(),
+        };
+        value
+    }};
+}
+
+/// The test's database: a fresh PostgreSQL database or a fresh SQLite file (deleted with the last clone).
+#[derive(Clone)]
+pub struct TestDb {
+    pub db: Db,
+    _dir: Option<Arc<tempfile::TempDir>>,
+}
+
+impl TestDb {
+    pub fn postgres(pool: PgPool) -> Self {
+        Self { db: Db::Postgres(pool), _dir: None }
+    }
+
+    pub async fn sqlite() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
+        Self { db: Db::connect(&url).await.unwrap(), _dir: Some(Arc::new(dir)) }
+    }
+
+    pub fn is_sqlite(&self) -> bool {
+        matches!(self.db, Db::Sqlite(_))
+    }
+
+    /// Renders a statement written for both backends: `{s}` is the outbox's table qualifier (`outbox.` on
+    /// PostgreSQL, `outbox_` on SQLite, so `{s}records`), `{now}` the database clock as the tables store
+    /// it, `{ago:N}` N seconds before it. Binds are `$1`, `$2`, … on both.
+    pub fn sql(&self, text: &str) -> String {
+        let (qualifier, now) = match self.db {
+            Db::Sqlite(_) => ("outbox_", outbox_core::db::sqlite_statement("{now}", "")),
+            _ => ("outbox.", "now()".into()),
+        };
+        let mut text = text.replace("{s}", qualifier).replace("{now}", &now);
+        while let Some(start) = text.find("{ago:") {
+            let end = start + text[start..].find('}').unwrap();
+            let secs: i64 = text[start + 5..end].parse().unwrap();
+            let ago = match self.db {
+                Db::Sqlite(_) => format!("({now} - {})", secs * 1000),
+                _ => format!("(now() - interval '{secs} seconds')"),
+            };
+            text.replace_range(start..=end, &ago);
+        }
+        text
+    }
+
+    /// A table of the outbox in another schema: `events.partitions` / `events_partitions`.
+    pub fn table(&self, schema: &str, table: &str) -> String {
+        if self.is_sqlite() { format!("{schema}_{table}") } else { format!("{schema}.{table}") }
+    }
+
+    /// A transaction of either backend, for `schedule`.
+    pub async fn begin(&self) -> Tx {
+        match &self.db {
+            Db::Postgres(pool) => Tx::Postgres(pool.begin().await.unwrap()),
+            Db::Sqlite(pool) => Tx::Sqlite(pool.begin().await.unwrap()),
+        }
+    }
+}
+
+impl From<&TestDb> for Db {
+    fn from(db: &TestDb) -> Db {
+        db.db.clone()
+    }
+}
+
+impl From<TestDb> for Db {
+    fn from(db: TestDb) -> Db {
+        db.db
+    }
+}
+
+/// A transaction on the test's database.
+pub enum Tx {
+    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
+    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
+}
+
+impl Tx {
+    pub async fn commit(self) {
+        match self {
+            Tx::Postgres(tx) => tx.commit().await.unwrap(),
+            Tx::Sqlite(tx) => tx.commit().await.unwrap(),
+        }
+    }
+
+    pub async fn rollback(self) {
+        match self {
+            Tx::Postgres(tx) => tx.rollback().await.unwrap(),
+            Tx::Sqlite(tx) => tx.rollback().await.unwrap(),
+        }
+    }
+}
+
+impl<'c> From<&'c mut Tx> for Conn<'c> {
+    fn from(tx: &'c mut Tx) -> Conn<'c> {
+        match tx {
+            Tx::Postgres(tx) => Conn::from(tx),
+            Tx::Sqlite(tx) => Conn::from(tx),
+        }
+    }
+}
+
+/// An outbox on the test's database, migrated, with test-friendly tunables changed by `tune`.
+pub async fn outbox(db: &TestDb, tune: impl FnOnce(&mut Config)) -> Outbox {
     let mut config = Config { poll_interval: Duration::from_millis(20), ..Config::default() };
     tune(&mut config);
     let outbox = Outbox::new(config).unwrap();
-    outbox.migrate(pool).await.unwrap();
+    outbox.migrate(db).await.unwrap();
     outbox
 }
 
@@ -34,8 +188,8 @@ pub fn fast_cluster() -> ClusterConfig {
     }
 }
 
-pub async fn start(outbox: &Outbox, pool: &PgPool, handlers: Handlers) -> Node {
-    Node::start(outbox.clone(), pool.clone(), handlers, fast_cluster()).await.unwrap()
+pub async fn start(outbox: &Outbox, db: &TestDb, handlers: Handlers) -> Node {
+    Node::start(outbox.clone(), db, handlers, fast_cluster()).await.unwrap()
 }
 
 /// One delivery as a handler saw it.
@@ -101,42 +255,43 @@ where
     }
 }
 
-pub async fn count(pool: &PgPool, sql: &'static str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+/// A count written for both backends (see [`TestDb::sql`]).
+pub async fn count(db: &TestDb, sql: &str) -> i64 {
+    scalar!(db, i64, sql)
 }
 
-pub async fn pending(pool: &PgPool) -> i64 {
-    count(pool, "SELECT count(*) FROM outbox.records").await
+pub async fn pending(db: &TestDb) -> i64 {
+    count(db, "SELECT count(*) FROM {s}records").await
 }
 
 /// Schedules `records` in one committed transaction.
-pub async fn commit(outbox: &Outbox, pool: &PgPool, records: Vec<NewRecord>) {
-    let mut tx = pool.begin().await.unwrap();
+pub async fn commit(outbox: &Outbox, db: &TestDb, records: Vec<NewRecord>) {
+    let mut tx = db.begin().await;
     outbox.schedule_batch(&mut tx, &records).await.unwrap();
-    tx.commit().await.unwrap();
+    tx.commit().await;
 }
 
-pub async fn failed_count(pool: &PgPool) -> i64 {
-    count(pool, "SELECT count(*) FROM outbox.records WHERE failed_at IS NOT NULL").await
+pub async fn failed_count(db: &TestDb) -> i64 {
+    count(db, "SELECT count(*) FROM {s}records WHERE failed_at IS NOT NULL").await
 }
 
 /// Waits until exactly `n` records are FAILED.
-pub async fn wait_failed(pool: &PgPool, n: i64) {
-    wait_for(&format!("{n} FAILED records"), Duration::from_secs(60), || async { failed_count(pool).await == n }).await;
+pub async fn wait_failed(db: &TestDb, n: i64) {
+    wait_for(&format!("{n} FAILED records"), Duration::from_secs(60), || async { failed_count(db).await == n }).await;
 }
 
 /// Runs a node whose handler accepts everything until the outbox is drained, then stops it.
-pub async fn deliver_all(outbox: &Outbox, pool: &PgPool) {
+pub async fn deliver_all(outbox: &Outbox, db: &TestDb) {
     let ok = outbox_core::handler_fn(|_| async { Ok::<(), outbox_core::HandlerError>(()) });
-    let node = start(outbox, pool, Handlers::new().default_route(outbox_core::Route::new(ok))).await;
-    drained(pool, Duration::from_secs(60)).await;
+    let node = start(outbox, db, Handlers::new().default_route(outbox_core::Route::new(ok))).await;
+    drained(db, Duration::from_secs(60)).await;
     node.shutdown().await.unwrap();
 }
 
 /// Waits until the outbox holds no pending (non-FAILED) record.
-pub async fn drained(pool: &PgPool, timeout: Duration) {
+pub async fn drained(db: &TestDb, timeout: Duration) {
     wait_for("all records completed", timeout, || async {
-        count(pool, "SELECT count(*) FROM outbox.records WHERE failed_at IS NULL").await == 0
+        count(db, "SELECT count(*) FROM {s}records WHERE failed_at IS NULL").await == 0
     })
     .await;
 }
