@@ -4,14 +4,14 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox_core::Db;
-use sqlx::{PgConnection, Row};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::sql::{Sql, millis, stmt};
 use crate::{Result, sqlite};
 
 /// One registered instance, as status shows it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct InstanceInfo {
     /// Instance id (new on every start).
     pub id: Uuid,
@@ -66,17 +66,5 @@ pub(crate) async fn instances(db: &Db, sql: &Sql) -> Result<Vec<InstanceInfo>> {
         Db::Postgres(pool) => pool,
         Db::Sqlite(pool) => return sqlite::instances(pool, &sql.sqlite).await,
     };
-    let rows = sqlx::query(stmt(&sql.instances)).fetch_all(pool).await?;
-    rows.iter()
-        .map(|row| {
-            Ok(InstanceInfo {
-                id: row.try_get("id")?,
-                name: row.try_get("name")?,
-                started_at: row.try_get("started_at")?,
-                heartbeat_at: row.try_get("heartbeat_at")?,
-                live: row.try_get("live")?,
-                partitions: row.try_get("partitions")?,
-            })
-        })
-        .collect()
+    Ok(sqlx::query_as(stmt(&sql.instances)).fetch_all(pool).await?)
 }

@@ -8,14 +8,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use outbox_core::Outbox;
-use sqlx::{AssertSqlSafe, Row, SqlitePool};
+use sqlx::{AssertSqlSafe, SqlitePool};
 use uuid::Uuid;
 
+use crate::Result;
 use crate::registry::InstanceInfo;
 use crate::sql::millis;
-use crate::{Error, Result};
 
 const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at) VALUES ($1, $2, {now} + $3)";
 
@@ -49,7 +48,8 @@ const OWNED: &str = "SELECT partition, epoch FROM {s}_partitions WHERE owner = $
 const RELEASE: &str = "UPDATE {s}_partitions SET owner = NULL, epoch = epoch + 1, changed_at = {now}
 WHERE partition = $2 AND epoch = $3 AND owner = $1 RETURNING partition";
 
-const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > {now} AS live,
+const INSTANCES: &str = "SELECT i.id, i.name, {time:i.started_at} AS started_at,
+    {time:i.heartbeat_at} AS heartbeat_at, i.expires_at > {now} AS live,
     (SELECT count(*) FROM {s}_partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}_instances i ORDER BY i.started_at";
 
@@ -95,11 +95,6 @@ impl Sql {
 
 fn stmt(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(Arc::clone(text))
-}
-
-fn time(ms: i64) -> Result<DateTime<Utc>> {
-    DateTime::from_timestamp_millis(ms)
-        .ok_or_else(|| Error::Database(sqlx::Error::Decode(format!("timestamp {ms} ms out of range").into())))
 }
 
 /// A write transaction holding the write lock from its start.
@@ -184,17 +179,5 @@ pub(crate) async fn release(pool: &SqlitePool, sql: &Sql, me: Uuid, held: &[(i16
 }
 
 pub(crate) async fn instances(pool: &SqlitePool, sql: &Sql) -> Result<Vec<InstanceInfo>> {
-    let rows = sqlx::query(stmt(&sql.instances)).fetch_all(pool).await?;
-    rows.iter()
-        .map(|row| {
-            Ok(InstanceInfo {
-                id: row.try_get("id")?,
-                name: row.try_get("name")?,
-                started_at: time(row.try_get("started_at")?)?,
-                heartbeat_at: time(row.try_get("heartbeat_at")?)?,
-                live: row.try_get("live")?,
-                partitions: row.try_get("partitions")?,
-            })
-        })
-        .collect()
+    Ok(sqlx::query_as(stmt(&sql.instances)).fetch_all(pool).await?)
 }

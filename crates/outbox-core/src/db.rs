@@ -143,9 +143,10 @@ impl<'c, 't> From<&'c mut Transaction<'t, sqlx::Sqlite>> for Conn<'c> {
     }
 }
 
-/// Renders a SQLite statement: `{s}` becomes the table prefix (the configured schema name) and `{now}`
-/// SQLite's clock in milliseconds since the Unix epoch, as the outbox tables store times. For crates
-/// that add statements over the outbox tables (`outbox-cluster`).
+/// Renders a SQLite statement: `{s}` becomes the table prefix (the configured schema name), `{now}`
+/// SQLite's clock in milliseconds since the Unix epoch (as the outbox tables store times), and
+/// `{time:COLUMN}` such a stored time as RFC 3339 text (which sqlx decodes into `DateTime<Utc>`). For
+/// crates that add statements over the outbox tables (`outbox-cluster`).
 pub fn sqlite_statement(text: &str, schema: &str) -> std::sync::Arc<str> {
     crate::sqlite::render(text, schema)
 }

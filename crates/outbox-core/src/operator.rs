@@ -1,7 +1,6 @@
 //! Operator functions: inspect and resolve FAILED records, and watch the backlog.
 
 use chrono::{DateTime, Utc};
-use sqlx::Row;
 use tracing::{info, instrument};
 use uuid::Uuid;
 
@@ -12,11 +11,12 @@ use crate::sql::stmt;
 use crate::{Outbox, sqlite};
 
 /// A FAILED record, without its payload.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct FailedRecord {
     /// Record id.
     pub id: Uuid,
     /// Partition.
+    #[sqlx(try_from = "i16")]
     pub partition: Partition,
     /// Key.
     pub key: String,
@@ -68,28 +68,13 @@ impl Outbox {
                 return sqlite::failed(&pool, self.sqlite(), filter).await.map_err(|e| self.not_migrated(e));
             }
         };
-        let rows = sqlx::query(stmt(&self.sql().list_failed))
+        sqlx::query_as(stmt(&self.sql().list_failed))
             .bind(filter.key.as_deref())
             .bind(filter.partition.map(i16::from))
             .bind(filter.limit.unwrap_or(100))
             .fetch_all(&pool)
             .await
-            .map_err(|e| self.db_error(e))?;
-        rows.iter()
-            .map(|row| {
-                Ok(FailedRecord {
-                    id: row.try_get("id")?,
-                    partition: partition_from_db(row.try_get("partition")?)?,
-                    key: row.try_get("key")?,
-                    seq: row.try_get("seq")?,
-                    event_type: row.try_get("event_type")?,
-                    attempts: row.try_get("attempts")?,
-                    last_error: row.try_get("last_error")?,
-                    created_at: row.try_get("created_at")?,
-                    failed_at: row.try_get("failed_at")?,
-                })
-            })
-            .collect()
+            .map_err(|e| self.db_error(e))
     }
 
     /// Requeues one FAILED record with a fresh retry budget; its key unblocks when it is delivered.
@@ -148,19 +133,26 @@ impl Outbox {
             Db::Postgres(pool) => pool,
             Db::Sqlite(pool) => return sqlite::stats(&pool, self.sqlite()).await.map_err(|e| self.not_migrated(e)),
         };
-        let rows = sqlx::query(stmt(&self.sql().stats)).fetch_all(&pool).await.map_err(|e| self.db_error(e))?;
-        rows.iter()
-            .map(|row| {
-                let oldest: Option<f64> = row.try_get("oldest_pending_secs")?;
-                Ok(PartitionStats {
-                    partition: partition_from_db(row.try_get("partition")?)?,
-                    pending: row.try_get("pending")?,
-                    failed: row.try_get("failed")?,
-                    oldest_pending: oldest.map(|s| std::time::Duration::from_secs_f64(s.max(0.0))),
-                })
-            })
-            .collect()
+        let rows = sqlx::query_as(stmt(&self.sql().stats)).fetch_all(&pool).await.map_err(|e| self.db_error(e))?;
+        stats_from_rows(rows)
     }
+}
+
+/// A partition's (partition, pending, failed, oldest pending age in seconds), as both backends' stats
+/// statements return it.
+pub(crate) type StatsRow = (i16, i64, i64, Option<f64>);
+
+pub(crate) fn stats_from_rows(rows: Vec<StatsRow>) -> Result<Vec<PartitionStats>> {
+    rows.into_iter()
+        .map(|(partition, pending, failed, oldest)| {
+            Ok(PartitionStats {
+                partition: partition_from_db(partition)?,
+                pending,
+                failed,
+                oldest_pending: oldest.map(|s| std::time::Duration::from_secs_f64(s.max(0.0))),
+            })
+        })
+        .collect()
 }
 
 /// Converts the stored `smallint` (checked 0..=255 by the schema).

@@ -24,8 +24,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use sqlx::postgres::PgRow;
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
 
 use crate::db::Db;
 use tokio::sync::watch;
@@ -411,6 +410,7 @@ async fn fetch_runs(
             .await
             .map_err(|e| outbox.not_migrated(e))?,
     };
+    let rows = rows.into_iter().map(FetchedRow::into_record).collect::<Result<Vec<_>>>()?;
     let fetched = rows.len();
     let mut by_key: HashMap<String, Vec<(Record, bool)>> = HashMap::new();
     for (record, due) in rows {
@@ -438,7 +438,7 @@ async fn fetch_runs(
     Ok(runs)
 }
 
-/// PostgreSQL's fetch: one statement in a JIT-off transaction; rows of (record, due).
+/// PostgreSQL's fetch: one statement in a JIT-off transaction.
 async fn fetch_postgres(
     outbox: &Outbox,
     pool: &PgPool,
@@ -446,9 +446,9 @@ async fn fetch_postgres(
     exclude: &[String],
     limit: usize,
     followers: usize,
-) -> Result<Vec<(Record, bool)>> {
+) -> Result<Vec<FetchedRow>> {
     let mut tx = begin(outbox, pool).await?;
-    let rows = sqlx::query(stmt(&outbox.sql().fetch))
+    let rows = sqlx::query_as(stmt(&outbox.sql().fetch))
         .bind(partitions)
         .bind(exclude)
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
@@ -458,7 +458,7 @@ async fn fetch_postgres(
         .await
         .map_err(|e| outbox.db_error(e))?;
     tx.commit().await.map_err(|e| outbox.db_error(e))?;
-    rows.iter().map(|row| Ok((record_from_row(row)?, row.try_get("due")?))).collect()
+    Ok(rows)
 }
 
 /// Starts a transaction for the processor's statements, with JIT compilation off. The planner prices
@@ -480,21 +480,38 @@ async fn begin(outbox: &Outbox, pool: &PgPool) -> Result<sqlx::Transaction<'stat
     begun.await.unwrap_or(Err(sqlx::Error::WorkerCrashed)).map_err(|e| outbox.db_error(e))
 }
 
-fn record_from_row(row: &PgRow) -> Result<Record> {
-    let payload: Vec<u8> = row.try_get("payload")?;
-    let headers: sqlx::types::Json<Headers> = row.try_get("headers")?;
-    Ok(Record {
-        id: row.try_get("id")?,
-        partition: partition_from_db(row.try_get("partition")?)?,
-        key: row.try_get("key")?,
-        seq: row.try_get("seq")?,
-        event_type: row.try_get("event_type")?,
-        payload: payload.into(),
-        headers: headers.0,
-        attempts: row.try_get("attempts")?,
-        created_at: row.try_get("created_at")?,
-        epoch: 0,
-    })
+/// A fetched row, as both backends' fetch statements name their columns: the record and whether it is
+/// due (SQLite renders its millisecond times as RFC 3339 text for it).
+#[derive(sqlx::FromRow)]
+pub(crate) struct FetchedRow {
+    id: Uuid,
+    partition: i16,
+    key: String,
+    seq: i64,
+    event_type: String,
+    payload: Vec<u8>,
+    headers: sqlx::types::Json<Headers>,
+    attempts: i32,
+    created_at: chrono::DateTime<chrono::Utc>,
+    due: bool,
+}
+
+impl FetchedRow {
+    fn into_record(self) -> Result<(Record, bool)> {
+        let record = Record {
+            id: self.id,
+            partition: partition_from_db(self.partition)?,
+            key: self.key,
+            seq: self.seq,
+            event_type: self.event_type,
+            payload: self.payload.into(),
+            headers: self.headers.0,
+            attempts: self.attempts,
+            created_at: self.created_at,
+            epoch: 0,
+        };
+        Ok((record, self.due))
+    }
 }
 
 /// Delivers a key's run one record at a time, each finished before the next starts. Stops after a

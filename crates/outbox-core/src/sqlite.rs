@@ -10,16 +10,13 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use sqlx::sqlite::SqliteRow;
-use sqlx::{AssertSqlSafe, Row, SqliteConnection, SqlitePool};
+use sqlx::{AssertSqlSafe, SqliteConnection, SqlitePool};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
 use crate::migrate::checksum;
-use crate::operator::{FailedFilter, FailedRecord, PartitionStats, partition_from_db};
-use crate::processor::{Outcome, Verdict};
-use crate::record::{Headers, Record};
+use crate::operator::{FailedFilter, FailedRecord, PartitionStats, StatsRow, stats_from_rows};
+use crate::processor::{FetchedRow, Outcome, Verdict};
 
 /// SQLite's clock in milliseconds since the Unix epoch; the same value throughout one statement.
 pub const NOW_MS: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
@@ -40,7 +37,11 @@ ON CONFLICT (key) DO UPDATE SET last_seq = last_seq + 1 RETURNING last_seq";
 const INSERT: &str = "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers)
 VALUES ($1, $2, $3, $4, $5, $6, $7)";
 
-const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.created_at";
+/// Renders a stored time (milliseconds since the Unix epoch) as RFC 3339 text, which sqlx decodes into
+/// a `DateTime<Utc>` as it does PostgreSQL's `timestamptz`, so both backends share their row types.
+const TEXT_TIME: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', {} / 1000.0, 'unixepoch')";
+
+const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, {time:r.created_at} AS created_at";
 
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {now}))";
 
@@ -81,7 +82,8 @@ const FAIL: &str = "UPDATE {s}_records SET attempts = $2, last_error = $3,
     failed_at = CASE WHEN $4 THEN {now} END
 WHERE id = $1 RETURNING id";
 
-const LIST_FAILED: &str = "SELECT id, partition, key, seq, event_type, attempts, last_error, created_at, failed_at
+const LIST_FAILED: &str = "SELECT id, partition, key, seq, event_type, attempts, last_error,
+    {time:created_at} AS created_at, {time:failed_at} AS failed_at
 FROM {s}_records
 WHERE failed_at IS NOT NULL AND ($1 IS NULL OR key = $1) AND ($2 IS NULL OR partition = $2)
 ORDER BY partition, key, seq LIMIT $3";
@@ -124,14 +126,21 @@ pub(crate) struct Sql {
     purge: Arc<str>,
 }
 
-/// Replaces the placeholders: `{s}` table prefix, `{now}` the clock, `{cols}` record columns.
+/// Replaces the placeholders: `{s}` table prefix, `{now}` the clock, `{time:COLUMN}` a stored time as
+/// RFC 3339 text, `{cols}` record columns, `{due}` / `{h_due}` the due test of `r` / `h`.
 pub fn render(text: &str, schema: &str) -> Arc<str> {
-    text.replace("{cols}", COLS)
+    let mut text = text
+        .replace("{cols}", COLS)
         .replace("{h_due}", &DUE.replace("r.", "h."))
         .replace("{due}", DUE)
         .replace("{now}", NOW_MS)
-        .replace("{s}", schema)
-        .into()
+        .replace("{s}", schema);
+    while let Some(start) = text.find("{time:") {
+        let Some(end) = text[start..].find('}').map(|n| start + n) else { break };
+        let column = text[start + 6..end].to_string();
+        text.replace_range(start..=end, &TEXT_TIME.replace("{}", &column));
+    }
+    text.into()
 }
 
 impl Sql {
@@ -161,12 +170,6 @@ impl Sql {
 
 fn stmt(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(Arc::clone(text))
-}
-
-/// Milliseconds since the Unix epoch, as stored, to a timestamp.
-pub(crate) fn time_from_db(ms: i64) -> Result<DateTime<Utc>> {
-    DateTime::from_timestamp_millis(ms)
-        .ok_or_else(|| Error::Database(sqlx::Error::Decode(format!("timestamp {ms} ms out of range").into())))
 }
 
 fn millis(d: Duration) -> i64 {
@@ -239,36 +242,18 @@ pub(crate) async fn fetch(
     exclude: &[String],
     limit: usize,
     followers: usize,
-) -> Result<Vec<(Record, bool)>> {
-    let rows = sqlx::query(stmt(&sql.fetch))
+) -> Result<Vec<FetchedRow>> {
+    Ok(sqlx::query_as(stmt(&sql.fetch))
         .bind(json(partitions)?)
         .bind(json(exclude)?)
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
         .bind(i64::try_from(followers).unwrap_or(i64::MAX))
         .fetch_all(pool)
-        .await?;
-    rows.iter().map(|row| Ok((record_from_row(row)?, row.try_get("due")?))).collect()
+        .await?)
 }
 
 fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
     serde_json::to_string(value).map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))
-}
-
-fn record_from_row(row: &SqliteRow) -> Result<Record> {
-    let payload: Vec<u8> = row.try_get("payload")?;
-    let headers: sqlx::types::Json<Headers> = row.try_get("headers")?;
-    Ok(Record {
-        id: row.try_get("id")?,
-        partition: partition_from_db(row.try_get("partition")?)?,
-        key: row.try_get("key")?,
-        seq: row.try_get("seq")?,
-        event_type: row.try_get("event_type")?,
-        payload: payload.into(),
-        headers: headers.0,
-        attempts: row.try_get("attempts")?,
-        created_at: time_from_db(row.try_get("created_at")?)?,
-        epoch: 0,
-    })
 }
 
 /// Writes a batch of outcomes in one write transaction, each only if its (partition, epoch) is still
@@ -333,27 +318,12 @@ pub(crate) async fn write_outcomes(
 }
 
 pub(crate) async fn failed(pool: &SqlitePool, sql: &Sql, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
-    let rows = sqlx::query(stmt(&sql.list_failed))
+    Ok(sqlx::query_as(stmt(&sql.list_failed))
         .bind(filter.key.as_deref())
         .bind(filter.partition.map(i16::from))
         .bind(filter.limit.unwrap_or(100))
         .fetch_all(pool)
-        .await?;
-    rows.iter()
-        .map(|row| {
-            Ok(FailedRecord {
-                id: row.try_get("id")?,
-                partition: partition_from_db(row.try_get("partition")?)?,
-                key: row.try_get("key")?,
-                seq: row.try_get("seq")?,
-                event_type: row.try_get("event_type")?,
-                attempts: row.try_get("attempts")?,
-                last_error: row.try_get("last_error")?,
-                created_at: time_from_db(row.try_get("created_at")?)?,
-                failed_at: time_from_db(row.try_get("failed_at")?)?,
-            })
-        })
-        .collect()
+        .await?)
 }
 
 pub(crate) async fn requeue(pool: &SqlitePool, sql: &Sql, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
@@ -370,18 +340,8 @@ pub(crate) async fn skip(pool: &SqlitePool, sql: &Sql, id: Uuid) -> Result<bool>
 }
 
 pub(crate) async fn stats(pool: &SqlitePool, sql: &Sql) -> Result<Vec<PartitionStats>> {
-    let rows = sqlx::query(stmt(&sql.stats)).fetch_all(pool).await?;
-    rows.iter()
-        .map(|row| {
-            let oldest: Option<f64> = row.try_get("oldest_pending_secs")?;
-            Ok(PartitionStats {
-                partition: partition_from_db(row.try_get("partition")?)?,
-                pending: row.try_get("pending")?,
-                failed: row.try_get("failed")?,
-                oldest_pending: oldest.map(|s| Duration::from_secs_f64(s.max(0.0))),
-            })
-        })
-        .collect()
+    let rows: Vec<StatsRow> = sqlx::query_as(stmt(&sql.stats)).fetch_all(pool).await?;
+    stats_from_rows(rows)
 }
 
 /// Deletes at most `limit` completed records older than `retention`; returns how many.
