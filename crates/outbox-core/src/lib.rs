@@ -1,8 +1,9 @@
 //! # outbox-core
 //!
-//! A transactional outbox on PostgreSQL or SQLite ([`Db`]). A service writes its business rows and the events describing
-//! them in **one transaction**; a [`Processor`] then delivers those events to a [`Handler`] **at least
-//! once**, in **strict per-key order**, with retries, an optional fallback, and a visible FAILED state.
+//! A transactional outbox on PostgreSQL or SQLite ([`Db`]). A service writes its business rows and the
+//! events describing them in **one transaction**; a [`Processor`] then delivers those events to a
+//! [`Handler`] **at least once**, in **strict per-key order**, with retries, an optional fallback, and a
+//! visible FAILED state.
 //!
 //! A record's journey, file by file: [`record`] (what is scheduled) → [`partition`] (`xxh3_64(key) % 256`)
 //! → [`schedule`](Outbox::schedule) (inside the caller's transaction) → [`processor`] (fetch each key's
