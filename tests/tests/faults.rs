@@ -1,12 +1,14 @@
-//! Multi-process fault test: real worker processes (`outbox-test-worker`) against the real PostgreSQL,
-//! scaled 1 → 4 → 2 → 3 while a producer writes (and sometimes rolls back), with kill -9, a SIGSTOP
-//! longer than the stale timeout (the zombie), and terminated database connections. A checker then
-//! reads the database and asserts the invariants.
+//! Multi-process fault test: real worker processes (`outbox-test-worker`) against the real PostgreSQL
+//! and against one SQLite file they all share, scaled 1 → 4 → 2 → 3 while a producer writes (and
+//! sometimes rolls back), with kill -9, a SIGSTOP longer than the stale timeout (the zombie), and (on
+//! PostgreSQL) terminated database connections. A checker then reads the database and asserts the
+//! invariants.
 //!
 //! CI runs one round of faults (about 15 s). The soak is the same test with more rounds:
 //! `OUTBOX_FAULT_ROUNDS=20 ./scripts/test.sh -p outbox-tests --test faults -- --nocapture`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[macro_use]
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -22,6 +24,8 @@ use rand::RngExt;
 use sqlx::PgPool;
 use tokio::time::Instant;
 use uuid::Uuid;
+
+both!(cluster_survives_scaling_crashes_pauses_and_killed_connections);
 
 /// Stated bound: after the last crash, the backlog drains within this (failover needs the 1 s lease
 /// plus a 200 ms round; the rest is margin for a loaded machine).
@@ -77,14 +81,6 @@ impl Worker {
     }
 }
 
-/// The connection string of this test's own database.
-async fn url_of(pool: &PgPool) -> String {
-    let db: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
-    let base = std::env::var("DATABASE_URL").unwrap();
-    let (server, _) = base.rsplit_once('/').unwrap();
-    format!("{server}/{db}")
-}
-
 #[derive(Default)]
 struct Produced {
     committed: Vec<(Uuid, String, i64)>,
@@ -92,7 +88,7 @@ struct Produced {
 }
 
 /// Writes small transactions of random keys until `stop`; about one in ten is rolled back on purpose.
-async fn produce(outbox: Outbox, pool: PgPool, stop: Arc<AtomicBool>) -> Produced {
+async fn produce(outbox: Outbox, db: TestDb, stop: Arc<AtomicBool>) -> Produced {
     let mut produced = Produced::default();
     let mut n = 0u64;
     while !stop.load(Ordering::SeqCst) {
@@ -100,13 +96,13 @@ async fn produce(outbox: Outbox, pool: PgPool, stop: Arc<AtomicBool>) -> Produce
             .map(|_| NewRecord::new(format!("key-{}", rand::rng().random_range(0..KEYS)), "t", format!("{n}")))
             .collect();
         n += 1;
-        let mut tx = pool.begin().await.unwrap();
+        let mut tx = db.begin().await;
         let scheduled = outbox.schedule_batch(&mut tx, &records).await.unwrap();
         if n.is_multiple_of(10) {
-            tx.rollback().await.unwrap();
+            tx.rollback().await;
             produced.rolled_back.extend(scheduled.iter().map(|s| s.id));
         } else {
-            tx.commit().await.unwrap();
+            tx.commit().await;
             produced.committed.extend(scheduled.iter().zip(&records).map(|(s, r)| (s.id, r.key.clone(), s.seq)));
         }
         tokio::time::sleep(Duration::from_millis(15)).await;
@@ -115,23 +111,28 @@ async fn produce(outbox: Outbox, pool: PgPool, stop: Arc<AtomicBool>) -> Produce
 }
 
 async fn owners(db: &TestDb) -> usize {
-    count(db, "SELECT count(DISTINCT owner) FROM outbox.partitions WHERE owner IS NOT NULL").await as usize
+    count(db, "SELECT count(DISTINCT owner) FROM {s}partitions WHERE owner IS NOT NULL").await as usize
 }
 
-#[sqlx::test(migrations = false)]
-async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(pool: PgPool) {
-    let db = TestDb::postgres(pool.clone());
+async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
-    sqlx::query(
-        "CREATE TABLE fault_deliveries (id bigserial PRIMARY KEY, instance text NOT NULL, record_id uuid NOT NULL,
-         key text NOT NULL, seq bigint NOT NULL, partition smallint NOT NULL, epoch bigint NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    let url = url_of(&pool).await;
+    if db.is_sqlite() {
+        exec!(
+            db,
+            "CREATE TABLE fault_deliveries (id INTEGER PRIMARY KEY AUTOINCREMENT, instance TEXT NOT NULL,
+             record_id BLOB NOT NULL, key TEXT NOT NULL, seq INTEGER NOT NULL, partition INTEGER NOT NULL,
+             epoch INTEGER NOT NULL)"
+        );
+    } else {
+        exec!(
+            db,
+            "CREATE TABLE fault_deliveries (id bigserial PRIMARY KEY, instance text NOT NULL, record_id uuid NOT NULL,
+             key text NOT NULL, seq bigint NOT NULL, partition smallint NOT NULL, epoch bigint NOT NULL)"
+        );
+    }
+    let url = db.url().await;
     let stop = Arc::new(AtomicBool::new(false));
-    let producer = tokio::spawn(produce(outbox.clone(), pool.clone(), stop.clone()));
+    let producer = tokio::spawn(produce(outbox.clone(), db.clone(), stop.clone()));
     let step = Duration::from_millis(1500);
     let wait_owners = |n: usize| {
         let db = db.clone();
@@ -182,16 +183,19 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(pool: Pg
         paused.signal("-CONT");
         tokio::time::sleep(step).await;
 
-        // Kill a worker's database connections (its pool and heartbeat reconnect).
-        let victim = format!("outbox-{}", pick(&workers));
-        let terminated: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1) t",
-        )
-        .bind(&victim)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        assert!(terminated > 0, "{victim} had connections to terminate");
+        // Kill a worker's database connections (its pool and heartbeat reconnect). PostgreSQL only:
+        // SQLite runs inside each process, so it has no server connections to kill.
+        if let outbox_core::Db::Postgres(pool) = &db.db {
+            let victim = format!("outbox-{}", pick(&workers));
+            let terminated: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1) t",
+            )
+            .bind(&victim)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            assert!(terminated > 0, "{victim} had connections to terminate");
+        }
         tokio::time::sleep(step).await;
 
         // Scale out and in between 2 and 4 instances.
@@ -225,11 +229,11 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(pool: Pg
 
     // The checker.
     assert!(produced.committed.len() > 500, "produced {}", produced.committed.len());
-    let deliveries: Vec<(String, Uuid, String, i64, i16, i64)> =
-        sqlx::query_as("SELECT instance, record_id, key, seq, partition, epoch FROM fault_deliveries ORDER BY id")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+    let deliveries = rows!(
+        db,
+        (String, Uuid, String, i64, i16, i64),
+        "SELECT instance, record_id, key, seq, partition, epoch FROM fault_deliveries ORDER BY id"
+    );
     let delivered: BTreeSet<Uuid> = deliveries.iter().map(|d| d.1).collect();
     let missing: Vec<_> = produced.committed.iter().filter(|(id, _, _)| !delivered.contains(id)).collect();
     assert!(
@@ -290,7 +294,7 @@ async fn measure_handover_failover_and_idle_load(pool: PgPool) {
         .execute(&pool)
         .await
         .unwrap();
-    let url = url_of(&pool).await;
+    let url = TestDb::postgres(pool.clone()).url().await;
     let profiles = [("default", "2s", "10s", "2s", "100ms"), ("fast", "200ms", "1s", "200ms", "50ms")];
     for (profile, heartbeat, stale, rebalance, poll) in profiles {
         let start = |name: &str| {

@@ -1,17 +1,19 @@
 //! A clustered outbox worker for the fault tests: joins the cluster, records every delivery (instance,
 //! record, key, seq, partition, epoch) in `fault_deliveries`, and on SIGTERM stops gracefully.
 //!
-//! Environment: `DATABASE_URL`, `WORKER_NAME`, and optional `HEARTBEAT`, `STALE`, `REBALANCE`, `POLL`
-//! (humantime durations). Its database connections carry `application_name = outbox-<WORKER_NAME>`,
+//! Environment: `DATABASE_URL` (`postgres://…`, or `sqlite://path` for a SQLite file shared with the
+//! test and the other workers), `WORKER_NAME`, and optional `HEARTBEAT`, `STALE`, `REBALANCE`, `POLL`
+//! (humantime durations). On PostgreSQL its connections carry `application_name = outbox-<WORKER_NAME>`,
 //! so a test can terminate them.
 
 use std::str::FromStr;
 use std::time::Duration;
 
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Config, HandlerError, Handlers, Outbox, Route, handler_fn};
+use outbox_core::{Config, Db, HandlerError, Handlers, Outbox, Route, handler_fn};
 use rand::RngExt;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::SqlitePoolOptions;
 use tokio::signal::unix::{SignalKind, signal};
 
 fn duration(var: &str, default: Duration) -> Result<Duration, String> {
@@ -32,8 +34,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let name = std::env::var("WORKER_NAME")?;
     let url = std::env::var("DATABASE_URL")?;
-    let options = PgConnectOptions::from_str(&url)?.application_name(&format!("outbox-{name}"));
-    let pool = PgPoolOptions::new().max_connections(8).connect_with(options).await?;
+    let db = if url.starts_with("sqlite:") {
+        Db::Sqlite(
+            SqlitePoolOptions::new().max_connections(8).connect_with(outbox_core::db::sqlite_options(&url)?).await?,
+        )
+    } else {
+        let options = PgConnectOptions::from_str(&url)?.application_name(&format!("outbox-{name}"));
+        Db::Postgres(PgPoolOptions::new().max_connections(8).connect_with(options).await?)
+    };
     let outbox =
         Outbox::new(Config { poll_interval: duration("POLL", Duration::from_millis(50))?, ..Config::default() })?;
     let cluster = ClusterConfig {
@@ -43,28 +51,37 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         rebalance_interval: duration("REBALANCE", Duration::from_millis(200))?,
     };
 
-    let (record_pool, instance) = (pool.clone(), name.clone());
+    let (record_db, instance) = (db.clone(), name.clone());
     let handler = handler_fn(move |r| {
-        let (pool, instance) = (record_pool.clone(), instance.clone());
+        let (db, instance) = (record_db.clone(), instance.clone());
         async move {
             let delay = rand::rng().random_range(0..3);
             tokio::time::sleep(Duration::from_millis(delay)).await;
-            sqlx::query(
-                "INSERT INTO fault_deliveries (instance, record_id, key, seq, partition, epoch) VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .bind(&instance)
-            .bind(r.id)
-            .bind(&r.key)
-            .bind(r.seq)
-            .bind(i16::from(r.partition))
-            .bind(r.epoch)
-            .execute(&pool)
-            .await
+            const INSERT: &str = "INSERT INTO fault_deliveries (instance, record_id, key, seq, partition, epoch)
+                VALUES ($1, $2, $3, $4, $5, $6)";
+            macro_rules! insert {
+                ($pool:expr) => {
+                    sqlx::query(INSERT)
+                        .bind(&instance)
+                        .bind(r.id)
+                        .bind(&r.key)
+                        .bind(r.seq)
+                        .bind(i16::from(r.partition))
+                        .bind(r.epoch)
+                        .execute($pool)
+                        .await
+                        .map(|_| ())
+                };
+            }
+            match &db {
+                Db::Postgres(pool) => insert!(pool),
+                Db::Sqlite(pool) => insert!(pool),
+            }
             .map_err(HandlerError::retryable)?;
             Ok(())
         }
     });
-    let node = Node::start(outbox, pool, Handlers::new().default_route(Route::new(handler)), cluster).await?;
+    let node = Node::start(outbox, db, Handlers::new().default_route(Route::new(handler)), cluster).await?;
     let (mut term, mut int) = (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?);
     tokio::select! {
         _ = term.recv() => {}

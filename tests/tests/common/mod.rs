@@ -73,18 +73,34 @@ macro_rules! scalar {
 #[derive(Clone)]
 pub struct TestDb {
     pub db: Db,
+    /// The SQLite file's URL (`None` on PostgreSQL, where [`TestDb::url`] asks the database).
+    sqlite_url: Option<String>,
     _dir: Option<Arc<tempfile::TempDir>>,
 }
 
 impl TestDb {
     pub fn postgres(pool: PgPool) -> Self {
-        Self { db: Db::Postgres(pool), _dir: None }
+        Self { db: Db::Postgres(pool), sqlite_url: None, _dir: None }
     }
 
     pub async fn sqlite() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
-        Self { db: Db::connect(&url).await.unwrap(), _dir: Some(Arc::new(dir)) }
+        Self { db: Db::connect(&url).await.unwrap(), sqlite_url: Some(url), _dir: Some(Arc::new(dir)) }
+    }
+
+    /// The connection string of this test's own database, for other processes: the SQLite file's URL,
+    /// or on PostgreSQL the `DATABASE_URL` server with this test's database (`current_database()`).
+    pub async fn url(&self) -> String {
+        match &self.db {
+            Db::Sqlite(_) => self.sqlite_url.clone().unwrap(),
+            Db::Postgres(pool) => {
+                let db: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
+                let base = std::env::var("DATABASE_URL").unwrap();
+                let (server, _) = base.rsplit_once('/').unwrap();
+                format!("{server}/{db}")
+            }
+        }
     }
 
     pub fn is_sqlite(&self) -> bool {
