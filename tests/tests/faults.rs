@@ -99,10 +99,10 @@ async fn produce(outbox: Outbox, db: TestDb, stop: Arc<AtomicBool>) -> Produced 
         let mut tx = db.begin().await;
         let scheduled = outbox.schedule_batch(&mut tx, &records).await.unwrap();
         if n.is_multiple_of(10) {
-            tx.rollback().await;
+            tx.rollback().await.unwrap();
             produced.rolled_back.extend(scheduled.iter().map(|s| s.id));
         } else {
-            tx.commit().await;
+            tx.commit().await.unwrap();
             produced.committed.extend(scheduled.iter().zip(&records).map(|(s, r)| (s.id, r.key.clone(), s.seq)));
         }
         tokio::time::sleep(Duration::from_millis(15)).await;

@@ -25,12 +25,12 @@ async fn committed_records_exist_and_rolled_back_ones_do_not(db: TestDb) {
     let mut tx = db.begin().await;
     let kept =
         outbox.schedule(&mut tx, NewRecord::new("k", "t", "kept").header("traceparent", "00-1-2-01")).await.unwrap();
-    tx.commit().await;
+    tx.commit().await.unwrap();
 
     let mut tx = db.begin().await;
     outbox.schedule(&mut tx, NewRecord::new("k", "t", "dropped")).await.unwrap();
     outbox.schedule(&mut tx, NewRecord::new("other", "t", "dropped")).await.unwrap();
-    tx.rollback().await;
+    tx.rollback().await.unwrap();
 
     let rows = rows!(
         db,
@@ -46,7 +46,7 @@ async fn committed_records_exist_and_rolled_back_ones_do_not(db: TestDb) {
     // The rolled-back transaction consumed no sequence number.
     let mut tx = db.begin().await;
     let next = outbox.schedule(&mut tx, NewRecord::new("k", "t", "")).await.unwrap();
-    tx.commit().await;
+    tx.commit().await.unwrap();
     assert_eq!(next.seq, 2);
 }
 
@@ -56,7 +56,7 @@ async fn batch_gives_consecutive_sequences_per_key(db: TestDb) {
     let first = outbox.schedule(&mut tx, NewRecord::new("a", "t", "")).await.unwrap();
     let batch = ["b", "a", "b", "a", "c"].map(|k| NewRecord::new(k, "t", ""));
     let scheduled = outbox.schedule_batch(&mut tx, &batch).await.unwrap();
-    tx.commit().await;
+    tx.commit().await.unwrap();
     assert_eq!(first.seq, 1);
     assert_eq!(scheduled.iter().map(|s| s.seq).collect::<Vec<_>>(), [1, 2, 2, 3, 1]);
     // An empty batch needs no transaction and writes nothing.
@@ -78,7 +78,7 @@ async fn concurrent_writers_of_one_key_commit_in_sequence_order(db: TestDb) {
     // Forced interleaving: the second writer is observed blocked on the first one's lock.
     let second = blocked_writer(&outbox, &db, "second").await;
     assert!(!second.is_finished());
-    first.commit().await;
+    first.commit().await.unwrap();
     let b = second.await.unwrap();
     assert_eq!((a.seq, b.seq), (1, 2));
 
@@ -86,7 +86,7 @@ async fn concurrent_writers_of_one_key_commit_in_sequence_order(db: TestDb) {
     let mut first = db.begin().await;
     outbox.schedule(&mut first, NewRecord::new("k", "t", "rolled back")).await.unwrap();
     let second = blocked_writer(&outbox, &db, "third").await;
-    first.rollback().await;
+    first.rollback().await.unwrap();
     assert_eq!(second.await.unwrap().seq, 3);
     let seqs = rows!(db, (i64, Vec<u8>), "SELECT seq, payload FROM {s}records ORDER BY seq");
     assert_eq!(seqs, [(1, b"first".to_vec()), (2, b"second".to_vec()), (3, b"third".to_vec())]);
@@ -101,7 +101,7 @@ async fn blocked_writer(outbox: &Outbox, db: &TestDb, payload: &'static str) -> 
     let writer = tokio::spawn(async move {
         let mut tx = d.begin().await;
         let scheduled = o.schedule(&mut tx, NewRecord::new("k", "t", payload)).await.unwrap();
-        tx.commit().await;
+        tx.commit().await.unwrap();
         scheduled
     });
     if db.is_sqlite() {
@@ -146,7 +146,7 @@ async fn bad_input_is_rejected_before_writing_and_the_transaction_stays_usable(d
     assert!(err.to_string().contains("65 bytes") && err.to_string().contains("\"k\""), "{err}");
     // The caller's transaction is intact and commits its own valid record.
     outbox.schedule(&mut tx, NewRecord::new("k", "t", vec![1u8; 64])).await.unwrap();
-    tx.commit().await;
+    tx.commit().await.unwrap();
     assert_eq!(pending(&db).await, 1);
 }
 

@@ -54,6 +54,17 @@ impl Db {
         }
     }
 
+    /// Begins a transaction for business writes and [`Outbox::schedule`](crate::Outbox::schedule), on
+    /// either backend; on SQLite with `BEGIN IMMEDIATE` (the write lock from the start, so a transaction
+    /// that reads before it writes cannot meet a busy error at its first write). For code that runs on
+    /// both backends; with one backend, its pool's own `begin` does the same.
+    pub async fn begin(&self) -> Result<Tx> {
+        Ok(match self {
+            Db::Postgres(pool) => Tx::Postgres(pool.begin().await?),
+            Db::Sqlite(pool) => Tx::Sqlite(pool.begin_with("BEGIN IMMEDIATE").await?),
+        })
+    }
+
     /// Closes the pool.
     pub async fn close(&self) {
         match self {
@@ -140,6 +151,45 @@ impl<'c, 't> From<&'c mut Transaction<'t, Postgres>> for Conn<'c> {
 impl<'c, 't> From<&'c mut Transaction<'t, sqlx::Sqlite>> for Conn<'c> {
     fn from(tx: &'c mut Transaction<'t, sqlx::Sqlite>) -> Self {
         Conn::Sqlite(tx)
+    }
+}
+
+/// A transaction of either backend ([`Db::begin`]). `&mut tx` is a [`Conn`] for `schedule`; match on
+/// it to run the business statements.
+#[derive(Debug)]
+pub enum Tx {
+    /// A PostgreSQL transaction.
+    Postgres(Transaction<'static, Postgres>),
+    /// A SQLite transaction.
+    Sqlite(Transaction<'static, sqlx::Sqlite>),
+}
+
+impl Tx {
+    /// Commits.
+    pub async fn commit(self) -> Result<()> {
+        match self {
+            Tx::Postgres(tx) => tx.commit().await?,
+            Tx::Sqlite(tx) => tx.commit().await?,
+        }
+        Ok(())
+    }
+
+    /// Rolls back.
+    pub async fn rollback(self) -> Result<()> {
+        match self {
+            Tx::Postgres(tx) => tx.rollback().await?,
+            Tx::Sqlite(tx) => tx.rollback().await?,
+        }
+        Ok(())
+    }
+}
+
+impl<'c> From<&'c mut Tx> for Conn<'c> {
+    fn from(tx: &'c mut Tx) -> Self {
+        match tx {
+            Tx::Postgres(tx) => Conn::Postgres(tx),
+            Tx::Sqlite(tx) => Conn::Sqlite(tx),
+        }
     }
 }
 

@@ -54,7 +54,7 @@ mod sqlite;
 use std::sync::Arc;
 
 pub use config::{Completion, Config};
-pub use db::{Conn, Db};
+pub use db::{Conn, Db, Tx};
 pub use error::{Error, Result, is_not_migrated};
 pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handlers, Route, fallback_fn, handler_fn};
 pub use operator::{FailedFilter, FailedRecord, PartitionStats};

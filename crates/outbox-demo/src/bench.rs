@@ -3,7 +3,8 @@
 //! relay (select 500 pending rows, publish them pipelined, delete them by id; no ordering, no fencing).
 //!
 //! Everything runs in its own schema (`outbox_bench`) and stream (`OUTBOX_BENCH`), so it never touches
-//! the demo's data. Prints a table and one JSON line per scenario.
+//! the demo's data. The `sqlite` scenarios run the outbox on a SQLite file in a temporary directory (the
+//! same JetStream stream). Prints a table and one JSON line per scenario.
 
 use std::collections::HashMap;
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -13,7 +14,9 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use futures::future::try_join_all;
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Completion, Config, Handler, HandlerError, Handlers, NewRecord, Outbox, Record, Route, handler_fn};
+use outbox_core::{
+    Completion, Config, Db, Handler, HandlerError, Handlers, NewRecord, Outbox, Record, Route, handler_fn,
+};
 use outbox_nats::{JetStreamHandler, NatsConfig, StreamSettings};
 use rand::RngExt;
 use serde_json::json;
@@ -55,8 +58,11 @@ pub enum Scenario {
     Steady,
     /// An idle instance's cost to PostgreSQL.
     Idle,
+    /// The outbox on a SQLite file: drain (to a no-op handler and to JetStream), steady latency.
+    Sqlite,
 }
 
+#[derive(Clone, Copy)]
 struct Sizes {
     keys: usize,
     per_key: usize,
@@ -88,7 +94,10 @@ struct Row {
 }
 
 struct Bench {
+    /// PostgreSQL: the yardsticks, the scenarios that read its statistics or start worker processes.
     pool: PgPool,
+    /// Where the in-process outbox scenarios (drain, failing, steady) run: `pool`, or a SQLite file.
+    db: Db,
     outbox: Outbox,
     nats: NatsConfig,
     database_url: String,
@@ -113,8 +122,14 @@ pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<E
         stream: StreamSettings { name: STREAM.into(), subjects: vec!["bench.>".into()], ..StreamSettings::default() },
         ..ctx.config.nats.clone()
     };
-    let bench =
-        Bench { pool: pool.clone(), outbox, nats, database_url: database_url.into(), sizes: Sizes::of(args.quick) };
+    let bench = Bench {
+        pool: pool.clone(),
+        db: ctx.db.clone(),
+        outbox,
+        nats,
+        database_url: database_url.into(),
+        sizes: Sizes::of(args.quick),
+    };
     let rounds = args.rounds.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
     // Every round measures the yardsticks and the scenarios anew; a ratio compares figures of the same
     // round. `by_scenario[i]` holds scenario i's row and relay ratio from every round.
@@ -157,6 +172,15 @@ pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<E
     Ok(ExitCode::SUCCESS)
 }
 
+/// Where a drain delivers.
+#[derive(Clone, Copy)]
+enum Target {
+    /// The bench stream; done when every record is acked and completed.
+    JetStream,
+    /// A handler that does nothing: the outbox alone.
+    Nothing,
+}
+
 /// The middle value (the upper middle one of an even count).
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -173,10 +197,10 @@ impl Bench {
         let mut rows = vec![self.raw_publish().await?, self.ordered_publish(256).await?, self.idealised_relay().await?];
         let wanted = |scenario| args.only.is_empty() || args.only.contains(&scenario);
         if wanted(Scenario::Drain) {
-            rows.push(self.drain_in_process(&self.outbox, "drain_1_instance").await?);
+            rows.push(self.drain_in_process(&self.outbox, "drain_1_instance", Target::JetStream).await?);
             // The same with `completion = "delete"`: no copy into `completed`, as in the relay.
             let deleting = Outbox::new(Config { completion: Completion::Delete, ..self.outbox.config().clone() })?;
-            rows.push(self.drain_in_process(&deleting, "drain_1_instance_completion_delete").await?);
+            rows.push(self.drain_in_process(&deleting, "drain_1_instance_completion_delete", Target::JetStream).await?);
         }
         if wanted(Scenario::Processes) {
             rows.push(self.drain_processes(4).await?);
@@ -185,19 +209,61 @@ impl Bench {
             rows.push(self.failing_keys().await?);
         }
         if wanted(Scenario::Steady) {
-            rows.push(self.steady().await?);
+            rows.push(self.steady("steady_commit_to_ack_p50").await?);
         }
         if wanted(Scenario::Idle) {
             rows.push(self.idle().await?);
         }
+        if wanted(Scenario::Sqlite) {
+            rows.extend(self.on_sqlite().await?);
+        }
         Ok(rows)
     }
 
+    /// The in-process scenarios again with the outbox on a fresh SQLite file (WAL, `db::sqlite_options`).
+    async fn on_sqlite(&self) -> Result<Vec<Row>, Failure> {
+        let dir = tempfile::tempdir().map_err(|e| Failure(format!("bench: no temporary directory: {e}")))?;
+        let db = Db::connect(&format!("sqlite://{}", dir.path().join("bench.db").display())).await?;
+        self.outbox.migrate(&db).await?;
+        let bench = Bench {
+            pool: self.pool.clone(),
+            db,
+            outbox: self.outbox.clone(),
+            nats: self.nats.clone(),
+            database_url: self.database_url.clone(),
+            sizes: self.sizes,
+        };
+        let rows = vec![
+            bench.drain_in_process(&bench.outbox, "sqlite_drain_1_instance_no_op_handler", Target::Nothing).await?,
+            bench.drain_in_process(&bench.outbox, "sqlite_drain_1_instance", Target::JetStream).await?,
+            bench.steady("sqlite_steady_commit_to_ack_p50").await?,
+        ];
+        bench.db.close().await;
+        Ok(rows)
+    }
+
+    /// A table of the bench outbox on `db`: `outbox_bench.records` or `outbox_bench_records`.
+    fn table(&self, name: &str) -> String {
+        match self.db {
+            Db::Postgres(_) => format!("{SCHEMA}.{name}"),
+            Db::Sqlite(_) => format!("{SCHEMA}_{name}"),
+        }
+    }
+
+    /// Empties the outbox tables on `db` and the bench stream.
     async fn reset(&self) -> Result<async_nats::Client, Failure> {
-        let reset = format!(
-            "TRUNCATE {SCHEMA}.records, {SCHEMA}.completed, {SCHEMA}.keys, {SCHEMA}.instances; UPDATE {SCHEMA}.partitions SET owner = NULL, target_owner = NULL"
-        );
-        sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(&self.pool).await?;
+        let tables = ["records", "completed", "keys", "instances"].map(|t| self.table(t));
+        let unowned = format!("UPDATE {} SET owner = NULL, target_owner = NULL", self.table("partitions"));
+        match &self.db {
+            Db::Postgres(pool) => {
+                let reset = format!("TRUNCATE {}; {unowned}", tables.join(", "));
+                sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(pool).await?;
+            }
+            Db::Sqlite(pool) => {
+                let reset = tables.map(|t| format!("DELETE FROM {t};")).join(" ");
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("{reset} {unowned}"))).execute(pool).await?;
+            }
+        }
         let client = outbox_nats::connect(&self.nats).await?;
         outbox_nats::ensure_stream(&client, &self.nats.stream).await?;
         let js = async_nats::jetstream::new(client.clone());
@@ -217,19 +283,23 @@ impl Bench {
         // On a pool of its own, closed at the end: a backend's table statistics reach
         // pg_stat_user_tables for sure only when it exits, and `rows_written` must not see the
         // preload's arrive late.
-        let pool = self.separate_pool().await?;
+        let db = self.separate_db().await?;
         for chunk in records.chunks(1000) {
-            let mut tx = pool.begin().await?;
+            let mut tx = db.begin().await?;
             self.outbox.schedule_batch(&mut tx, chunk).await?;
             tx.commit().await?;
         }
-        pool.close().await;
+        db.close().await;
         Ok(records.len())
     }
 
     async fn pending(&self) -> Result<i64, Failure> {
-        let sql = format!("SELECT count(*) FROM {SCHEMA}.records WHERE failed_at IS NULL");
-        Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(&self.pool).await?)
+        let sql =
+            sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {} WHERE failed_at IS NULL", self.table("records")));
+        Ok(match &self.db {
+            Db::Postgres(pool) => sqlx::query_scalar(sql).fetch_one(pool).await?,
+            Db::Sqlite(pool) => sqlx::query_scalar(sql).fetch_one(pool).await?,
+        })
     }
 
     /// Waits until the bench stream holds `expected` messages. Cheap to poll (a NATS request), unlike
@@ -269,7 +339,7 @@ impl Bench {
     }
 
     async fn node(&self, handlers: Handlers) -> Result<Node, Failure> {
-        Ok(Node::start(self.outbox.clone(), self.pool.clone(), handlers, Self::cluster("bench")).await?)
+        Ok(Node::start(self.outbox.clone(), &self.db, handlers, Self::cluster("bench")).await?)
     }
 
     async fn jetstream(&self) -> Result<JetStreamHandler, Failure> {
@@ -281,6 +351,17 @@ impl Bench {
     async fn separate_pool(&self) -> Result<PgPool, Failure> {
         let options = self.pool.connect_options().as_ref().clone();
         Ok(sqlx::postgres::PgPoolOptions::new().max_connections(8).connect_with(options).await?)
+    }
+
+    /// A small pool on `db` of its own, with `db`'s connection options.
+    async fn separate_db(&self) -> Result<Db, Failure> {
+        Ok(match &self.db {
+            Db::Postgres(_) => Db::Postgres(self.separate_pool().await?),
+            Db::Sqlite(pool) => {
+                let options = pool.connect_options().as_ref().clone();
+                Db::Sqlite(sqlx::sqlite::SqlitePoolOptions::new().max_connections(8).connect_with(options).await?)
+            }
+        })
     }
 
     /// Rows inserted, updated and deleted in the bench schema so far, as counted by the statistics
@@ -385,27 +466,34 @@ impl Bench {
     }
 
     /// The outbox, one in-process instance, draining a preloaded backlog (`outbox` decides the
-    /// completion mode).
-    async fn drain_in_process(&self, outbox: &Outbox, scenario: &'static str) -> Result<Row, Failure> {
+    /// completion mode). On PostgreSQL also the rows it wrote per record.
+    async fn drain_in_process(&self, outbox: &Outbox, scenario: &'static str, target: Target) -> Result<Row, Failure> {
         self.reset().await?;
         let n = self.preload().await?;
-        let before = self.rows_written().await?;
-        let handlers = Handlers::new().default_route(Route::new(self.jetstream().await?));
-        let pool = self.separate_pool().await?;
+        let on_postgres = matches!(self.db, Db::Postgres(_));
+        let before = if on_postgres { self.rows_written().await? } else { 0 };
+        let route = match target {
+            Target::JetStream => Route::new(self.jetstream().await?),
+            Target::Nothing => Route::new(handler_fn(|_| async { Ok(()) })),
+        };
+        let handlers = Handlers::new().default_route(route);
+        let db = self.separate_db().await?;
         let started = Instant::now();
-        let node = Node::start(outbox.clone(), pool.clone(), handlers, Self::cluster("bench")).await?;
-        self.wait_delivered(n).await?;
+        let node = Node::start(outbox.clone(), &db, handlers, Self::cluster("bench")).await?;
+        match target {
+            Target::JetStream => self.wait_delivered(n).await?,
+            Target::Nothing => self.wait_drained().await?,
+        }
         let elapsed = started.elapsed();
         node.shutdown().await?;
-        pool.close().await;
-        let written = self.rows_written().await? - before;
+        db.close().await;
         let rate = n as f64 / elapsed.as_secs_f64();
-        Ok(Row {
-            scenario,
-            value: rate,
-            unit: "records/s",
-            extra: json!({"records": n, "secs": elapsed.as_secs_f64(), "pg_rows_written_per_record": written as f64 / n as f64}),
-        })
+        let mut extra = json!({"records": n, "secs": elapsed.as_secs_f64()});
+        if on_postgres {
+            let written = self.rows_written().await? - before;
+            extra["pg_rows_written_per_record"] = json!(written as f64 / n as f64);
+        }
+        Ok(Row { scenario, value: rate, unit: "records/s", extra })
     }
 
     /// The outbox as `count` separate `outbox-demo worker` processes; also their peak RSS.
@@ -532,7 +620,7 @@ impl Bench {
     }
 
     /// Offered load from producer transactions (one record each); latency from commit to JetStream ack.
-    async fn steady(&self) -> Result<Row, Failure> {
+    async fn steady(&self, scenario: &'static str) -> Result<Row, Failure> {
         self.reset().await?;
         let committed: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
         // Per record: when the handler was called, and when JetStream acked.
@@ -556,14 +644,14 @@ impl Bench {
         let (rate, secs) = (self.sizes.steady_rate, self.sizes.steady_secs);
         let producers = 8;
         let tasks = (0..producers).map(|p| {
-            let (outbox, pool, committed) = (self.outbox.clone(), self.pool.clone(), committed.clone());
+            let (outbox, db, committed) = (self.outbox.clone(), self.db.clone(), committed.clone());
             tokio::spawn(async move {
                 let mut ticker = tokio::time::interval(Duration::from_secs_f64(producers as f64 / rate as f64));
                 let end = Instant::now() + Duration::from_secs(secs);
                 while Instant::now() < end {
                     ticker.tick().await;
                     let key = format!("steady-{}", rand::rng().random_range(0..1000));
-                    let mut tx = pool.begin().await?;
+                    let mut tx = db.begin().await?;
                     let scheduled = outbox.schedule(&mut tx, NewRecord::new(key, "bench", payload())).await?;
                     tx.commit().await?;
                     if let Ok(mut committed) = committed.lock() {
@@ -600,7 +688,7 @@ impl Bench {
         };
         let pct = |p: f64| percentile(&latencies, p);
         Ok(Row {
-            scenario: "steady_commit_to_ack_p50",
+            scenario,
             value: pct(0.50),
             unit: "ms",
             extra: json!({"offered_per_s": rate, "secs": secs, "records": latencies.len(), "p95_ms": pct(0.95), "p99_ms": pct(0.99), "max_ms": latencies.last().copied().unwrap_or(0.0),

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use clap::Args;
-use outbox_core::{Db, NewRecord, Outbox};
+use outbox_core::{Db, NewRecord, Outbox, Tx};
 use rand::RngExt;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -175,11 +175,9 @@ async fn place(outbox: &Outbox, db: &Db, order: &str, seq: u32, rollback: bool) 
             if rollback { tx.rollback().await? } else { tx.commit().await? }
         }};
     }
-    match db {
-        Db::Postgres(pool) => transaction!(pool.begin().await?),
-        // The write lock from the start: a transaction that upgrades from reading to writing can fail
-        // with "busy" when another writer commits in between.
-        Db::Sqlite(pool) => transaction!(pool.begin_with("BEGIN IMMEDIATE").await?),
+    match db.begin().await? {
+        Tx::Postgres(tx) => transaction!(tx),
+        Tx::Sqlite(tx) => transaction!(tx),
     }
     Ok(())
 }

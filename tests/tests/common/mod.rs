@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Config, Conn, Db, Handlers, NewRecord, Outbox, Record};
+use outbox_core::{Config, Db, Handlers, NewRecord, Outbox, Record, Tx};
 use sqlx::PgPool;
 use tokio::time::Instant;
 
@@ -133,12 +133,9 @@ impl TestDb {
         if self.is_sqlite() { format!("{schema}_{table}") } else { format!("{schema}.{table}") }
     }
 
-    /// A transaction of either backend, for `schedule`.
+    /// A transaction of either backend, for `schedule` (on SQLite `BEGIN IMMEDIATE`).
     pub async fn begin(&self) -> Tx {
-        match &self.db {
-            Db::Postgres(pool) => Tx::Postgres(pool.begin().await.unwrap()),
-            Db::Sqlite(pool) => Tx::Sqlite(pool.begin().await.unwrap()),
-        }
+        self.db.begin().await.unwrap()
     }
 }
 
@@ -151,37 +148,6 @@ impl From<&TestDb> for Db {
 impl From<TestDb> for Db {
     fn from(db: TestDb) -> Db {
         db.db
-    }
-}
-
-/// A transaction on the test's database.
-pub enum Tx {
-    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
-    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
-}
-
-impl Tx {
-    pub async fn commit(self) {
-        match self {
-            Tx::Postgres(tx) => tx.commit().await.unwrap(),
-            Tx::Sqlite(tx) => tx.commit().await.unwrap(),
-        }
-    }
-
-    pub async fn rollback(self) {
-        match self {
-            Tx::Postgres(tx) => tx.rollback().await.unwrap(),
-            Tx::Sqlite(tx) => tx.rollback().await.unwrap(),
-        }
-    }
-}
-
-impl<'c> From<&'c mut Tx> for Conn<'c> {
-    fn from(tx: &'c mut Tx) -> Conn<'c> {
-        match tx {
-            Tx::Postgres(tx) => Conn::from(tx),
-            Tx::Sqlite(tx) => Conn::from(tx),
-        }
     }
 }
 
@@ -284,7 +250,7 @@ pub async fn pending(db: &TestDb) -> i64 {
 pub async fn commit(outbox: &Outbox, db: &TestDb, records: Vec<NewRecord>) {
     let mut tx = db.begin().await;
     outbox.schedule_batch(&mut tx, &records).await.unwrap();
-    tx.commit().await;
+    tx.commit().await.unwrap();
 }
 
 pub async fn failed_count(db: &TestDb) -> i64 {
