@@ -1,7 +1,8 @@
 //! The SQLite backend of `outbox-cluster`: every statement and how it runs (PostgreSQL's are in
 //! `sql.rs`). Each function returns what its PostgreSQL twin's statement returns.
 //!
-//! Compare-and-set steps (acquire, release, targets) run in `BEGIN IMMEDIATE` transactions: SQLite's
+//! Every write runs in a [`sqlite_write`] (`BEGIN IMMEDIATE`, in this process's turn, so heartbeats
+//! never starve behind a busy worker). For the compare-and-set steps (acquire, release, targets) SQLite's
 //! single writer makes the check and the epoch bump one atomic step, as `FOR UPDATE` does on PostgreSQL.
 //! Liveness compares against SQLite's clock (the host's; all instances of a database file share it).
 
@@ -9,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::Outbox;
+use outbox_core::db::sqlite_write;
 use sqlx::{AssertSqlSafe, SqlitePool};
 use uuid::Uuid;
 
@@ -97,33 +99,35 @@ fn stmt(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(Arc::clone(text))
 }
 
-/// A write transaction holding the write lock from its start.
-async fn begin_write(pool: &SqlitePool) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
-    Ok(pool.begin_with("BEGIN IMMEDIATE").await?)
-}
-
 pub(crate) async fn register(pool: &SqlitePool, sql: &Sql, id: Uuid, name: &str, lease: Duration) -> Result<()> {
-    sqlx::query(stmt(&sql.register)).bind(id).bind(name).bind(millis(lease)).execute(pool).await?;
-    Ok(())
+    let mut tx = sqlite_write(pool).await?;
+    sqlx::query(stmt(&sql.register)).bind(id).bind(name).bind(millis(lease)).execute(&mut *tx).await?;
+    Ok(tx.commit().await?)
 }
 
 pub(crate) async fn heartbeat(pool: &SqlitePool, sql: &Sql, id: Uuid, lease: Duration) -> Result<bool> {
-    let row = sqlx::query(stmt(&sql.heartbeat)).bind(id).bind(millis(lease)).fetch_optional(pool).await?;
+    let mut tx = sqlite_write(pool).await?;
+    let row = sqlx::query(stmt(&sql.heartbeat)).bind(id).bind(millis(lease)).fetch_optional(&mut *tx).await?;
+    tx.commit().await?;
     Ok(row.is_some())
 }
 
 pub(crate) async fn deregister(pool: &SqlitePool, sql: &Sql, id: Uuid) -> Result<()> {
-    sqlx::query(stmt(&sql.deregister)).bind(id).execute(pool).await?;
-    Ok(())
+    let mut tx = sqlite_write(pool).await?;
+    sqlx::query(stmt(&sql.deregister)).bind(id).execute(&mut *tx).await?;
+    Ok(tx.commit().await?)
 }
 
 pub(crate) async fn reap(pool: &SqlitePool, sql: &Sql, grace: Duration) -> Result<u64> {
-    Ok(sqlx::query(stmt(&sql.reap)).bind(millis(grace)).execute(pool).await?.rows_affected())
+    let mut tx = sqlite_write(pool).await?;
+    let reaped = sqlx::query(stmt(&sql.reap)).bind(millis(grace)).execute(&mut *tx).await?.rows_affected();
+    tx.commit().await?;
+    Ok(reaped)
 }
 
 /// (partition, new epoch, previous owner) of each partition acquired.
 pub(crate) async fn acquire(pool: &SqlitePool, sql: &Sql, me: Uuid) -> Result<Vec<(i16, i64, Option<Uuid>)>> {
-    let mut tx = begin_write(pool).await?;
+    let mut tx = sqlite_write(pool).await?;
     let candidates: Vec<(i16, Option<Uuid>)> =
         sqlx::query_as(stmt(&sql.acquirable)).bind(me).fetch_all(&mut *tx).await?;
     let mut acquired = Vec::with_capacity(candidates.len());
@@ -145,7 +149,7 @@ pub(crate) async fn partitions(pool: &SqlitePool, sql: &Sql) -> Result<Vec<(i16,
 
 /// Writes the targets that changed; returns their partitions.
 pub(crate) async fn set_targets(pool: &SqlitePool, sql: &Sql, targets: &[(i16, Uuid)]) -> Result<Vec<(i16,)>> {
-    let mut tx = begin_write(pool).await?;
+    let mut tx = sqlite_write(pool).await?;
     let mut changed = Vec::new();
     for &(partition, owner) in targets {
         let row: Option<(i16,)> =
@@ -157,8 +161,9 @@ pub(crate) async fn set_targets(pool: &SqlitePool, sql: &Sql, targets: &[(i16, U
 }
 
 pub(crate) async fn drain(pool: &SqlitePool, sql: &Sql, me: Uuid) -> Result<()> {
-    sqlx::query(stmt(&sql.drain)).bind(me).execute(pool).await?;
-    Ok(())
+    let mut tx = sqlite_write(pool).await?;
+    sqlx::query(stmt(&sql.drain)).bind(me).execute(&mut *tx).await?;
+    Ok(tx.commit().await?)
 }
 
 pub(crate) async fn owned(pool: &SqlitePool, sql: &Sql, me: Uuid) -> Result<Vec<(i16, i64)>> {
@@ -167,7 +172,7 @@ pub(crate) async fn owned(pool: &SqlitePool, sql: &Sql, me: Uuid) -> Result<Vec<
 
 /// Releases partitions held at the given epochs; returns those that were still this instance's.
 pub(crate) async fn release(pool: &SqlitePool, sql: &Sql, me: Uuid, held: &[(i16, i64)]) -> Result<Vec<(i16,)>> {
-    let mut tx = begin_write(pool).await?;
+    let mut tx = sqlite_write(pool).await?;
     let mut released = Vec::new();
     for &(partition, epoch) in held {
         let row: Option<(i16,)> =

@@ -13,6 +13,7 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, SqliteConnection, SqlitePool};
 use uuid::Uuid;
 
+use crate::db::sqlite_write;
 use crate::error::{Error, Result};
 use crate::migrate::checksum;
 use crate::operator::{FailedFilter, FailedRecord, PartitionStats, StatsRow, stats_from_rows};
@@ -176,18 +177,10 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Starts a write transaction that holds the write lock from its start (`BEGIN IMMEDIATE`), on a task
-/// of its own so a dropped caller cannot leave the pooled connection inside it.
-async fn begin_write(pool: &SqlitePool) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
-    let pool = pool.clone();
-    let begun = tokio::spawn(async move { pool.begin_with("BEGIN IMMEDIATE").await });
-    Ok(begun.await.unwrap_or(Err(sqlx::Error::WorkerCrashed))?)
-}
-
 /// Applies the missing migrations in one write transaction (the write lock serialises migrators).
 pub(crate) async fn migrate(pool: &SqlitePool, sql: &Sql) -> Result<()> {
     let schema = sql.schema.as_str();
-    let mut tx = begin_write(pool).await?;
+    let mut tx = sqlite_write(pool).await?;
     sqlx::raw_sql(AssertSqlSafe(render(MIGRATIONS_TABLE, schema).to_string())).execute(&mut *tx).await?;
     let applied: Vec<(i64, i64)> =
         sqlx::query_as(AssertSqlSafe(format!("SELECT version, checksum FROM {schema}_schema_migrations")))
@@ -264,7 +257,7 @@ pub(crate) async fn write_outcomes(
     owner: Uuid,
     outcomes: &[Outcome],
 ) -> Result<BTreeSet<Uuid>> {
-    let mut tx = begin_write(pool).await?;
+    let mut tx = sqlite_write(pool).await?;
     let pairs: BTreeSet<(u8, i64)> = outcomes.iter().map(|o| (o.partition, o.epoch)).collect();
     let mut owned = BTreeSet::new();
     for (partition, epoch) in pairs {
@@ -327,12 +320,15 @@ pub(crate) async fn failed(pool: &SqlitePool, sql: &Sql, filter: &FailedFilter) 
 }
 
 pub(crate) async fn requeue(pool: &SqlitePool, sql: &Sql, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
-    Ok(sqlx::query(stmt(&sql.requeue)).bind(id).bind(key).execute(pool).await?.rows_affected())
+    let mut tx = sqlite_write(pool).await?;
+    let requeued = sqlx::query(stmt(&sql.requeue)).bind(id).bind(key).execute(&mut *tx).await?.rows_affected();
+    tx.commit().await?;
+    Ok(requeued)
 }
 
 /// Skips a FAILED record (kept in `completed` as `skipped`); `false` if no such FAILED record.
 pub(crate) async fn skip(pool: &SqlitePool, sql: &Sql, id: Uuid) -> Result<bool> {
-    let mut tx = begin_write(pool).await?;
+    let mut tx = sqlite_write(pool).await?;
     sqlx::query(stmt(&sql.skip_keep)).bind(id).execute(&mut *tx).await?;
     let deleted = sqlx::query(stmt(&sql.skip_delete)).bind(id).fetch_optional(&mut *tx).await?;
     tx.commit().await?;
@@ -346,7 +342,10 @@ pub(crate) async fn stats(pool: &SqlitePool, sql: &Sql) -> Result<Vec<PartitionS
 
 /// Deletes at most `limit` completed records older than `retention`; returns how many.
 pub(crate) async fn purge(pool: &SqlitePool, sql: &Sql, retention: Duration, limit: i64) -> Result<u64> {
-    Ok(sqlx::query(stmt(&sql.purge)).bind(millis(retention)).bind(limit).execute(pool).await?.rows_affected())
+    let mut tx = sqlite_write(pool).await?;
+    let purged = sqlx::query(stmt(&sql.purge)).bind(millis(retention)).bind(limit).execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(purged.rows_affected())
 }
 
 #[cfg(test)]
