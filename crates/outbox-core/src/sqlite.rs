@@ -53,24 +53,29 @@ const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next
 /// followers are a range.
 ///
 /// The heads come from a loose index scan written as a recursive walk, one row per key: partition `i`
-/// of `$1` (in order), its keys one index seek apart (`min(key) > previous key`), a row with no key
-/// moving on to the next partition. `found` counts the keys served so far (`{serve}`: not skipped, head
-/// due) and the walk stops at `$3`. A key costs a few index seeks however many records it has: on a
-/// 50,000-record backlog (1,000 keys × 50) a fetch of 500 heads took 85 ms walking every record
-/// against 7 ms this way, and with a blocked key holding 100,000 records 145 ms against 5 ms. (A backlog
-/// of one record per key costs 8 ms instead of 3: the walk's per-row overhead.)
-const FETCH: &str = "WITH RECURSIVE walk(i, partition, key, found) AS (
+/// of `served` (those of `$1` that hold records, in order), its keys one index seek apart (`min(key) >
+/// previous key`), a row with no key moving on to the next partition. `found` counts the keys served so
+/// far (`{serve}`: not skipped, head due) and the walk stops at `$3`. A key costs a few index seeks
+/// however many records it has. Measured with `sqlite3` 3.40 against the walk over every record this
+/// replaced, 500 heads with up to 32 followers each: 1,000 keys × 50 records 53 ms against 115 ms; a
+/// blocked key holding 100,000 records 3 ms against 113 ms; but 50,000 keys of one record 4.3 ms against
+/// 2.3 ms, and 5 records in all 0.37 ms against 0.06 ms (the recursion's fixed cost).
+const FETCH: &str = "WITH RECURSIVE served(list, n) AS MATERIALIZED (
+    SELECT json_group_array(p.value), count(*) FROM json_each($1) p
+    WHERE EXISTS (SELECT 1 FROM {s}_records e WHERE e.partition = p.value)
+),
+walk(i, partition, key, found) AS (
     SELECT -1, NULL, NULL, 0
     UNION ALL
     SELECT CASE WHEN w.key IS NULL THEN w.i + 1 ELSE w.i END,
-           CASE WHEN w.key IS NULL THEN $1 ->> (w.i + 1) ELSE w.partition END,
+           CASE WHEN w.key IS NULL THEN (SELECT list FROM served) ->> (w.i + 1) ELSE w.partition END,
            CASE WHEN w.key IS NULL
-                THEN (SELECT min(k.key) FROM {s}_records k WHERE k.partition = $1 ->> (w.i + 1))
+                THEN (SELECT min(k.key) FROM {s}_records k WHERE k.partition = (SELECT list FROM served) ->> (w.i + 1))
                 ELSE (SELECT min(k.key) FROM {s}_records k WHERE k.partition = w.partition AND k.key > w.key)
            END,
            w.found + (w.key IS NOT NULL AND {serve})
     FROM walk w
-    WHERE w.i < json_array_length($1) AND w.found < $3
+    WHERE w.i < (SELECT n FROM served) AND w.found < $3
 ),
 heads AS (
     SELECT w.partition, w.key,
