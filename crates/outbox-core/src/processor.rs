@@ -497,6 +497,12 @@ pub(crate) struct FetchedRow {
 }
 
 impl FetchedRow {
+    /// (partition, key, seq, due), for tests that check which rows a fetch returns.
+    #[cfg(test)]
+    pub(crate) fn position(&self) -> (i16, String, i64, bool) {
+        (self.partition, self.key.clone(), self.seq, self.due)
+    }
+
     fn into_record(self) -> Result<(Record, bool)> {
         let record = Record {
             id: self.id,
