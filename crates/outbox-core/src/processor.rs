@@ -406,9 +406,12 @@ async fn fetch_runs(
 ) -> Result<Vec<Vec<Record>>> {
     let rows = match db {
         Db::Postgres(pool) => fetch_postgres(outbox, pool, partitions, exclude, limit, followers).await?,
-        Db::Sqlite(pool) => crate::sqlite::fetch(pool, outbox.sqlite(), partitions, exclude, limit, followers)
-            .await
-            .map_err(|e| outbox.not_migrated(e))?,
+        Db::Sqlite(pool) => {
+            let budget = outbox.config().key_lookahead_bytes;
+            crate::sqlite::fetch(pool, outbox.sqlite(), partitions, exclude, (limit, followers, budget))
+                .await
+                .map_err(|e| outbox.not_migrated(e))?
+        }
     };
     let rows = rows.into_iter().map(FetchedRow::into_record).collect::<Result<Vec<_>>>()?;
     let fetched = rows.len();
@@ -501,6 +504,18 @@ impl FetchedRow {
     #[cfg(test)]
     pub(crate) fn position(&self) -> (i16, String, i64, bool) {
         (self.partition, self.key.clone(), self.seq, self.due)
+    }
+
+    pub(crate) fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub(crate) fn seq(&self) -> i64 {
+        self.seq
+    }
+
+    pub(crate) fn payload_len(&self) -> usize {
+        self.payload.len()
     }
 
     fn into_record(self) -> Result<(Record, bool)> {

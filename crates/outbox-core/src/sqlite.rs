@@ -6,10 +6,11 @@
 //! no epoch can move before it commits. Statements run in process, so there are no round trips to
 //! batch: writes go one prepared statement per record inside one transaction.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::TryStreamExt;
 use sqlx::{AssertSqlSafe, SqliteConnection, SqlitePool};
 use uuid::Uuid;
 
@@ -257,21 +258,55 @@ pub(crate) async fn schedule(conn: &mut SqliteConnection, sql: &Sql, rows: Vec<N
 }
 
 /// Head records with their followers and due flags (see [`FETCH`]); one statement, one snapshot.
+/// `bounds` = (heads at most, followers per head at most, bytes per key).
+///
+/// The byte budget holds while the rows stream in, as PostgreSQL's statement applies it: a key keeps
+/// its head and then its lowest sequences while their payloads fit `key_lookahead_bytes`, so a fetch
+/// never holds more than the budget per key plus one payload (not `followers` payloads of up to
+/// `max_payload_bytes` each).
 pub(crate) async fn fetch(
     pool: &SqlitePool,
     sql: &Sql,
     partitions: &[i16],
     exclude: &[String],
-    limit: usize,
-    followers: usize,
+    (limit, followers, budget): (usize, usize, usize),
 ) -> Result<Vec<FetchedRow>> {
-    Ok(sqlx::query_as(stmt(&sql.fetch))
+    let mut rows = sqlx::query_as::<_, FetchedRow>(stmt(&sql.fetch))
         .bind(json(partitions)?)
         .bind(json(exclude)?)
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
         .bind(i64::try_from(followers).unwrap_or(i64::MAX))
-        .fetch_all(pool)
-        .await?)
+        .fetch(pool);
+    // Per key: its rows in sequence order, their payload bytes, and the lowest sequence dropped for the
+    // budget. Rows may arrive in any order; dropping the highest until the run fits, and every later
+    // arrival at or above a dropped sequence, leaves a gapless run from the head (which always stays)
+    // that holds every record the budget admits. A run with a gap would deliver past a record.
+    let mut runs: HashMap<String, Run> = HashMap::new();
+    while let Some(row) = rows.try_next().await? {
+        let run = runs.entry(row.key().to_string()).or_default();
+        if run.cut.is_some_and(|cut| row.seq() >= cut) {
+            continue;
+        }
+        run.bytes += row.payload_len();
+        let at = run.rows.partition_point(|r| r.seq() < row.seq());
+        run.rows.insert(at, row);
+        while run.bytes > budget && run.rows.len() > 1 {
+            if let Some(last) = run.rows.pop() {
+                run.bytes -= last.payload_len();
+                run.cut = Some(run.cut.map_or(last.seq(), |cut| cut.min(last.seq())));
+            }
+        }
+    }
+    Ok(runs.into_values().flat_map(|run| run.rows).collect())
+}
+
+/// One key's rows while a fetch streams in.
+#[derive(Default)]
+struct Run {
+    rows: Vec<FetchedRow>,
+    bytes: usize,
+    /// The lowest sequence dropped for the budget: nothing from it on is kept.
+    cut: Option<i64>,
 }
 
 fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
@@ -473,19 +508,39 @@ mod tests {
         out
     }
 
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(96))]
+    /// A record's payload size in the fetch test: varied, and known to the model.
+    fn size(key: &str, seq: i64) -> usize {
+        ((seq * 7 + key.len() as i64 * 3) % 23) as usize
+    }
 
-        /// The SQLite fetch returns exactly what the model says, in both modes, for random backlogs:
-        /// keys with FAILED and backing-off records anywhere, skipped keys, partitions served in a
-        /// random order (some not at all), limits that cut the walk off.
+    /// Rows grouped by key, each key's in sequence order.
+    fn by_key(
+        rows: Vec<(i16, String, i64, bool)>,
+    ) -> std::collections::BTreeMap<String, Vec<(i16, String, i64, bool)>> {
+        let mut keys = std::collections::BTreeMap::<String, Vec<_>>::new();
+        for row in rows {
+            keys.entry(row.1.clone()).or_default().push(row);
+        }
+        for run in keys.values_mut() {
+            run.sort();
+        }
+        keys
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// The SQLite fetch returns what the model says, in both modes, for random backlogs: keys with
+        /// FAILED and backing-off records anywhere, skipped keys, partitions served in a random order
+        /// (some not at all), limits that cut the walk off, byte budgets that cut runs short.
         #[test]
         fn fetch_returns_what_the_model_says(
-            keys in proptest::collection::vec((0i16..4, 0u8..6, 1i64..4, proptest::collection::vec(state(), 1..6)), 0..14),
+            keys in proptest::collection::vec((0i16..4, 0u8..6, 1i64..4, proptest::collection::vec(state(), 1..8)), 0..14),
             order in proptest::sample::subsequence(vec![0i16, 1, 2, 3], 0..=4).prop_shuffle(),
             exclude in proptest::collection::vec(0u8..6, 0..3),
             limit in 1usize..6,
-            followers in 0i64..3,
+            followers in 0i64..5,
+            budget in prop_oneof![Just(usize::MAX), 0usize..60],
         ) {
             // One key per (partition, name); names sort differently from numbers ("p1-k10" < "p1-k2").
             let mut seen = std::collections::BTreeSet::new();
@@ -512,12 +567,13 @@ mod tests {
                         };
                         sqlx::query(
                             "INSERT INTO outbox_records (id, partition, key, seq, event_type, payload, next_attempt_at, failed_at)
-                             VALUES ($1, $2, $3, $4, 't', x'', $5, $6)",
+                             VALUES ($1, $2, $3, $4, 't', $5, $6, $7)",
                         )
                         .bind(uuid::Uuid::now_v7())
                         .bind(partition)
                         .bind(key)
                         .bind(first + i as i64)
+                        .bind(vec![b'x'; size(key, first + i as i64)])
                         .bind(next_attempt_at)
                         .bind(failed_at)
                         .execute(&pool)
@@ -527,11 +583,28 @@ mod tests {
                 }
                 for stop_on_first_failure in [true, false] {
                     let sql = super::Sql::new("outbox", stop_on_first_failure, true);
-                    let rows = super::fetch(&pool, &sql, &order, &exclude, limit, followers as usize).await.unwrap();
-                    let mut got: Vec<_> = rows.iter().map(|r| r.position()).collect();
-                    got.sort();
-                    let want = model(&keys, &order, &exclude, limit, followers, stop_on_first_failure);
-                    prop_assert_eq!(got, want, "stop_on_first_failure = {}", stop_on_first_failure);
+                    let bounds = (limit, followers as usize, budget);
+                    let rows = super::fetch(&pool, &sql, &order, &exclude, bounds).await.unwrap();
+                    let got = by_key(rows.iter().map(|r| r.position()).collect());
+                    let want = by_key(model(&keys, &order, &exclude, limit, followers, stop_on_first_failure));
+                    prop_assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+                    // Each key: a gapless run from its head, holding every record the byte budget
+                    // admits (the head always), and within the budget unless it is the head alone.
+                    for (key, all) in &want {
+                        let kept = &got[key];
+                        prop_assert!(kept.len() <= all.len() && kept[..] == all[..kept.len()], "{} {:?}", key, kept);
+                        let mut sum = 0;
+                        let admitted = all
+                            .iter()
+                            .take_while(|r| {
+                                sum += size(key, r.2);
+                                r.2 == all[0].2 || sum <= budget
+                            })
+                            .count();
+                        prop_assert!(kept.len() >= admitted, "{}: {} kept, {} admitted", key, kept.len(), admitted);
+                        let bytes: usize = kept.iter().map(|r| size(key, r.2)).sum();
+                        prop_assert!(kept.len() == 1 || bytes <= budget, "{}: {} bytes kept", key, bytes);
+                    }
                 }
                 Ok(())
             })?;
