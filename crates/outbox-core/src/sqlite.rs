@@ -238,7 +238,29 @@ pub(crate) async fn migrate(pool: &SqlitePool, sql: &Sql) -> Result<()> {
 pub(crate) type NewRow<'a> = (Uuid, i16, &'a str, &'a str, &'a [u8], String);
 
 /// Inserts records on the caller's connection; returns each one's sequence, in input order.
+///
+/// All or nothing, as PostgreSQL's single statement: the statements run inside a savepoint, undone if
+/// one fails, so a caller who commits after an error commits none of the batch. Outside a transaction
+/// (a bare pooled connection) the savepoint is the transaction, so another writer cannot take a
+/// sequence number between this one's and its insert.
 pub(crate) async fn schedule(conn: &mut SqliteConnection, sql: &Sql, rows: Vec<NewRow<'_>>) -> sqlx::Result<Vec<i64>> {
+    sqlx::query("SAVEPOINT outbox_schedule").execute(&mut *conn).await?;
+    match insert(conn, sql, rows).await {
+        Ok(seqs) => {
+            sqlx::query("RELEASE outbox_schedule").execute(&mut *conn).await?;
+            Ok(seqs)
+        }
+        Err(e) => {
+            let undo = sqlx::raw_sql("ROLLBACK TO outbox_schedule; RELEASE outbox_schedule").execute(&mut *conn).await;
+            if let Err(undo) = undo {
+                tracing::warn!(error = %undo, "could not undo a failed schedule; roll the transaction back");
+            }
+            Err(e)
+        }
+    }
+}
+
+async fn insert(conn: &mut SqliteConnection, sql: &Sql, rows: Vec<NewRow<'_>>) -> sqlx::Result<Vec<i64>> {
     let mut seqs = Vec::with_capacity(rows.len());
     for (id, partition, key, event_type, payload, headers) in rows {
         let seq: i64 = sqlx::query_scalar(stmt(&sql.next_seq)).bind(key).fetch_one(&mut *conn).await?;
@@ -458,6 +480,44 @@ mod tests {
             // (A Bloom filter over the skipped keys' list is fine; one built on a table scans it.)
             assert!(!plan.contains("BLOOM FILTER ON") && !plan.contains("TEMP B-TREE"), "{plan}");
         }
+    }
+
+    /// A batch that fails part way writes nothing, even when the caller commits after the error; and
+    /// the key's counter is not advanced.
+    #[tokio::test]
+    async fn a_failed_batch_leaves_nothing_behind() {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
+            .await
+            .unwrap();
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(Db::from(&pool)).await.unwrap();
+        sqlx::query(
+            "CREATE TRIGGER refuse BEFORE INSERT ON outbox_records WHEN NEW.key = 'refused'
+             BEGIN SELECT RAISE(ABORT, 'refused by the test'); END",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let batch = [crate::NewRecord::new("k", "t", "1"), crate::NewRecord::new("refused", "t", "2")];
+        let mut tx = pool.begin().await.unwrap();
+        assert!(outbox.schedule_batch(&mut tx, &batch).await.is_err());
+        tx.commit().await.unwrap();
+        let counts: (i64, i64) =
+            sqlx::query_as("SELECT (SELECT count(*) FROM outbox_records), (SELECT count(*) FROM outbox_keys)")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(counts, (0, 0));
+        // Without a transaction too, and the connection is left outside one.
+        let mut conn = pool.acquire().await.unwrap();
+        assert!(outbox.schedule_batch(&mut *conn, &batch).await.is_err());
+        let scheduled = outbox.schedule(&mut *conn, crate::NewRecord::new("k", "t", "3")).await.unwrap();
+        assert_eq!(scheduled.seq, 1);
+        drop(conn);
+        let records: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_records").fetch_one(&pool).await.unwrap();
+        assert_eq!(records, 1);
     }
 
     /// A record's state in the fetch model.
