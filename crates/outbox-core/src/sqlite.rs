@@ -440,10 +440,8 @@ mod tests {
 
     use crate::{Config, Db, Outbox};
 
-    /// The fetch walks the served partitions through the (partition, key, seq) index and stops at its
-    /// limit: no table scan, no sort or grouping that would read every record first, in both modes.
-    #[tokio::test]
-    async fn fetch_walks_the_index_and_never_sorts_or_groups() {
+    /// A migrated outbox on a private in-memory database (one connection: each has its own).
+    async fn migrated() -> (sqlx::SqlitePool, Outbox) {
         let pool = sqlx::sqlite::SqlitePoolOptions::new()
             .max_connections(1)
             .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
@@ -451,6 +449,14 @@ mod tests {
             .unwrap();
         let outbox = Outbox::new(Config::default()).unwrap();
         outbox.migrate(Db::from(&pool)).await.unwrap();
+        (pool, outbox)
+    }
+
+    /// The fetch walks the served partitions through the (partition, key, seq) index and stops at its
+    /// limit: no table scan, no sort or grouping that would read every record first, in both modes.
+    #[tokio::test]
+    async fn fetch_walks_the_index_and_never_sorts_or_groups() {
+        let (pool, _) = migrated().await;
         for stop_on_first_failure in [true, false] {
             let sql = super::Sql::new("outbox", stop_on_first_failure, true);
             let explain = format!("EXPLAIN QUERY PLAN {}", sql.fetch);
@@ -486,13 +492,7 @@ mod tests {
     /// the key's counter is not advanced.
     #[tokio::test]
     async fn a_failed_batch_leaves_nothing_behind() {
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
-            .await
-            .unwrap();
-        let outbox = Outbox::new(Config::default()).unwrap();
-        outbox.migrate(Db::from(&pool)).await.unwrap();
+        let (pool, outbox) = migrated().await;
         sqlx::query(
             "CREATE TRIGGER refuse BEFORE INSERT ON outbox_records WHEN NEW.key = 'refused'
              BEGIN SELECT RAISE(ABORT, 'refused by the test'); END",
@@ -612,12 +612,7 @@ mod tests {
             let exclude: Vec<String> = exclude.iter().map(|k| format!("p1-k{}", u32::from(*k) * 3 % 11)).collect();
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             runtime.block_on(async {
-                let pool = sqlx::sqlite::SqlitePoolOptions::new()
-                    .max_connections(1)
-                    .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
-                    .await
-                    .unwrap();
-                Outbox::new(Config::default()).unwrap().migrate(Db::from(&pool)).await.unwrap();
+                let (pool, _) = migrated().await;
                 for (partition, key, first, states) in &keys {
                     for (i, state) in states.iter().enumerate() {
                         let (next_attempt_at, failed_at) = match state {
