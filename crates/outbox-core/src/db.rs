@@ -9,8 +9,8 @@
 //! database's write lock instead of row locks; "database time" is SQLite's clock, the host's; the
 //! configured schema name prefixes the table names (`outbox_records`). The pool must use WAL mode and a
 //! busy timeout ([`sqlite_options`] sets both); a transaction that reads before it schedules should
-//! start with `BEGIN IMMEDIATE` (`pool.begin_with("BEGIN IMMEDIATE")`), or its first write may fail with
-//! a (transient) busy error when another writer committed in between.
+//! start with `BEGIN IMMEDIATE` (`pool.begin_with("BEGIN IMMEDIATE")`, or [`Db::begin`]), or its first
+//! write may fail with a (transient) busy error when another writer committed in between.
 
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};

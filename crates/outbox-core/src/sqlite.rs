@@ -3,8 +3,10 @@
 //! SQLite allows one writer at a time, which does the work PostgreSQL's row locks do: a transaction that
 //! schedules holds the write lock from its first write to its commit, so sequence order is commit order;
 //! a worker's completion runs in a `BEGIN IMMEDIATE` transaction that checks (owner, epoch) first, and
-//! no epoch can move before it commits. Statements run in process, so there are no round trips to
-//! batch: writes go one prepared statement per record inside one transaction.
+//! no epoch can move before it commits. Statements run in process (each a message to the connection's
+//! sqlx worker thread, cheap next to a network round trip), so writes go one prepared statement per
+//! record inside one transaction; set-based statements would shorten how long a completion holds the
+//! write lock.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;

@@ -13,7 +13,6 @@ use outbox_cluster::{ClusterConfig, Node};
 use outbox_core::{Config, Db, HandlerError, Handlers, Outbox, Route, handler_fn};
 use rand::RngExt;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::sqlite::SqlitePoolOptions;
 use tokio::signal::unix::{SignalKind, signal};
 
 fn duration(var: &str, default: Duration) -> Result<Duration, String> {
@@ -35,9 +34,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let name = std::env::var("WORKER_NAME")?;
     let url = std::env::var("DATABASE_URL")?;
     let db = if url.starts_with("sqlite:") {
-        Db::Sqlite(
-            SqlitePoolOptions::new().max_connections(8).connect_with(outbox_core::db::sqlite_options(&url)?).await?,
-        )
+        Db::connect(&url).await?
     } else {
         let options = PgConnectOptions::from_str(&url)?.application_name(&format!("outbox-{name}"));
         Db::Postgres(PgPoolOptions::new().max_connections(8).connect_with(options).await?)
