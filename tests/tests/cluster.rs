@@ -128,7 +128,7 @@ async fn graceful_scale_up_and_down_delivers_every_record_once_in_order(db: Test
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
     let keys: Vec<String> = (0..50).map(|k| format!("key-{k}")).collect();
     for key in &keys {
-        assert_eq!(sink.seqs_of(key), (1..=60).collect::<Vec<i64>>(), "{key}: every record once, in order");
+        assert_eq!(sink.ranks_of(key), (1..=60).collect::<Vec<i64>>(), "{key}: every record once, in order");
     }
 }
 
@@ -158,7 +158,7 @@ async fn a_crashed_instances_partitions_move_on_after_its_lease(db: TestDb) {
     a.shutdown().await.unwrap();
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
     for k in 0..40 {
-        let seqs = sink.seqs_of(&format!("key-{k}"));
+        let seqs = sink.ranks_of(&format!("key-{k}"));
         // At least once, in order: each key's deliveries go up one at a time, except that the crash may
         // replay the records `b` had delivered but not yet completed (up to a lookahead run), once.
         let mut firsts: Vec<i64> = Vec::new();

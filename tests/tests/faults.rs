@@ -1,10 +1,12 @@
 //! Multi-process fault test: real worker processes (`outbox-test-worker`) against the real PostgreSQL
 //! and against one SQLite file they all share, scaled 1 → 4 → 2 → 3 while a producer writes (and
-//! sometimes rolls back), with kill -9, a SIGSTOP longer than the stale timeout (the zombie), and (on
-//! PostgreSQL) terminated database connections. A checker then reads the database and asserts the
-//! invariants.
+//! sometimes rolls back), with kill -9, SIGSTOP pauses in every timing window (shorter than the lease,
+//! between the takeover and the reap, longer than the reap), and (on PostgreSQL) terminated database
+//! connections. A checker then reads the database and the workers' handler-call log and asserts the
+//! invariants, including exclusivity: no two handler calls for one key overlap in time, except a call
+//! that was already running when its process was stopped.
 //!
-//! CI runs one round of faults (about 15 s). The soak is the same test with more rounds:
+//! CI runs one round of faults (about 20 s). The soak is the same test with more rounds:
 //! `OUTBOX_FAULT_ROUNDS=20 ./scripts/test.sh -p outbox-tests --test faults -- --nocapture`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -20,6 +22,7 @@ use std::time::Duration;
 use common::*;
 use outbox_core::{NewRecord, Outbox};
 use outbox_tests::process::Process;
+use outbox_tests::wall_micros;
 use rand::RngExt;
 use sqlx::PgPool;
 use tokio::time::Instant;
@@ -27,10 +30,17 @@ use uuid::Uuid;
 
 both!(cluster_survives_scaling_crashes_pauses_and_killed_connections);
 
+/// SIGSTOP durations, one per timing window of the workers' tunables (heartbeat 200 ms, stale timeout
+/// 1 s): shorter than the lease; past the takeover (about 1 s after the last heartbeat) but before the
+/// reap (2 s); past the reap.
+const PAUSES: [Duration; 3] = [Duration::from_millis(300), Duration::from_millis(1500), Duration::from_millis(3000)];
+
 /// Stated bound: after the last crash, the backlog drains within this (failover needs the 1 s lease
 /// plus a 200 ms round; the rest is margin for a loaded machine).
 const DRAIN_BOUND: Duration = Duration::from_secs(20);
 const KEYS: usize = 120;
+/// Records per key committed just before each pause.
+const BURST: usize = 20;
 
 struct Worker {
     name: String,
@@ -75,10 +85,77 @@ impl Worker {
         }
     }
 
+    /// SIGSTOP for `duration`, then SIGCONT. The pause is stamped once `kill` has returned: the process
+    /// is stopped by then, so a call that started earlier may have been running when it stopped.
+    async fn pause(&self, duration: Duration) -> Pause {
+        self.signal("-STOP");
+        let stopped_us = wall_micros();
+        tokio::time::sleep(duration).await;
+        self.signal("-CONT");
+        Pause { worker: self.name.clone(), stopped_us, duration }
+    }
+
     fn kill9(mut self) {
         self.child.0.kill().unwrap();
         self.child.0.wait().unwrap();
     }
+}
+
+/// A worker process was stopped between these wall-clock times (µs).
+#[derive(Debug)]
+struct Pause {
+    worker: String,
+    stopped_us: i64,
+    duration: Duration,
+}
+
+/// One handler call as a worker logged it.
+#[derive(Debug, sqlx::FromRow)]
+struct Call {
+    instance: String,
+    record_id: Uuid,
+    key: String,
+    seq: i64,
+    partition: i16,
+    epoch: i64,
+    started_us: i64,
+    ended_us: i64,
+}
+
+/// Pairs of handler calls for one key that overlap in time. A call that was running when its process
+/// was stopped is exempt (nothing can stop it); every other call must have the key to itself.
+fn overlapping_calls(calls: &[Call], pauses: &[Pause]) -> Vec<String> {
+    let running_when_stopped = |c: &Call| {
+        pauses.iter().any(|p| p.worker == c.instance && c.started_us <= p.stopped_us && c.ended_us >= p.stopped_us)
+    };
+    let mut by_key: BTreeMap<&str, Vec<&Call>> = BTreeMap::new();
+    for call in calls {
+        by_key.entry(&call.key).or_default().push(call);
+    }
+    let mut violations = Vec::new();
+    for (key, mut calls) in by_key {
+        calls.sort_by_key(|c| c.started_us);
+        for (i, a) in calls.iter().enumerate() {
+            for b in calls[i + 1..].iter().take_while(|b| b.started_us < a.ended_us) {
+                if !running_when_stopped(a) && !running_when_stopped(b) {
+                    violations.push(format!(
+                        "{key}: {} seq {} epoch {} [{}, {}] and {} seq {} epoch {} [{}, {}]",
+                        a.instance,
+                        a.seq,
+                        a.epoch,
+                        a.started_us,
+                        a.ended_us,
+                        b.instance,
+                        b.seq,
+                        b.epoch,
+                        b.started_us,
+                        b.ended_us
+                    ));
+                }
+            }
+        }
+    }
+    violations
 }
 
 #[derive(Default)]
@@ -110,6 +187,16 @@ async fn produce(outbox: Outbox, db: TestDb, stop: Arc<AtomicBool>) -> Produced 
     produced
 }
 
+/// Commits `BURST` records for every key in one transaction; returns them as (id, key, seq).
+async fn burst(outbox: &Outbox, db: &TestDb) -> Vec<(Uuid, String, i64)> {
+    let records: Vec<NewRecord> =
+        (0..BURST).flat_map(|_| (0..KEYS).map(|k| NewRecord::new(format!("key-{k}"), "t", "burst"))).collect();
+    let mut tx = db.begin().await;
+    let scheduled = outbox.schedule_batch(&mut tx, &records).await.unwrap();
+    tx.commit().await.unwrap();
+    scheduled.iter().zip(&records).map(|(s, r)| (s.id, r.key.clone(), s.seq)).collect()
+}
+
 async fn owners(db: &TestDb) -> usize {
     count(db, "SELECT count(DISTINCT owner) FROM {s}partitions WHERE owner IS NOT NULL").await as usize
 }
@@ -121,13 +208,14 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
             db,
             "CREATE TABLE fault_deliveries (id INTEGER PRIMARY KEY AUTOINCREMENT, instance TEXT NOT NULL,
              record_id BLOB NOT NULL, key TEXT NOT NULL, seq INTEGER NOT NULL, partition INTEGER NOT NULL,
-             epoch INTEGER NOT NULL)"
+             epoch INTEGER NOT NULL, started_us INTEGER NOT NULL, ended_us INTEGER NOT NULL)"
         );
     } else {
         exec!(
             db,
             "CREATE TABLE fault_deliveries (id bigserial PRIMARY KEY, instance text NOT NULL, record_id uuid NOT NULL,
-             key text NOT NULL, seq bigint NOT NULL, partition smallint NOT NULL, epoch bigint NOT NULL)"
+             key text NOT NULL, seq bigint NOT NULL, partition smallint NOT NULL, epoch bigint NOT NULL,
+             started_us bigint NOT NULL, ended_us bigint NOT NULL)"
         );
     }
     let url = db.url().await;
@@ -169,6 +257,7 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
     tokio::time::sleep(step).await;
 
     let rounds: usize = std::env::var("OUTBOX_FAULT_ROUNDS").map_or(1, |r| r.parse().unwrap());
+    let (mut pauses, mut bursts) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         // kill -9 a worker, and replace it.
         let name = pick(&workers);
@@ -176,12 +265,15 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
         spawn(&mut workers);
         tokio::time::sleep(step).await;
 
-        // The zombie: paused for three stale timeouts; the others take its partitions; then it wakes.
-        let paused = &workers[&pick(&workers)];
-        paused.signal("-STOP");
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        paused.signal("-CONT");
-        tokio::time::sleep(step).await;
+        // Zombies: a worker paused in each timing window; for the longer pauses the others take its
+        // partitions while it sleeps; then it wakes up in the middle of its deliveries.
+        // A burst first, so every key has a run of records in flight when the worker stops.
+        for duration in PAUSES {
+            bursts.extend(burst(&outbox, &db).await);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            pauses.push(workers[&pick(&workers)].pause(duration).await);
+            tokio::time::sleep(step).await;
+        }
 
         // Kill a worker's database connections (its pool and heartbeat reconnect). PostgreSQL only:
         // SQLite runs inside each process, so it has no server connections to kill.
@@ -220,7 +312,8 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
     let last_crash = Instant::now();
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, Ordering::SeqCst);
-    let produced = producer.await.unwrap();
+    let mut produced = producer.await.unwrap();
+    produced.committed.extend(bursts);
     drained(&db, DRAIN_BOUND).await;
     eprintln!("drained {:?} after the last crash", last_crash.elapsed());
     for (_, worker) in std::mem::take(&mut workers) {
@@ -231,10 +324,10 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
     assert!(produced.committed.len() > 500, "produced {}", produced.committed.len());
     let deliveries = rows!(
         db,
-        (String, Uuid, String, i64, i16, i64),
-        "SELECT instance, record_id, key, seq, partition, epoch FROM fault_deliveries ORDER BY id"
+        Call,
+        "SELECT instance, record_id, key, seq, partition, epoch, started_us, ended_us FROM fault_deliveries ORDER BY id"
     );
-    let delivered: BTreeSet<Uuid> = deliveries.iter().map(|d| d.1).collect();
+    let delivered: BTreeSet<Uuid> = deliveries.iter().map(|d| d.record_id).collect();
     let missing: Vec<_> = produced.committed.iter().filter(|(id, _, _)| !delivered.contains(id)).collect();
     assert!(
         missing.is_empty(),
@@ -245,31 +338,41 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
     let ghosts: Vec<_> = produced.rolled_back.iter().filter(|id| delivered.contains(id)).collect();
     assert!(ghosts.is_empty(), "rolled-back records delivered: {ghosts:?}");
 
-    let mut expected: BTreeMap<&str, i64> = BTreeMap::new();
+    let mut expected: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
     for (_, key, seq) in &produced.committed {
-        let last = expected.entry(key).or_insert(0);
-        *last = (*last).max(*seq);
+        expected.entry(key).or_default().push(*seq);
     }
     let mut firsts: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
     let mut seen = BTreeSet::new();
-    for (_, id, key, seq, _, _) in &deliveries {
-        if seen.insert(*id) {
-            firsts.entry(key).or_default().push(*seq);
+    for call in &deliveries {
+        if seen.insert(call.record_id) {
+            firsts.entry(&call.key).or_default().push(call.seq);
         }
     }
-    for (key, last) in &expected {
-        assert_eq!(firsts[key], (1..=*last).collect::<Vec<_>>(), "{key}: first deliveries out of sequence");
+    for (key, seqs) in &mut expected {
+        seqs.sort();
+        assert_eq!(&firsts[key], seqs, "{key}: first deliveries out of sequence");
     }
 
     let mut by_epoch: BTreeMap<(i16, i64), BTreeSet<&str>> = BTreeMap::new();
-    for (instance, _, _, _, partition, epoch) in &deliveries {
-        by_epoch.entry((*partition, *epoch)).or_default().insert(instance);
+    for call in &deliveries {
+        by_epoch.entry((call.partition, call.epoch)).or_default().insert(&call.instance);
     }
     let shared: Vec<_> = by_epoch.iter().filter(|(_, instances)| instances.len() > 1).collect();
     assert!(shared.is_empty(), "(partition, epoch) delivered by two instances: {shared:?}");
 
+    let overlaps = overlapping_calls(&deliveries, &pauses);
+    assert!(
+        overlaps.is_empty(),
+        "{} pairs of handler calls for one key overlapped (pauses {pauses:?}); first: {:#?}",
+        overlaps.len(),
+        &overlaps[..overlaps.len().min(10)]
+    );
+
     assert_eq!(failed_count(&db).await, 0);
     assert_eq!(pending(&db).await, 0);
+    let paused: Vec<String> = pauses.iter().map(|p| format!("{} {:?}", p.worker, p.duration)).collect();
+    eprintln!("paused: {}", paused.join(", "));
     eprintln!(
         "committed {}, rolled back {}, deliveries {} ({} duplicates after crashes), epochs seen {}",
         produced.committed.len(),
@@ -290,10 +393,13 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
 #[ignore = "measurement, run on demand"]
 async fn measure_handover_failover_and_idle_load(pool: PgPool) {
     outbox(&TestDb::postgres(pool.clone()), |_| {}).await;
-    sqlx::query("CREATE TABLE fault_deliveries (id bigserial, instance text, record_id uuid, key text, seq bigint, partition smallint, epoch bigint)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "CREATE TABLE fault_deliveries (id bigserial, instance text, record_id uuid, key text, seq bigint,
+         partition smallint, epoch bigint, started_us bigint, ended_us bigint)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     let url = TestDb::postgres(pool.clone()).url().await;
     let profiles = [("default", "2s", "10s", "2s", "100ms"), ("fast", "200ms", "1s", "200ms", "50ms")];
     for (profile, heartbeat, stale, rebalance, poll) in profiles {

@@ -144,7 +144,7 @@ async fn each_keys_records_are_in_sequence_order_in_the_stream(pool: PgPool) {
         per_key.entry(r.key).or_default().push(r.seq);
     }
     for (key, seqs) in per_key {
-        assert_eq!(seqs, (1..=10).collect::<Vec<_>>(), "{key}");
+        assert_eq!(ranks(&seqs), (1..=10).collect::<Vec<_>>(), "{key}: {seqs:?}");
     }
 }
 
@@ -188,7 +188,7 @@ async fn a_broker_outage_delays_but_loses_nothing(pool: PgPool) {
     }
     assert_eq!(per_key.len(), 20);
     for (key, seqs) in per_key {
-        let mut firsts = seqs.clone();
+        let mut firsts = ranks(&seqs);
         firsts.dedup();
         assert_eq!(firsts, (1..=8).collect::<Vec<_>>(), "{key}: {seqs:?}");
     }
@@ -248,7 +248,7 @@ async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason
     let nowhere = reason("nowhere");
     assert!(nowhere.starts_with("permanent") && nowhere.contains("no JetStream stream captures"), "{nowhere}");
     assert_eq!(failed.iter().map(|f| f.attempts).collect::<Vec<_>>(), [1, 1], "permanent errors are not retried");
-    assert_eq!(archived.seqs_of("big-with-fallback"), [1]);
+    assert_eq!(archived.of_key("big-with-fallback").len(), 1);
     let stored = read_stream(&client, "OUTBOX").await;
     assert_eq!(stored.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(), ["fine"]);
 }

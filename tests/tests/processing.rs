@@ -13,7 +13,8 @@ use std::time::Duration;
 use common::*;
 use outbox_core::operator::FailedFilter;
 use outbox_core::{
-    Assignment, HandlerError, Handlers, NewRecord, Processor, RetryPolicy, Route, fallback_fn, handler_fn, partition_of,
+    Assignment, Deadline, HandlerError, Handlers, NewRecord, Processor, RetryPolicy, Route, fallback_fn, handler_fn,
+    partition_of,
 };
 use rand::RngExt;
 use tokio::sync::{Semaphore, watch};
@@ -48,10 +49,10 @@ fn recording(sink: &Arc<Sink>) -> Handlers {
     })))
 }
 
-/// Per key, deliveries must be exactly 1..=n, each once, in order.
+/// Per key, deliveries must be exactly its n records, each once, in order.
 fn assert_in_order(sink: &Sink, keys: &[String], n: i64) {
     for key in keys {
-        assert_eq!(sink.seqs_of(key), (1..=n).collect::<Vec<_>>(), "key {key}");
+        assert_eq!(sink.ranks_of(key), (1..=n).collect::<Vec<_>>(), "key {key}: {:?}", sink.seqs_of(key));
     }
 }
 
@@ -115,7 +116,11 @@ async fn retries_wait_the_policy_delays_then_succeed(db: TestDb) {
             let s = s.clone();
             async move {
                 s.record(&r);
-                if r.seq == 1 && r.attempts < 2 { Err(HandlerError::retryable("downstream busy")) } else { Ok(()) }
+                if r.payload == "x" && r.attempts < 2 {
+                    Err(HandlerError::retryable("downstream busy"))
+                } else {
+                    Ok(())
+                }
             }
         }))
         .retry(policy),
@@ -125,16 +130,18 @@ async fn retries_wait_the_policy_delays_then_succeed(db: TestDb) {
     drained(&db, LONG).await;
     node.shutdown().await.unwrap();
 
-    let first: Vec<_> = sink.all().into_iter().filter(|d| d.seq == 1).collect();
+    let seqs = sink.seqs_of("k");
+    let (x, y) = (seqs[0], *seqs.last().unwrap());
+    let first: Vec<_> = sink.all().into_iter().filter(|d| d.seq == x).collect();
     assert_eq!(first.iter().map(|d| d.attempts).collect::<Vec<_>>(), [0, 1, 2]);
     let gaps: Vec<Duration> = first.windows(2).map(|w| w[1].at - w[0].at).collect();
     assert!(gaps[0] >= Duration::from_millis(150), "first retry after {:?}", gaps[0]);
     assert!(gaps[1] >= Duration::from_millis(300), "second retry after {:?}", gaps[1]);
     // Record 2 waited for record 1 (stop-on-first-failure) and was delivered after its success.
-    let second = sink.of_key("k").into_iter().filter(|d| d.seq == 2).collect::<Vec<_>>();
+    let second = sink.of_key("k").into_iter().filter(|d| d.seq == y).collect::<Vec<_>>();
     assert!(second[0].at > first[2].at);
     let attempts = rows!(db, (i64, i32, String), "SELECT seq, attempts, outcome FROM {s}completed ORDER BY seq");
-    assert_eq!(attempts, [(1, 2, "delivered".into()), (2, 0, "delivered".into())]);
+    assert_eq!(attempts, [(x, 2, "delivered".into()), (y, 0, "delivered".into())]);
 }
 
 async fn handler_timeout_counts_as_a_retryable_failure(db: TestDb) {
@@ -228,7 +235,7 @@ async fn failed_blocks_its_key_until_requeue_or_skip(db: TestDb) {
         let (s, h) = (s.clone(), h.clone());
         async move {
             s.record(&r);
-            if r.seq == 1 && r.key.starts_with("bad") && !h.load(Ordering::SeqCst) {
+            if r.payload == "0" && r.key.starts_with("bad") && !h.load(Ordering::SeqCst) {
                 return Err(HandlerError::permanent("rejected"));
             }
             Ok(())
@@ -245,14 +252,14 @@ async fn failed_blocks_its_key_until_requeue_or_skip(db: TestDb) {
     commit(&outbox, &db, records).await;
     let node = start(&outbox, &db, handlers).await;
     wait_for("neighbour delivered and both bad heads FAILED", LONG, || async {
-        sink.seqs_of(&neighbour) == [1, 2, 3] && failed_count(&db).await == 2
+        sink.ranks_of(&neighbour) == [1, 2, 3] && failed_count(&db).await == 2
     })
     .await;
     // Give the processor several polls: later records of the blocked keys must stay back.
     let before = sink.len();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(sink.len(), before);
-    assert_eq!(sink.seqs_of("bad-1"), [1]);
+    assert_eq!(sink.ranks_of("bad-1"), [1]);
     assert_eq!(count(&db, "SELECT count(*) FROM {s}records WHERE failed_at IS NULL").await, 4);
 
     healthy.store(true, Ordering::SeqCst);
@@ -264,8 +271,8 @@ async fn failed_blocks_its_key_until_requeue_or_skip(db: TestDb) {
     assert!(outbox.skip(&db, bad2[0].id).await.is_err(), "a record can be skipped once");
     drained(&db, LONG).await;
     node.shutdown().await.unwrap();
-    assert_eq!(sink.seqs_of("bad-1"), [1, 1, 2, 3], "requeued head redelivered, then the rest in order");
-    assert_eq!(sink.seqs_of("bad-2"), [1, 2, 3], "skipped head not redelivered; the rest follow");
+    assert_eq!(sink.ranks_of("bad-1"), [1, 1, 2, 3], "requeued head redelivered, then the rest in order");
+    assert_eq!(sink.ranks_of("bad-2"), [1, 2, 3], "skipped head not redelivered; the rest follow");
     assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'skipped'").await, 1);
     assert_eq!(count(&db, "SELECT count(*) FROM {s}records").await, 0);
 }
@@ -279,20 +286,20 @@ async fn without_stop_on_first_failure_later_records_proceed(db: TestDb) {
             let s = s.clone();
             async move {
                 s.record(&r);
-                if r.seq == 1 { Err(HandlerError::retryable("flaky")) } else { Ok(()) }
+                if r.payload == "1" { Err(HandlerError::retryable("flaky")) } else { Ok(()) }
             }
         }))
         .retry(RetryPolicy::fixed(Duration::from_millis(200), 1)),
     );
-    commit(&outbox, &db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
+    commit(&outbox, &db, (1..=3).map(|i| NewRecord::new("k", "t", format!("{i}"))).collect()).await;
     let node = start(&outbox, &db, handlers).await;
     wait_failed(&db, 1).await;
     drained(&db, LONG).await;
     node.shutdown().await.unwrap();
-    let seqs = sink.seqs_of("k");
-    assert_eq!(seqs.iter().filter(|&&s| s == 1).count(), 2);
+    let ranks = sink.ranks_of("k");
+    assert_eq!(ranks.iter().filter(|&&r| r == 1).count(), 2);
     // Records 2 and 3 went while record 1 was waiting for its retry.
-    assert_eq!(&seqs[..3], [1, 2, 3]);
+    assert_eq!(&ranks[..3], [1, 2, 3]);
 }
 
 /// A slow key holds one slot only, and keys whose head is FAILED never fill a fetch batch.
@@ -339,22 +346,15 @@ async fn slow_and_blocked_keys_do_not_stall_other_keys(db: TestDb) {
 /// between records: see `a_run_stops_at_the_lease_deadline`.)
 async fn a_write_from_a_stale_epoch_changes_nothing(db: TestDb) {
     let outbox = outbox(&db, |c| c.key_lookahead = 1).await;
-    let me = uuid::Uuid::now_v7();
-    let partition = partition_of("k");
-    let epoch = scalar!(
-        db,
-        i64,
-        "UPDATE {s}partitions SET owner = $1, epoch = epoch + 1 WHERE partition = $2 RETURNING epoch",
-        me,
-        i16::from(partition),
-    );
+    let epoch = 1;
+    let (me, partition) = own_partition_of(&db, "k", epoch).await;
     commit(&outbox, &db, vec![NewRecord::new("k", "t", ""), NewRecord::new("k", "t", "")]).await;
 
     let sink = Sink::new();
     let (handlers, Gate { entered, release }) = gated(&sink);
-    let (_tx, assignment) = watch::channel(Assignment::new([(partition, epoch)].into()));
+    let (_tx, assignment) = watch::channel(Assignment::new(me, [(partition, epoch)].into()));
     let stop = CancellationToken::new();
-    let processor = Processor::new(outbox.clone(), db.clone(), handlers, me, assignment);
+    let processor = Processor::new(outbox.clone(), db.clone(), handlers, assignment);
     let mut busy = processor.busy_partitions();
     let processor = tokio::spawn(processor.run(stop.clone()));
     entered.acquire().await.unwrap().forget();
@@ -368,7 +368,7 @@ async fn a_write_from_a_stale_epoch_changes_nothing(db: TestDb) {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(pending(&db).await, 2);
     assert_eq!(count(&db, "SELECT count(*) FROM {s}completed").await, 0);
-    assert_eq!(sink.seqs_of("k"), [1]);
+    assert_eq!(sink.len(), 1);
     stop.cancel();
     processor.await.unwrap().unwrap();
 }
@@ -406,10 +406,10 @@ async fn a_crash_mid_batch_redelivers_without_reordering(db: TestDb) {
     assert!(delivered_before_crash >= 38);
     for key in &keys {
         // First deliveries are in strict order; redeliveries only repeat the latest record.
-        let seqs = sink.seqs_of(key);
-        let mut firsts = seqs.clone();
+        let ranks = sink.ranks_of(key);
+        let mut firsts = ranks.clone();
         firsts.dedup();
-        assert_eq!(firsts, [1, 2, 3, 4, 5], "key {key}: {seqs:?}");
+        assert_eq!(firsts, [1, 2, 3, 4, 5], "key {key}: {ranks:?}");
     }
 }
 
@@ -442,9 +442,10 @@ async fn graceful_stop_completes_in_flight_records(db: TestDb) {
     assert_eq!(count(&db, "SELECT count(*) FROM {s}instances").await, 0, "deregistered");
 }
 
-/// Makes a new instance id the owner of `key`'s partition at `epoch`, as the ownership layer would.
+/// Registers a new instance with a lease a day long and makes it the owner of `key`'s partition at
+/// `epoch`, as the ownership layer would.
 async fn own_partition_of(db: &TestDb, key: &str, epoch: i64) -> (uuid::Uuid, outbox_core::Partition) {
-    let (me, partition) = (uuid::Uuid::now_v7(), partition_of(key));
+    let (me, partition) = (register_instance(db).await, partition_of(key));
     exec!(db, "UPDATE {s}partitions SET owner = $1, epoch = $2 WHERE partition = $3", me, epoch, i16::from(partition));
     (me, partition)
 }
@@ -455,17 +456,17 @@ async fn nothing_is_delivered_past_the_assignment_deadline(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
     let (me, partition) = own_partition_of(&db, "k", 7).await;
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
-    let expired = Assignment { epochs: [(partition, 7)].into(), valid_until: Some(tokio::time::Instant::now()) };
+    let expired = Assignment { instance: me, epochs: [(partition, 7)].into(), lease: Some(Deadline::now()) };
     let (tx, assignment) = watch::channel(expired);
     let sink = Sink::new();
     let stop = CancellationToken::new();
     let processor =
-        tokio::spawn(Processor::new(outbox.clone(), db.clone(), recording(&sink), me, assignment).run(stop.clone()));
+        tokio::spawn(Processor::new(outbox.clone(), db.clone(), recording(&sink), assignment).run(stop.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(sink.len(), 0, "an expired assignment must not deliver");
-    tx.send_modify(|a| a.valid_until = Some(tokio::time::Instant::now() + LONG));
+    tx.send_modify(|a| a.lease = Some(Deadline::now().after(LONG)));
     drained(&db, LONG).await;
-    assert_eq!(sink.all().iter().map(|d| (d.seq, d.epoch)).collect::<Vec<_>>(), [(1, 7)], "delivered under its epoch");
+    assert_eq!(sink.all().iter().map(|d| d.epoch).collect::<Vec<_>>(), [7], "delivered under its epoch");
     stop.cancel();
     processor.await.unwrap().unwrap();
 }
@@ -476,28 +477,36 @@ async fn the_in_process_sink_passes_the_handler_conformance_suite(db: TestDb) {
     common::conformance::run(&outbox, &db, &common::conformance::InProcess::default()).await;
 }
 
-/// A key's run (head plus lookahead) stops before its next record once the assignment's lease deadline
-/// has passed: a paused or partitioned worker hands out nothing more, whatever it had fetched.
+/// When the lease runs out, the handler call in progress is cancelled (its future dropped, though the
+/// handler would never return by itself) and the rest of the run (fetched with it) is not handed out:
+/// a paused or partitioned worker delivers nothing more. Every record of the run stays pending; with
+/// the lease renewed, delivery resumes from the first one.
 async fn a_run_stops_at_the_lease_deadline(db: TestDb) {
     let outbox = outbox(&db, |c| c.key_lookahead = 8).await;
     let (me, partition) = own_partition_of(&db, "k", 3).await;
     commit(&outbox, &db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
     let sink = Sink::new();
     let (handlers, Gate { entered, release }) = gated(&sink);
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(300);
-    let (_tx, assignment) = watch::channel(Assignment { epochs: [(partition, 3)].into(), valid_until: Some(deadline) });
+    let deadline = Deadline::now().after(Duration::from_millis(300));
+    let (tx, assignment) =
+        watch::channel(Assignment { instance: me, epochs: [(partition, 3)].into(), lease: Some(deadline) });
     let stop = CancellationToken::new();
-    let processor = Processor::new(outbox.clone(), db.clone(), handlers, me, assignment);
+    let processor = Processor::new(outbox.clone(), db.clone(), handlers, assignment);
     let mut busy = processor.busy_partitions();
     let processor = tokio::spawn(processor.run(stop.clone()));
     entered.acquire().await.unwrap().forget();
-    // Record 1 is in the handler; the lease deadline passes; then the handler returns.
-    tokio::time::sleep_until(deadline + Duration::from_millis(50)).await;
-    release.add_permits(10);
+    busy.wait_for(|b| !b.is_empty()).await.unwrap();
+    // Record 1 is in the handler, which waits for a release that does not come; the deadline passes.
     busy.wait_for(|b| b.is_empty()).await.unwrap();
+    assert!(deadline.passed(), "the call ended only because the lease ran out");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(sink.seqs_of("k"), [1], "records 2 and 3 were fetched with record 1 but not handed out");
-    assert_eq!(pending(&db).await, 2, "record 1 completed (the epoch is still ours)");
+    assert_eq!(sink.len(), 1, "records 2 and 3 were fetched with record 1 but not handed out");
+    assert_eq!(pending(&db).await, 3, "the cancelled record was not completed");
+
+    tx.send_modify(|a| a.lease = Some(Deadline::now().after(LONG)));
+    release.add_permits(10);
+    drained(&db, LONG).await;
+    assert_eq!(sink.ranks_of("k"), [1, 1, 2, 3], "delivered again from the first record");
     stop.cancel();
     processor.await.unwrap().unwrap();
 }

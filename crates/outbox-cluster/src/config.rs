@@ -8,7 +8,8 @@ use crate::{Error, Result};
 
 /// Heartbeat every 2 s (the client-go lease default): cheap, and leaves several beats per stale timeout.
 pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
-/// An instance silent for 10 s is dead: five missed heartbeats, so a GC pause or a slow query is not a death.
+/// An instance silent for 10 s is dead and its partitions move on: five heartbeat intervals, so a GC pause
+/// or a slow query is not a death.
 pub const DEFAULT_STALE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Look for partitions to acquire every 2 s: bounds takeover time after a crash at stale timeout + 2 s.
 pub const DEFAULT_REBALANCE_INTERVAL: Duration = Duration::from_secs(2);
@@ -22,8 +23,10 @@ pub struct ClusterConfig {
     /// How often the instance renews its lease.
     #[serde(with = "humantime_serde")]
     pub heartbeat_interval: Duration,
-    /// Lease length: an instance whose last heartbeat is older (by database time) is dead, and an
-    /// instance that could not renew within it stops processing on its own.
+    /// How long after its last heartbeat (by database time) an instance's partitions may be taken by
+    /// others. Its lease, during which it counts as live and may deliver, ends two heartbeat intervals
+    /// earlier ([`ClusterConfig::lease`]): the time it needs to notice a lease that ended early before
+    /// anyone else may deliver its partitions. Must be at least four heartbeat intervals.
     #[serde(with = "humantime_serde")]
     pub stale_timeout: Duration,
     /// How often ownership is reconsidered.
@@ -59,13 +62,21 @@ impl ClusterConfig {
                 return bad(format!("{name} must be at least 10ms, got {value:?}"));
             }
         }
-        if self.stale_timeout <= self.heartbeat_interval * 2 {
+        if self.stale_timeout < self.heartbeat_interval * 4 {
             return bad(format!(
-                "stale_timeout ({:?}) must be more than twice heartbeat_interval ({:?}), or one late heartbeat looks like a death",
+                "stale_timeout ({:?}) must be at least four times heartbeat_interval ({:?}): the lease lasts stale_timeout \
+                 minus two heartbeat intervals, and must outlast one late heartbeat",
                 self.stale_timeout, self.heartbeat_interval
             ));
         }
         Ok(())
+    }
+
+    /// How long a renewal keeps the instance live (and delivering): `stale_timeout` minus two heartbeat
+    /// intervals. Once a lease has expired it is never renewed: the instance fences itself and registers
+    /// again under a new id.
+    pub fn lease(&self) -> Duration {
+        self.stale_timeout.saturating_sub(self.heartbeat_interval * 2)
     }
 }
 
@@ -76,8 +87,11 @@ mod tests {
     #[test]
     fn defaults_are_valid_and_relations_are_checked() {
         ClusterConfig::default().validate().unwrap();
-        let config = ClusterConfig { stale_timeout: Duration::from_secs(3), ..Default::default() };
+        let config = ClusterConfig { stale_timeout: Duration::from_millis(7900), ..Default::default() };
         let err = config.validate().unwrap_err().to_string();
         assert!(err.contains("stale_timeout") && err.contains("heartbeat_interval"), "{err}");
+        let config = ClusterConfig { stale_timeout: Duration::from_secs(8), ..Default::default() };
+        config.validate().unwrap();
+        assert_eq!(config.lease(), Duration::from_secs(4));
     }
 }

@@ -3,42 +3,59 @@
 //!
 //! Tasks (each `run(…, CancellationToken)`):
 //! - **heartbeat**: renews the lease every `heartbeat_interval`, on its own task so it never waits behind
-//!   deliveries; if no renewal succeeded for longer than the self-fence deadline, it empties the
-//!   assignment so the processor stops (self-fencing; safety still comes from the epoch);
+//!   deliveries. Each renewal sets the processor's deadline from the lease's remaining time as the
+//!   database answered it, counted from before the renewal was sent; without a renewal the deadline
+//!   passes and the processor stops delivering on its own (self-fencing). A renewal that finds the lease
+//!   expired means the instance was declared dead: it fences at once (the processor cancels its running
+//!   handler calls) and registers again under a new instance id, starting with no partitions;
 //! - **ownership**: every `rebalance_interval`, the leader (the live instance with the smallest id)
 //!   computes the balanced targets ([`rebalance`](crate::rebalance)) and writes those that changed; each
 //!   instance then stops fetching the partitions targeted elsewhere, releases them once none of their
 //!   records is in flight (release-before-acquire), and acquires the partitions targeted at it that are
-//!   free or whose owner is dead;
+//!   free or whose owner's takeover time has passed;
 //! - **processor** and **purge** from `outbox-core`.
 //!
 //! Graceful shutdown: mark the instance draining, stop fetching, finish and complete in-flight records,
 //! write targets without it, release every partition (epoch + 1) and deregister, so the others take the
 //! partitions at their next round instead of after the stale timeout.
+//!
+//! # Exclusive delivery, and what it rests on
+//! An instance's partitions can be taken `stale_timeout` after its last renewal (database time); its
+//! lease, and so its processor's deadline, ends two heartbeat intervals before that
+//! ([`ClusterConfig::lease`]), and the processor's deadline is counted from before the renewal was sent.
+//! So a live process stops starting handler calls, and cancels those running, before anyone may take
+//! its partitions, even when its lease ends early (a database clock step): its next heartbeat, at most
+//! two heartbeat intervals later, finds the lease expired and fences it. This rests on the host's and the
+//! database's clocks running at about the same rate. A process that is stopped (SIGSTOP, a debugger)
+//! resumes past its deadline and starts no new call, but a handler call it was running goes on until the
+//! processor notices (its next poll of the loop) and cancels it. A suspended virtual machine stops the
+//! monotonic clock too: the processor also checks the wall clock, so if the host corrects it on resume
+//! nothing new starts; if not, calls may start for up to one heartbeat interval after the resume, until
+//! the heartbeat finds the lease expired. Every fetch is fenced by the database (the partition's owner
+//! and epoch, and a live lease by database time), and every write too, so none of this can lose,
+//! reorder or corrupt records: it decides only whether a handler call could overlap another instance's.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::Duration;
 
-use outbox_core::{Assignment, Db, Epochs, Handlers, Outbox, Partition, Processor};
+use outbox_core::{Assignment, Db, Deadline, Epochs, Handlers, Outbox, Partition, Processor};
 use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::time::{Instant, MissedTickBehavior};
+use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 use uuid::Uuid;
 
 use crate::config::ClusterConfig;
-use crate::registry;
+use crate::registry::{self, Lease};
 use crate::sql::Sql;
 use crate::{Error, Result, ownership};
 
 /// A running node. Dropping it without [`Node::shutdown`] stops nothing; call `shutdown` (or
 /// [`Node::kill`] in tests) to end it.
 pub struct Node {
-    id: Uuid,
     pool: Db,
     sql: Arc<Sql>,
     assignment: watch::Receiver<Assignment>,
@@ -53,63 +70,59 @@ impl Node {
     pub async fn start(outbox: Outbox, db: impl Into<Db>, handlers: Handlers, config: ClusterConfig) -> Result<Node> {
         config.validate()?;
         let pool = db.into();
-        let id = Uuid::now_v7();
         let sql = Arc::new(Sql::new(&outbox));
-        registry::register(&pool, &sql, id, &config.name, config.stale_timeout)
+        let id = Uuid::now_v7();
+        let sent = Deadline::now();
+        let remaining = registry::register(&pool, &sql, id, &config.name, lease(&config))
             .await
             .map_err(|e| not_migrated(&outbox, e))?;
         info!(instance = %id, name = %config.name, "instance registered");
 
-        // Registration just renewed the lease: the processor may work until the self-fence deadline.
-        let lease_until = Instant::now() + self_fence_after(&config);
         let (assign_tx, assignment) =
-            watch::channel(Assignment { epochs: Epochs::new(), valid_until: Some(lease_until) });
-        let assign_tx = Arc::new(assign_tx);
-        let (beat_tx, beat_rx) = watch::channel(Instant::now());
+            watch::channel(Assignment { instance: id, epochs: Epochs::new(), lease: Some(sent.after(remaining)) });
         let stop_processor = CancellationToken::new();
         let stop_background = CancellationToken::new();
         let background = TaskTracker::new();
 
-        let processor = Processor::new(outbox.clone(), pool.clone(), handlers, id, assignment.clone());
+        let processor = Processor::new(outbox.clone(), pool.clone(), handlers, assignment.clone());
         let busy = processor.busy_partitions();
         let processor = tokio::spawn(processor.run(stop_processor.clone()));
-        let ctx = Ctx { id, pool: pool.clone(), sql: sql.clone(), config, assign: assign_tx };
-        background.spawn(ctx.clone().heartbeat(beat_tx, stop_background.clone()));
-        background.spawn(ctx.ownership(beat_rx, busy, stop_background.clone()));
+        let ctx = Ctx { pool: pool.clone(), sql: sql.clone(), config, assign: Arc::new(assign_tx) };
+        background.spawn(ctx.clone().heartbeat(stop_background.clone()));
+        background.spawn(ctx.ownership(busy, stop_background.clone()));
         background.spawn(outbox.clone().run_purge(pool.clone(), stop_background.clone()));
         background.close();
-        Ok(Node { id, pool, sql, assignment, stop_processor, stop_background, background, processor })
+        Ok(Node { pool, sql, assignment, stop_processor, stop_background, background, processor })
     }
 
-    /// This instance's id.
+    /// This instance's id (a new one after the instance was declared dead and registered again).
     pub fn id(&self) -> Uuid {
-        self.id
+        self.assignment.borrow().instance
     }
 
-    /// The partitions (and epochs) currently handed to the processor.
+    /// The instance id, partitions (and epochs) and lease deadline currently handed to the processor.
     pub fn assignment(&self) -> watch::Receiver<Assignment> {
         self.assignment.clone()
     }
 
     /// Graceful stop: finish and complete in-flight records (bounded by the outbox `shutdown_timeout`),
-    /// release all partitions, deregister.
+    /// release all partitions, deregister. Every task is stopped whatever a step returns; the first error
+    /// is returned.
     pub async fn shutdown(self) -> Result<()> {
-        ownership::drain(&self.pool, &self.sql, self.id).await?;
+        let drained = ownership::drain(&self.pool, &self.sql, self.id()).await;
+        if let Err(e) = &drained {
+            warn!(instance = %self.id(), error = %e, "could not mark the instance draining; stopping anyway");
+        }
         self.stop_processor.cancel();
-        let processed = self.processor.await.map_err(|e| Error::Task(e.to_string()))?;
+        let processed = self.processor.await.map_err(|e| Error::Task(e.to_string())).and_then(|r| Ok(r?));
         self.stop_background.cancel();
         self.background.wait().await;
-        // Point the targets at the remaining instances now, so they acquire at their next round.
-        let live = ownership::live(&self.pool, &self.sql).await?;
-        if !live.is_empty() {
-            let rows = ownership::partitions(&self.pool, &self.sql).await?;
-            ownership::rebalance(&self.pool, &self.sql, self.id, &live, &rows).await?;
+        let id = self.assignment.borrow().instance;
+        let handed_over = hand_over(&self.pool, &self.sql, id).await;
+        if handed_over.is_ok() {
+            info!(instance = %id, "instance stopped and deregistered");
         }
-        let owned = ownership::owned(&self.pool, &self.sql, self.id).await?;
-        ownership::release(&self.pool, &self.sql, self.id, &owned, "graceful shutdown").await?;
-        registry::deregister(&self.pool, &self.sql, self.id).await?;
-        info!(instance = %self.id, "instance stopped and deregistered");
-        processed.map_err(Error::Core)
+        drained.and(processed).and(handed_over)
     }
 
     /// Stops every task at once without completing, releasing or deregistering: what a crash looks like
@@ -118,6 +131,19 @@ impl Node {
         self.processor.abort();
         self.stop_background.cancel();
     }
+}
+
+/// Points the targets at the remaining instances (so they acquire at their next round), releases the
+/// partitions `id` owns and deregisters it.
+async fn hand_over(pool: &Db, sql: &Sql, id: Uuid) -> Result<()> {
+    let live = ownership::live(pool, sql).await?;
+    if !live.is_empty() {
+        let rows = ownership::partitions(pool, sql).await?;
+        ownership::rebalance(pool, sql, id, &live, &rows).await?;
+    }
+    let owned = ownership::owned(pool, sql, id).await?;
+    ownership::release(pool, sql, id, &owned, "graceful shutdown").await?;
+    registry::deregister(pool, sql, id).await
 }
 
 fn not_migrated(outbox: &Outbox, e: Error) -> Error {
@@ -129,15 +155,13 @@ fn not_migrated(outbox: &Outbox, e: Error) -> Error {
     }
 }
 
-/// Deadline after the last successful heartbeat's *send* time: one heartbeat before the lease can
-/// expire, so the instance stops before anyone may take its partitions.
-fn self_fence_after(config: &ClusterConfig) -> Duration {
-    config.stale_timeout.saturating_sub(config.heartbeat_interval)
+/// What each registration or renewal asks for.
+fn lease(config: &ClusterConfig) -> Lease {
+    Lease { live: config.lease(), takeover: config.stale_timeout }
 }
 
 #[derive(Clone)]
 struct Ctx {
-    id: Uuid,
     pool: Db,
     sql: Arc<Sql>,
     config: ClusterConfig,
@@ -145,13 +169,14 @@ struct Ctx {
 }
 
 impl Ctx {
-    fn self_fence_after(&self) -> Duration {
-        self_fence_after(&self.config)
+    /// The instance id the processor works under.
+    fn instance(&self) -> Uuid {
+        self.assign.borrow().instance
     }
 
     /// Renews the lease every `heartbeat_interval` over a connection of its own, so it never queues
     /// behind deliveries or a busy shared pool; reconnects when the connection is lost.
-    async fn heartbeat(self, beat: watch::Sender<Instant>, shutdown: CancellationToken) {
+    async fn heartbeat(self, shutdown: CancellationToken) {
         let mut ticker = tokio::time::interval(self.config.heartbeat_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut conn: Option<PgConnection> = None;
@@ -160,43 +185,19 @@ impl Ctx {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
             }
-            let sent = Instant::now();
-            let renewed = tokio::time::timeout(self.config.heartbeat_interval, self.renew(&mut conn)).await;
-            match renewed {
-                Ok(Ok(true)) => {
-                    beat.send_replace(sent);
-                    self.extend_lease(sent);
-                }
-                Ok(Ok(false)) => {
-                    warn!(instance = %self.id, "instance was declared dead by the cluster; re-registering");
-                    self.fence("instance was declared dead");
-                    match registry::register(
-                        &self.pool,
-                        &self.sql,
-                        self.id,
-                        &self.config.name,
-                        self.config.stale_timeout,
-                    )
-                    .await
-                    {
-                        Ok(()) => {
-                            beat.send_replace(sent);
-                            self.extend_lease(sent);
-                        }
-                        Err(e) => warn!(instance = %self.id, error = %e, "re-registration failed"),
-                    }
-                }
+            let id = self.instance();
+            let sent = Deadline::now();
+            match tokio::time::timeout(self.config.heartbeat_interval, self.renew(&mut conn, id)).await {
+                Ok(Ok(Some(remaining))) => self.extend_lease(id, sent.after(remaining)),
+                Ok(Ok(None)) => self.declared_dead(id).await,
                 Ok(Err(e)) => {
-                    warn!(instance = %self.id, error = %e, "heartbeat failed; reconnecting");
+                    warn!(instance = %id, error = %e, "heartbeat failed; reconnecting");
                     conn = None;
                 }
                 Err(_) => {
-                    warn!(instance = %self.id, "heartbeat timed out; reconnecting");
+                    warn!(instance = %id, "heartbeat timed out; reconnecting");
                     conn = None;
                 }
-            }
-            if beat.borrow().elapsed() > self.self_fence_after() {
-                self.fence("no successful heartbeat within the lease");
             }
         }
     }
@@ -204,88 +205,106 @@ impl Ctx {
     /// PostgreSQL: on the heartbeat's own connection. SQLite: through the pool (statements run in
     /// process; the wait that matters there is the write lock, which a connection of its own would
     /// not avoid).
-    async fn renew(&self, conn: &mut Option<PgConnection>) -> Result<bool> {
+    async fn renew(&self, conn: &mut Option<PgConnection>, id: Uuid) -> Result<Option<std::time::Duration>> {
         let pool = match &self.pool {
             Db::Postgres(pool) => pool,
             Db::Sqlite(pool) => {
-                return crate::sqlite::heartbeat(pool, &self.sql.sqlite, self.id, self.config.stale_timeout).await;
+                let remaining = crate::sqlite::heartbeat(pool, &self.sql.sqlite, id, lease(&self.config)).await?;
+                return Ok(remaining.map(|ms| std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))));
             }
         };
         let conn = match conn {
             Some(conn) => conn,
             None => conn.insert(PgConnection::connect_with(&pool.connect_options()).await?),
         };
-        registry::heartbeat(conn, &self.sql, self.id, self.config.stale_timeout).await
+        registry::heartbeat(conn, &self.sql, id, lease(&self.config)).await
     }
 
-    /// The lease was renewed at `sent` (or later): the processor may go on until the new deadline.
-    fn extend_lease(&self, sent: Instant) {
-        let until = sent + self.self_fence_after();
+    /// The lease of `id` was renewed: the processor may go on until `until`. Only the deadline moves, so
+    /// the processor is not woken (one that stopped at the old deadline resumes at its next poll).
+    fn extend_lease(&self, id: Uuid, until: Deadline) {
         self.assign.send_if_modified(|current| {
-            let later = current.valid_until.is_none_or(|d| d < until);
-            if later {
-                current.valid_until = Some(until);
+            if current.instance == id && current.lease.is_none_or(|d| d.instant() < until.instant()) {
+                current.lease = Some(until);
             }
-            // Only the deadline moved: no need to wake the processor.
             false
         });
     }
 
-    fn fence(&self, reason: &str) {
-        self.assign.send_if_modified(|current| {
-            if current.epochs.is_empty() {
+    /// The lease of `id` had expired: others may take (or have taken) its partitions. Fence at once,
+    /// then register again under a new id, with no partitions.
+    async fn declared_dead(&self, id: Uuid) {
+        let fenced = self.assign.send_if_modified(|current| {
+            if current.instance != id {
                 return false;
             }
-            warn!(instance = %self.id, partitions = current.epochs.len(), reason, "self-fencing: processing stopped");
             current.epochs.clear();
+            current.lease = Some(Deadline::now());
             true
         });
+        if fenced {
+            warn!(instance = %id, "lease expired: the instance was declared dead; processing stopped, running handler calls cancelled");
+        }
+        let new = Uuid::now_v7();
+        let sent = Deadline::now();
+        match registry::register(&self.pool, &self.sql, new, &self.config.name, lease(&self.config)).await {
+            Ok(remaining) => {
+                self.assign.send_modify(|current| {
+                    *current = Assignment { instance: new, epochs: Epochs::new(), lease: Some(sent.after(remaining)) };
+                });
+                info!(instance = %new, previous = %id, name = %self.config.name, "instance registered again under a new id");
+            }
+            Err(e) => warn!(instance = %id, error = %e, "registering again failed; retrying at the next heartbeat"),
+        }
     }
 
-    async fn ownership(
-        self,
-        beat: watch::Receiver<Instant>,
-        busy: watch::Receiver<BTreeSet<Partition>>,
-        shutdown: CancellationToken,
-    ) {
+    async fn ownership(self, busy: watch::Receiver<BTreeSet<Partition>>, shutdown: CancellationToken) {
         let mut ticker = tokio::time::interval(self.config.rebalance_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        // Partitions taken away from the processor in an earlier round, waiting to be released.
-        let mut giving_up = BTreeSet::new();
+        // Partitions taken away from the processor in an earlier round, waiting to be released, and the
+        // instance id that round ran under.
+        let mut giving_up = (self.instance(), BTreeSet::new());
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
             }
-            if beat.borrow().elapsed() > self.self_fence_after() {
+            let current = self.assign.borrow().clone();
+            if !current.is_live() {
                 continue;
             }
-            if let Err(e) = self.round(&busy, &mut giving_up).await {
-                warn!(instance = %self.id, error = %e, "ownership round failed");
+            if giving_up.0 != current.instance {
+                giving_up = (current.instance, BTreeSet::new());
+            }
+            if let Err(e) = self.round(current.instance, &busy, &mut giving_up.1).await {
+                warn!(instance = %current.instance, error = %e, "ownership round failed");
             }
         }
     }
 
-    /// One ownership round: rebalance (leader only), release, acquire, publish the assignment.
+    /// One ownership round of instance `id`: rebalance (leader only), release, acquire, publish the
+    /// assignment (unless the instance registered again meanwhile: this round's view is then stale).
     async fn round(
         &self,
+        id: Uuid,
         busy: &watch::Receiver<BTreeSet<Partition>>,
         giving_up: &mut BTreeSet<Partition>,
     ) -> Result<()> {
         let live = ownership::live(&self.pool, &self.sql).await?;
         let rows = ownership::partitions(&self.pool, &self.sql).await?;
-        let targets: BTreeMap<Partition, Uuid> = if live.first() == Some(&self.id) {
-            // Housekeeping for the cluster: forget instances dead for longer than a lease.
+        let targets: BTreeMap<Partition, Uuid> = if live.first() == Some(&id) {
+            // Housekeeping for the cluster: forget instances whose partitions became takeable more than
+            // a stale timeout ago.
             registry::reap(&self.pool, &self.sql, self.config.stale_timeout).await?;
-            ownership::rebalance(&self.pool, &self.sql, self.id, &live, &rows).await?
+            ownership::rebalance(&self.pool, &self.sql, id, &live, &rows).await?
         } else {
             rows.iter().filter_map(|r| r.target.map(|t| (r.partition, t))).collect()
         };
-        let mine = |p: &Partition| targets.get(p) == Some(&self.id);
+        let mine = |p: &Partition| targets.get(p) == Some(&id);
 
         // Release what the processor stopped fetching in an earlier round and has nothing in flight.
         // Waiting one round closes the gap between a dispatch and its appearance in `busy`.
-        let owned: Epochs = rows.iter().filter(|r| r.owner == Some(self.id)).map(|r| (r.partition, r.epoch)).collect();
+        let owned: Epochs = rows.iter().filter(|r| r.owner == Some(id)).map(|r| (r.partition, r.epoch)).collect();
         let in_flight = busy.borrow().clone();
         let release: Epochs = owned
             .iter()
@@ -293,20 +312,22 @@ impl Ctx {
             .map(|(&p, &e)| (p, e))
             .collect();
         if !release.is_empty() {
-            ownership::release(&self.pool, &self.sql, self.id, &release, "rebalance").await?;
+            ownership::release(&self.pool, &self.sql, id, &release, "rebalance").await?;
         }
-        if rows.iter().any(|r| mine(&r.partition) && r.owner != Some(self.id)) {
-            ownership::acquire(&self.pool, &self.sql, self.id).await?;
+        if rows.iter().any(|r| mine(&r.partition) && r.owner != Some(id)) {
+            ownership::acquire(&self.pool, &self.sql, id).await?;
         }
 
-        let owned = ownership::owned(&self.pool, &self.sql, self.id).await?;
+        let owned = ownership::owned(&self.pool, &self.sql, id).await?;
         *giving_up = owned.keys().copied().filter(|p| !mine(p)).collect();
         let keep: Epochs = owned.into_iter().filter(|(p, _)| mine(p)).collect();
         metrics::gauge!("outbox_owned_partitions").set(keep.len() as f64);
         metrics::gauge!("outbox_live_instances").set(live.len() as f64);
         self.assign.send_if_modified(|current| {
-            let changed = current.epochs != keep;
-            current.epochs = keep;
+            let changed = current.instance == id && current.epochs != keep;
+            if changed {
+                current.epochs = keep;
+            }
             changed
         });
         Ok(())

@@ -1,4 +1,9 @@
 //! Instance registry: register, heartbeat (lease renewal by database time), deregister, reap the dead.
+//!
+//! An instance's row holds two times: `expires_at`, until which it counts as live (and may deliver), and
+//! `takeover_at`, from which others may take its partitions. A heartbeat renews both, but only while the
+//! lease has not expired: an expired lease means the instance was declared dead, and it must fence
+//! itself and register again under a new id.
 
 use std::time::Duration;
 
@@ -27,20 +32,44 @@ pub struct InstanceInfo {
     pub partitions: i64,
 }
 
-pub(crate) async fn register(db: &Db, sql: &Sql, id: Uuid, name: &str, lease: Duration) -> Result<()> {
-    match db {
-        Db::Postgres(pool) => {
-            sqlx::query(stmt(&sql.register)).bind(id).bind(name).bind(millis(lease)).execute(pool).await?;
-            Ok(())
-        }
-        Db::Sqlite(pool) => sqlite::register(pool, &sql.sqlite, id, name, lease).await,
-    }
+/// How long a registration or renewal lasts: live for `live`, partitions takeable after `takeover`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lease {
+    pub(crate) live: Duration,
+    pub(crate) takeover: Duration,
 }
 
-/// Renews the lease; `false` when the instance is no longer registered (declared dead by others).
-pub(crate) async fn heartbeat(conn: &mut PgConnection, sql: &Sql, id: Uuid, lease: Duration) -> Result<bool> {
-    let row = sqlx::query(stmt(&sql.heartbeat)).bind(id).bind(millis(lease)).fetch_optional(conn).await?;
-    Ok(row.is_some())
+/// Registers `id`; returns the lease's remaining time as the database answered it.
+pub(crate) async fn register(db: &Db, sql: &Sql, id: Uuid, name: &str, lease: Lease) -> Result<Duration> {
+    let remaining = match db {
+        Db::Postgres(pool) => {
+            sqlx::query_scalar(stmt(&sql.register))
+                .bind(id)
+                .bind(name)
+                .bind(millis(lease.live))
+                .bind(millis(lease.takeover))
+                .fetch_one(pool)
+                .await?
+        }
+        Db::Sqlite(pool) => sqlite::register(pool, &sql.sqlite, id, name, lease).await?,
+    };
+    Ok(from_millis(remaining))
+}
+
+/// Renews an unexpired lease; returns its remaining time, or `None` when it had expired (the instance
+/// was declared dead).
+pub(crate) async fn heartbeat(conn: &mut PgConnection, sql: &Sql, id: Uuid, lease: Lease) -> Result<Option<Duration>> {
+    let remaining: Option<i64> = sqlx::query_scalar(stmt(&sql.heartbeat))
+        .bind(id)
+        .bind(millis(lease.live))
+        .bind(millis(lease.takeover))
+        .fetch_optional(conn)
+        .await?;
+    Ok(remaining.map(from_millis))
+}
+
+fn from_millis(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }
 
 pub(crate) async fn deregister(db: &Db, sql: &Sql, id: Uuid) -> Result<()> {
@@ -53,7 +82,7 @@ pub(crate) async fn deregister(db: &Db, sql: &Sql, id: Uuid) -> Result<()> {
     }
 }
 
-/// Deletes instances whose lease expired more than `grace` ago.
+/// Deletes instances whose partitions became takeable more than `grace` ago.
 pub(crate) async fn reap(db: &Db, sql: &Sql, grace: Duration) -> Result<u64> {
     match db {
         Db::Postgres(pool) => Ok(sqlx::query(stmt(&sql.reap)).bind(millis(grace)).execute(pool).await?.rows_affected()),

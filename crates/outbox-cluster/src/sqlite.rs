@@ -15,23 +15,26 @@ use sqlx::{AssertSqlSafe, SqlitePool};
 use uuid::Uuid;
 
 use crate::Result;
-use crate::registry::InstanceInfo;
+use crate::registry::{InstanceInfo, Lease};
 use crate::sql::millis;
 
-const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at) VALUES ($1, $2, {now} + $3)";
+const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, takeover_at)
+VALUES ($1, $2, {now} + $3, {now} + $4) RETURNING expires_at - {now}";
 
+/// Renews a lease that has not expired (see the PostgreSQL statement); returns its remaining ms.
 const HEARTBEAT: &str =
-    "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2 WHERE id = $1 RETURNING id";
+    "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2, takeover_at = {now} + $3
+WHERE id = $1 AND expires_at > {now} RETURNING expires_at - {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = $1";
 
-const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - $1";
+const REAP: &str = "DELETE FROM {s}_instances WHERE takeover_at < {now} - $1";
 
-/// Partitions targeted at `$1` that are free or whose owner has no live lease, with that owner.
+/// Partitions targeted at `$1` that are free or whose owner's takeover time has passed, with that owner.
 const ACQUIRABLE: &str = "SELECT p.partition, p.owner FROM {s}_partitions p
 WHERE p.target_owner = $1 AND p.owner IS NOT $1
   AND (p.owner IS NULL OR NOT EXISTS (
-      SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))";
+      SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.takeover_at > {now}))";
 
 const TAKE: &str = "UPDATE {s}_partitions SET owner = $1, epoch = epoch + 1, changed_at = {now}
 WHERE partition = $2 RETURNING epoch";
@@ -99,17 +102,31 @@ fn stmt(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(Arc::clone(text))
 }
 
-pub(crate) async fn register(pool: &SqlitePool, sql: &Sql, id: Uuid, name: &str, lease: Duration) -> Result<()> {
+/// Registers; returns the lease's remaining ms.
+pub(crate) async fn register(pool: &SqlitePool, sql: &Sql, id: Uuid, name: &str, lease: Lease) -> Result<i64> {
     let mut tx = sqlite_write(pool).await?;
-    sqlx::query(stmt(&sql.register)).bind(id).bind(name).bind(millis(lease)).execute(&mut *tx).await?;
-    Ok(tx.commit().await?)
+    let remaining: i64 = sqlx::query_scalar(stmt(&sql.register))
+        .bind(id)
+        .bind(name)
+        .bind(millis(lease.live))
+        .bind(millis(lease.takeover))
+        .fetch_one(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(remaining)
 }
 
-pub(crate) async fn heartbeat(pool: &SqlitePool, sql: &Sql, id: Uuid, lease: Duration) -> Result<bool> {
+/// Renews an unexpired lease; returns its remaining ms, `None` if it had expired.
+pub(crate) async fn heartbeat(pool: &SqlitePool, sql: &Sql, id: Uuid, lease: Lease) -> Result<Option<i64>> {
     let mut tx = sqlite_write(pool).await?;
-    let row = sqlx::query(stmt(&sql.heartbeat)).bind(id).bind(millis(lease)).fetch_optional(&mut *tx).await?;
+    let remaining: Option<i64> = sqlx::query_scalar(stmt(&sql.heartbeat))
+        .bind(id)
+        .bind(millis(lease.live))
+        .bind(millis(lease.takeover))
+        .fetch_optional(&mut *tx)
+        .await?;
     tx.commit().await?;
-    Ok(row.is_some())
+    Ok(remaining)
 }
 
 pub(crate) async fn deregister(pool: &SqlitePool, sql: &Sql, id: Uuid) -> Result<()> {

@@ -59,7 +59,7 @@ pub use error::{Error, Result, is_not_migrated};
 pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handlers, Route, fallback_fn, handler_fn};
 pub use operator::{FailedFilter, FailedRecord, PartitionStats};
 pub use partition::{PARTITIONS, Partition, partition_of};
-pub use processor::{Assignment, Epochs, Processor};
+pub use processor::{Assignment, Deadline, Epochs, MAX_ERROR_BYTES, Processor};
 pub use record::{Headers, MAX_EVENT_TYPE_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled};
 pub use retry::{Backoff, RetryPolicy};
 

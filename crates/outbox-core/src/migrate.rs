@@ -22,8 +22,14 @@ pub struct Migration {
 }
 
 /// The PostgreSQL migrations this version of the library knows, in order (SQLite's are in `sqlite.rs`).
-pub const MIGRATIONS: &[Migration] =
-    &[Migration { version: 1, name: "initial", sql: include_str!("../../../migrations/postgres/0001_initial.sql") }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "initial", sql: include_str!("../../../migrations/postgres/0001_initial.sql") },
+    Migration {
+        version: 2,
+        name: "leases_requeues_sequences",
+        sql: include_str!("../../../migrations/postgres/0002_leases_requeues_sequences.sql"),
+    },
+];
 
 /// Arbitrary constant namespacing the advisory lock (ASCII "outbox").
 const LOCK_NAMESPACE: i32 = 0x6f75_7462;
@@ -84,4 +90,51 @@ pub(crate) fn check_applied(schema: &str, applied: &[(i64, i64)], known: &[(i64,
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::PgPool;
+
+    use super::{MIGRATIONS, checksum};
+    use crate::sql::stmt;
+    use crate::{Config, NewRecord, Outbox, partition_of};
+
+    /// A database left at version 1 by an older library (per-key counter rows) is upgraded without any
+    /// key's sequence going backwards: the new sequence starts above every number given out.
+    #[sqlx::test(migrations = false)]
+    async fn upgrading_from_version_1_keeps_every_keys_sequence_growing(pool: PgPool) {
+        let outbox = Outbox::new(Config::default()).unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("CREATE SCHEMA outbox").execute(&mut *tx).await.unwrap();
+        sqlx::query(stmt(&outbox.sql().migrations_table)).execute(&mut *tx).await.unwrap();
+        sqlx::query("SET LOCAL search_path TO outbox").execute(&mut *tx).await.unwrap();
+        sqlx::raw_sql(MIGRATIONS[0].sql).execute(&mut *tx).await.unwrap();
+        sqlx::query("INSERT INTO outbox.schema_migrations (version, name, checksum) VALUES (1, 'initial', $1)")
+            .bind(checksum(MIGRATIONS[0].sql))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO outbox.keys (key, last_seq) VALUES ('old', 41), ('drained', 7)")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO outbox.records (id, partition, key, seq, event_type, payload) VALUES ($1, $2, 'old', 41, 't', '')")
+            .bind(uuid::Uuid::now_v7())
+            .bind(i16::from(partition_of("old")))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+
+        outbox.migrate(&pool).await.unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        let old = outbox.schedule(&mut *tx, NewRecord::new("old", "t", "")).await.unwrap();
+        let drained = outbox.schedule(&mut *tx, NewRecord::new("drained", "t", "")).await.unwrap();
+        tx.commit().await.unwrap();
+        assert!(old.seq > 41 && drained.seq > 41, "{} {}", old.seq, drained.seq);
+        let kept: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outbox.records WHERE seq = 41").fetch_one(&pool).await.unwrap();
+        assert_eq!(kept, 1, "pending records are kept");
+    }
 }

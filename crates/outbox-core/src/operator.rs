@@ -24,8 +24,10 @@ pub struct FailedRecord {
     pub seq: i64,
     /// Event type.
     pub event_type: String,
-    /// Failed deliveries.
+    /// Failed deliveries since it was scheduled or last requeued.
     pub attempts: i32,
+    /// How often an operator requeued it.
+    pub requeues: i32,
     /// The last error (handler, and fallback if one ran).
     pub last_error: Option<String>,
     /// When it was scheduled.

@@ -37,7 +37,27 @@ impl Outbox {
         }
     }
 
-    /// Purges every `purge_interval` until `shutdown` (with `completion = "keep"`; nothing to do otherwise).
+    /// Deletes the per-key lock rows of keys with no record left, `batch_size` per statement, until none
+    /// are left; returns how many. A key's row is written again by its next `schedule`, and its sequence
+    /// numbers go on growing: they come from one database-wide sequence, not from the row. (SQLite keeps
+    /// no per-key rows.)
+    #[instrument(skip(self, db))]
+    pub async fn prune_keys(&self, db: impl Into<Db>, batch_size: usize) -> Result<u64> {
+        let Db::Postgres(pool) = db.into() else { return Ok(0) };
+        let limit = i64::try_from(batch_size).unwrap_or(i64::MAX);
+        let mut total = 0;
+        loop {
+            let query = sqlx::query(stmt(&self.sql().prune_keys)).bind(limit);
+            let done = query.execute(&pool).await.map_err(|e| self.db_error(e))?.rows_affected();
+            total += done;
+            if done < batch_size as u64 {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Purges completed records (with `completion = "keep"`) and prunes key rows every `purge_interval`
+    /// until `shutdown`.
     pub async fn run_purge(self, db: impl Into<Db>, shutdown: CancellationToken) {
         let db = db.into();
         let config = self.config().clone();
@@ -50,6 +70,10 @@ impl Outbox {
             match self.purge_completed(&db, config.completed_retention, config.purge_batch_size).await {
                 Ok(n) => debug!(purged = n, "purged completed records"),
                 Err(e) => warn!(error = %e, "purge failed; will retry at the next interval"),
+            }
+            match self.prune_keys(&db, config.purge_batch_size).await {
+                Ok(n) => debug!(pruned = n, "pruned key rows of keys with no record left"),
+                Err(e) => warn!(error = %e, "pruning key rows failed; will retry at the next interval"),
             }
         }
     }

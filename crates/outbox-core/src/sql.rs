@@ -7,126 +7,183 @@ use std::sync::Arc;
 
 use sqlx::AssertSqlSafe;
 
-/// The fence: lock the partition rows this worker believes it owns, at the epochs it believes it holds,
-/// `FOR SHARE`. An epoch bump (release, steal) waits for the share lock, and a zombie's statement that
-/// races a bump re-checks the row after the bump commits and matches nothing. `FOR KEY SHARE` would not
-/// block the bump. `$1` partitions, `$2` epochs, `$3` owner.
+/// The fence: lock the partition rows this worker believes it owns, under the instance ids and at the
+/// epochs it believes it holds them, `FOR SHARE`. An epoch bump (release, steal) waits for the share
+/// lock, and a zombie's statement that races a bump re-checks the row after the bump commits and
+/// matches nothing. `FOR KEY SHARE` would not block the bump. `$1` partitions, `$2` owners, `$3` epochs.
 const FENCE: &str = "fence AS MATERIALIZED (
-    SELECT p.partition FROM {s}.partitions p
-    JOIN unnest($1::smallint[], $2::bigint[]) AS o(partition, epoch)
-      ON o.partition = p.partition AND o.epoch = p.epoch
-    WHERE p.owner = $3
+    SELECT p.partition, p.owner, p.epoch FROM {s}.partitions p
+    JOIN unnest($1::smallint[], $2::uuid[], $3::bigint[]) AS o(partition, owner, epoch)
+      ON o.partition = p.partition AND o.owner = p.owner AND o.epoch = p.epoch
     FOR SHARE OF p)";
+
+/// The end of a fenced write: the ids it wrote, then the (partition, owner, epoch) its fence held, so
+/// the processor can tell an outcome that was fenced out from one whose record was already settled.
+const WRITTEN_AND_HELD: &str =
+    "SELECT id, NULL::smallint AS partition, NULL::uuid AS owner, NULL::bigint AS epoch FROM written
+UNION ALL
+SELECT NULL, partition, owner, epoch FROM fence";
 
 /// A record's partition is in the fence: a filter on rows found by id. The cast keeps the planner off
 /// the (partition, key, seq) index, which it would otherwise pick for a batch of many ids and then
 /// read every record of the fenced partitions.
 const FENCED: &str = "r.partition::int = ANY(ARRAY(SELECT partition::int FROM fence))";
 
-/// Schedules records inside the caller's transaction. Upserting each key's counter row takes its row
-/// lock until commit, so writers of one key serialise and sequence order equals commit order. Keys are
-/// locked in sorted order so two multi-key batches cannot deadlock.
+/// Schedules records inside the caller's transaction. Upserting each key's lock row takes its row lock
+/// until commit, so writers of one key serialise; only once every key of the batch is locked (the
+/// one-time filter on `locked`) are sequence numbers drawn, so a key's numbers grow in commit order.
+/// Drawn numbers are handed out in input order, so a key's records in one batch are numbered as listed.
+/// Keys are locked in sorted order so two multi-key batches cannot deadlock.
 const SCHEDULE: &str = "WITH input AS (
     SELECT * FROM unnest($1::uuid[], $2::smallint[], $3::text[], $4::text[], $5::bytea[], $6::text[])
         WITH ORDINALITY AS t(id, partition, key, event_type, payload, headers, ord)
-), counters AS (
-    INSERT INTO {s}.keys AS k (key, last_seq)
-    SELECT key, count(*) FROM input GROUP BY key ORDER BY key
-    ON CONFLICT (key) DO UPDATE SET last_seq = k.last_seq + EXCLUDED.last_seq
-    RETURNING k.key, k.last_seq
+), locked AS (
+    INSERT INTO {s}.keys AS k (key, partition)
+    SELECT DISTINCT ON (key) key, partition FROM input ORDER BY key
+    ON CONFLICT (key) DO UPDATE SET partition = EXCLUDED.partition
+    RETURNING k.key
+), drawn AS (
+    SELECT nextval('{s}.record_seq') AS seq FROM input WHERE (SELECT count(*) FROM locked) > 0
+), numbered AS (
+    SELECT seq, row_number() OVER (ORDER BY seq) AS ord FROM drawn
 )
 INSERT INTO {s}.records (id, partition, key, seq, event_type, payload, headers)
-SELECT i.id, i.partition, i.key,
-       c.last_seq - count(*) OVER (PARTITION BY i.key) + row_number() OVER (PARTITION BY i.key ORDER BY i.ord),
-       i.event_type, i.payload, i.headers::jsonb
-FROM input i JOIN counters c ON c.key = i.key
+SELECT i.id, i.partition, i.key, n.seq, i.event_type, i.payload, i.headers::jsonb
+FROM input i JOIN numbered n ON n.ord = i.ord
 RETURNING id, seq";
 
-const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.created_at, r.failed_at, r.next_attempt_at";
+/// Deletes at most `$1` key lock rows whose key has no record left (skipping those a writer holds).
+const PRUNE_KEYS: &str = "DELETE FROM {s}.keys WHERE key = ANY(ARRAY(
+    SELECT k.key FROM {s}.keys k
+    WHERE NOT EXISTS (SELECT 1 FROM {s}.records r WHERE r.partition = k.partition AND r.key = k.key)
+    LIMIT $1 FOR UPDATE SKIP LOCKED))";
+
+const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at, r.failed_at, r.next_attempt_at";
 
 const DUE: &str = "r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())";
 
-/// Fetches up to `$3` head records, one per key, from partitions `$1`, skipping keys `$2` (in flight),
-/// each followed by up to `$4` further records of its key in sequence order (the lookahead) as long as
-/// the run's payloads total at most `$5` bytes (the head always comes), each with a `due` flag: the processor delivers a key's run one record at a time and stops before the first
-/// record that is not due.
+/// Fetches up to `$6` head records, one per key, skipping keys `$5` (in flight), each followed by up to
+/// `$7` further records of its key in sequence order (the lookahead) as long as the run's payloads
+/// total at most `$8` bytes (the head always comes), each with a `due` flag: the processor delivers a
+/// key's run one record at a time and stops before the first record that is not due.
 ///
-/// Heads come from a loose index scan: for each partition, walk its keys in index order, one probe per
-/// key, taking the key's first row. The cost grows with the number of keys, not records, and the walk
-/// stops as soon as the batch is full. With stop-on-first-failure the head is the key's lowest
-/// sequence, and a key whose head is FAILED or backing off is passed over (so blocked keys never fill a
-/// batch); without it, the walk takes each key's first *due* record.
-const FETCH: &str = "WITH heads AS MATERIALIZED (
-    SELECT h.id, h.partition, h.key, h.seq, h.event_type, h.payload, h.headers, h.attempts, h.created_at
-    FROM unnest($1::smallint[]) AS p(part)
-    CROSS JOIN LATERAL (
-        WITH RECURSIVE walk AS (
-            (SELECT {cols} FROM {s}.records r WHERE r.partition = p.part {step_due} ORDER BY r.key, r.seq LIMIT 1)
-            UNION ALL
-            SELECT n.* FROM walk w CROSS JOIN LATERAL (
-                SELECT {cols} FROM {s}.records r
-                WHERE r.partition = w.partition AND r.key > w.key {step_due}
-                ORDER BY r.key, r.seq LIMIT 1) n
-        )
-        SELECT * FROM walk
+/// Fenced: only partitions `$1` whose row still shows owner `$4` at epoch `$2`, and only while `$4`'s
+/// lease is live by database time. Partitions are served in the order given; within partition `$1[i]`
+/// the walk starts after key `$3[i]` (NULL: from the lowest) and then wraps around to the keys up to it,
+/// so keys that sort low cannot starve the others; `walk` numbers the heads in the order served.
+///
+/// Heads come from a loose index scan: walk the partition's keys in index order, one probe per key,
+/// taking the key's first row. The cost grows with the number of keys, not records, and the walk stops
+/// as soon as the batch is full. With stop-on-first-failure the head is the key's lowest sequence, and a
+/// key whose head is FAILED or backing off is passed over (so blocked keys never fill a batch); without
+/// it, the walk takes each key's first *due* record.
+const FETCH: &str = "WITH served AS MATERIALIZED (
+    SELECT a.partition, coalesce(a.after, '') AS after, a.after IS NOT NULL AS wraps
+    FROM unnest($1::smallint[], $2::bigint[], $3::text[]) WITH ORDINALITY AS a(partition, epoch, after, ord)
+    JOIN {s}.partitions p ON p.partition = a.partition AND p.epoch = a.epoch AND p.owner = $4
+    WHERE EXISTS (SELECT 1 FROM {s}.instances i WHERE i.id = $4 AND i.expires_at > now())
+    ORDER BY a.ord
+), heads AS MATERIALIZED (
+    SELECT h.id, h.partition, h.key, h.seq, h.event_type, h.payload, h.headers, h.attempts, h.requeues, h.created_at
+    FROM served s CROSS JOIN LATERAL (
+        SELECT * FROM (
+            WITH RECURSIVE walk AS (
+                (SELECT {cols} FROM {s}.records r WHERE r.partition = s.partition AND r.key > s.after {step_due}
+                 ORDER BY r.key, r.seq LIMIT 1)
+                UNION ALL
+                SELECT n.* FROM walk w CROSS JOIN LATERAL (
+                    SELECT {cols} FROM {s}.records r WHERE r.partition = w.partition AND r.key > w.key {step_due}
+                    ORDER BY r.key, r.seq LIMIT 1) n
+            )
+            SELECT * FROM walk
+        ) tail
+        UNION ALL
+        SELECT * FROM (
+            WITH RECURSIVE walk AS (
+                (SELECT {cols} FROM {s}.records r
+                 WHERE s.wraps AND r.partition = s.partition AND r.key <= s.after {step_due}
+                 ORDER BY r.key, r.seq LIMIT 1)
+                UNION ALL
+                SELECT n.* FROM walk w CROSS JOIN LATERAL (
+                    SELECT {cols} FROM {s}.records r
+                    WHERE r.partition = w.partition AND r.key > w.key AND r.key <= s.after {step_due}
+                    ORDER BY r.key, r.seq LIMIT 1) n
+            )
+            SELECT * FROM walk
+        ) wrapped
     ) h
-    WHERE {head_due} AND h.key <> ALL($2::text[])
-    LIMIT $3
+    WHERE {head_due} AND h.key <> ALL($5::text[])
+    LIMIT $6
+), numbered AS (
+    SELECT heads.*, row_number() OVER () AS walk FROM heads
 )
-SELECT heads.*, true AS due FROM heads
+SELECT numbered.*, true AS due FROM numbered
 UNION ALL
-SELECT f.id, f.partition, f.key, f.seq, f.event_type, f.payload, f.headers, f.attempts, f.created_at,
-       f.failed_at IS NULL AND (f.next_attempt_at IS NULL OR f.next_attempt_at <= now()) AS due
-FROM heads CROSS JOIN LATERAL (
+SELECT f.id, f.partition, f.key, f.seq, f.event_type, f.payload, f.headers, f.attempts, f.requeues, f.created_at,
+       NULL, f.failed_at IS NULL AND (f.next_attempt_at IS NULL OR f.next_attempt_at <= now()) AS due
+FROM numbered heads CROSS JOIN LATERAL (
     SELECT {cols}, sum(octet_length(r.payload)) OVER (ORDER BY r.seq) AS run_bytes FROM {s}.records r
     WHERE r.partition = heads.partition AND r.key = heads.key AND r.seq > heads.seq
-    ORDER BY r.seq LIMIT $4) f
-WHERE octet_length(heads.payload) + f.run_bytes <= $5";
+    ORDER BY r.seq LIMIT $7) f
+WHERE octet_length(heads.payload) + f.run_bytes <= $8";
 
 /// Completes delivered records (fenced): delete, and copy to `completed` when keeping them.
 /// `$4` ids, `$5` outcomes, `$6` attempts.
 ///
 /// Rows are found by `id = ANY($4)` with the fence as a filter: joining the ids through `unnest` lets
-/// the planner read every record of the fenced partitions instead (a flush of 1,000 records on a
-/// 50,000-record backlog took 117 ms that way, 13 ms this way).
+/// the planner read every record of the fenced partitions instead.
 const COMPLETE_KEEP: &str = "WITH {fence}, done AS (
     DELETE FROM {s}.records r
     WHERE r.id = ANY($4::uuid[]) AND {fenced}
     RETURNING r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.created_at
+), written AS (
+    INSERT INTO {s}.completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
+    SELECT done.id, done.partition, done.key, done.seq, done.event_type, done.payload, done.headers, done.created_at,
+           d.attempts, d.outcome
+    FROM done JOIN unnest($4::uuid[], $5::text[], $6::int[]) AS d(id, outcome, attempts) ON d.id = done.id
+    RETURNING id
 )
-INSERT INTO {s}.completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
-SELECT done.id, done.partition, done.key, done.seq, done.event_type, done.payload, done.headers, done.created_at,
-       d.attempts, d.outcome
-FROM done JOIN unnest($4::uuid[], $5::text[], $6::int[]) AS d(id, outcome, attempts) ON d.id = done.id
-RETURNING id";
+{written_and_held}";
 
-const COMPLETE_DELETE: &str = "WITH {fence}
-DELETE FROM {s}.records r
-WHERE r.id = ANY($4::uuid[]) AND {fenced}
-RETURNING r.id";
+/// The same, deleting only (`$5` and `$6` are bound alike and unused: sqlx declares every bound
+/// parameter's type when it prepares the statement).
+const COMPLETE_DELETE: &str = "WITH {fence}, written AS (
+    DELETE FROM {s}.records r
+    WHERE r.id = ANY($4::uuid[]) AND {fenced}
+    RETURNING r.id
+)
+{written_and_held}";
 
-/// Records failed deliveries (fenced): a retry at `now() + delay` (database time), or FAILED.
-/// `$4` ids, `$5` attempts, `$6` errors, `$7` delays in ms, `$8` failed flags.
-const FAIL: &str = "WITH {fence}
-UPDATE {s}.records r SET
-    attempts = u.attempts,
-    last_error = u.error,
-    next_attempt_at = CASE WHEN u.failed THEN NULL ELSE now() + u.delay_ms * interval '1 millisecond' END,
-    failed_at = CASE WHEN u.failed THEN now() END
-FROM unnest($4::uuid[], $5::int[], $6::text[], $7::bigint[], $8::bool[]) AS u(id, attempts, error, delay_ms, failed)
-WHERE r.id = u.id AND r.id = ANY($4::uuid[]) AND {fenced}
-RETURNING r.id";
+/// Records failed deliveries (fenced): a retry at `now() + delay` (database time), or FAILED. Only a
+/// pending record that has not been requeued since it was fetched is written, so a late retry of this
+/// statement never undoes an operator's requeue. `$4` ids, `$5` attempts, `$6` requeues when fetched,
+/// `$7` errors, `$8` delays in ms, `$9` failed flags.
+const FAIL: &str = "WITH {fence}, written AS (
+    UPDATE {s}.records r SET
+        attempts = u.attempts,
+        last_error = u.error,
+        next_attempt_at = CASE WHEN u.failed THEN NULL ELSE now() + u.delay_ms * interval '1 millisecond' END,
+        failed_at = CASE WHEN u.failed THEN now() END
+    FROM unnest($4::uuid[], $5::int[], $6::int[], $7::text[], $8::bigint[], $9::bool[])
+        AS u(id, attempts, requeues, error, delay_ms, failed)
+    WHERE r.id = u.id AND r.id = ANY($4::uuid[]) AND r.failed_at IS NULL AND r.requeues = u.requeues AND {fenced}
+    RETURNING r.id
+)
+{written_and_held}";
 
-const FAILED_COLUMNS: &str = "id, partition, key, seq, event_type, attempts, last_error, created_at, failed_at";
+const FAILED_COLUMNS: &str =
+    "id, partition, key, seq, event_type, attempts, requeues, last_error, created_at, failed_at";
 
 /// Lists FAILED records, optionally of one key (`$1`) or partition (`$2`), at most `$3`.
 const LIST_FAILED: &str = "SELECT {failed_cols} FROM {s}.records
 WHERE failed_at IS NOT NULL AND ($1::text IS NULL OR key = $1) AND ($2::smallint IS NULL OR partition = $2)
 ORDER BY partition, key, seq LIMIT $3";
 
-/// Requeues FAILED records (one id `$1`, or all of key `$2`) with a fresh retry budget. Not fenced:
-/// owners never write FAILED rows, so operator and owner cannot race on them.
-const REQUEUE: &str = "UPDATE {s}.records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL
+/// Requeues FAILED records (one id `$1`, or all of key `$2`) with a fresh retry budget, counting the
+/// requeue. Not fenced: owners never write FAILED rows (nor rows requeued since they fetched them), so
+/// operator and owner cannot race on them.
+const REQUEUE: &str =
+    "UPDATE {s}.records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
 WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)
 RETURNING id";
 
@@ -167,6 +224,7 @@ pub(crate) type Stmt = AssertSqlSafe<Arc<str>>;
 pub(crate) struct Sql {
     schema: String,
     pub(crate) schedule: Arc<str>,
+    pub(crate) prune_keys: Arc<str>,
     pub(crate) fetch: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) fail: Arc<str>,
@@ -182,7 +240,8 @@ impl Sql {
     /// `schema` must already be validated as an identifier.
     pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
         let build = |text: &str| -> Arc<str> {
-            text.replace("{fence}", FENCE)
+            text.replace("{written_and_held}", WRITTEN_AND_HELD)
+                .replace("{fence}", FENCE)
                 .replace("{fenced}", FENCED)
                 .replace("{cols}", RECORD_COLUMNS)
                 .replace("{failed_cols}", FAILED_COLUMNS)
@@ -198,6 +257,7 @@ impl Sql {
         Self {
             schema: schema.to_string(),
             schedule: build(SCHEDULE),
+            prune_keys: build(PRUNE_KEYS),
             fetch: build(&fetch),
             complete: build(if keep_completed { COMPLETE_KEEP } else { COMPLETE_DELETE }),
             fail: build(FAIL),
@@ -228,8 +288,12 @@ mod tests {
 
     async fn plan(pool: &PgPool, sql: &str, partitions: &[i16]) -> String {
         let explain = format!("EXPLAIN (FORMAT TEXT) {sql}");
+        let cursors: Vec<Option<&str>> = partitions.iter().map(|&p| (p % 2 == 1).then_some("key-500")).collect();
         let rows: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(explain))
             .bind(partitions)
+            .bind(vec![1_i64; partitions.len()])
+            .bind(cursors)
+            .bind(uuid::Uuid::now_v7())
             .bind(Vec::<String>::new())
             .bind(100_i64)
             .bind(7_i64)
@@ -280,13 +344,14 @@ mod tests {
                 let explain = format!("EXPLAIN (FORMAT TEXT) {text}");
                 let mut query = sqlx::query_as::<_, (String,)>(sqlx::AssertSqlSafe(explain))
                     .bind(&partitions)
+                    .bind(vec![uuid::Uuid::now_v7(); 256])
                     .bind(vec![1_i64; 256])
-                    .bind(uuid::Uuid::now_v7())
                     .bind(&ids);
                 query = if name == "complete" {
                     query.bind(vec!["delivered"; n]).bind(vec![0_i32; n])
                 } else {
-                    query.bind(vec![1_i32; n]).bind(vec!["e"; n]).bind(vec![10_i64; n]).bind(vec![false; n])
+                    let ints = vec![1_i32; n];
+                    query.bind(ints.clone()).bind(ints).bind(vec!["e"; n]).bind(vec![10_i64; n]).bind(vec![false; n])
                 };
                 let plan: Vec<(String,)> = query.fetch_all(&mut *conn).await.unwrap();
                 let plan = plan.into_iter().map(|(l,)| l).collect::<Vec<_>>().join("\n");

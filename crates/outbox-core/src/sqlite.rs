@@ -13,20 +13,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::TryStreamExt;
-use sqlx::{AssertSqlSafe, SqliteConnection, SqlitePool};
+use sqlx::{AssertSqlSafe, Connection, SqliteConnection, SqlitePool};
 use uuid::Uuid;
 
 use crate::db::sqlite_write;
 use crate::error::{Error, Result};
 use crate::migrate::checksum;
 use crate::operator::{FailedFilter, FailedRecord, PartitionStats, StatsRow, stats_from_rows};
-use crate::processor::{FetchedRow, Outcome, Verdict};
+use crate::processor::{FetchedRow, Outcome, Request, Verdict, Written};
 
 /// SQLite's clock in milliseconds since the Unix epoch; the same value throughout one statement.
 pub const NOW_MS: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
 
 /// The schema, versions in order (`{s}` is the table prefix).
-const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "initial", include_str!("../../../migrations/sqlite/0001_initial.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "initial", include_str!("../../../migrations/sqlite/0001_initial.sql")),
+    (2, "leases_requeues_sequences", include_str!("../../../migrations/sqlite/0002_leases_requeues_sequences.sql")),
+];
 
 const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}_schema_migrations (
     version    INTEGER PRIMARY KEY,
@@ -34,9 +37,8 @@ const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}_schema_migrations
     checksum   INTEGER NOT NULL,
     applied_at INTEGER NOT NULL DEFAULT ({now}))";
 
-/// The key's next sequence number; the upsert's write takes the database write lock until commit.
-const NEXT_SEQ: &str = "INSERT INTO {s}_keys (key, last_seq) VALUES ($1, 1)
-ON CONFLICT (key) DO UPDATE SET last_seq = last_seq + 1 RETURNING last_seq";
+/// Takes `$1` sequence numbers; returns the last. The write takes the database write lock until commit.
+const TAKE_SEQS: &str = "UPDATE {s}_sequence SET last = last + $1 RETURNING last";
 
 const INSERT: &str = "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers)
 VALUES ($1, $2, $3, $4, $5, $6, $7)";
@@ -45,50 +47,69 @@ VALUES ($1, $2, $3, $4, $5, $6, $7)";
 /// a `DateTime<Utc>` as it does PostgreSQL's `timestamptz`, so both backends share their row types.
 const TEXT_TIME: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', {} / 1000.0, 'unixepoch')";
 
-const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, {time:r.created_at} AS created_at";
+const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, {time:r.created_at} AS created_at";
 
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {now}))";
 
-/// Head records, one per key, of partitions `$1` (a JSON array, in the order to serve them), skipping
-/// keys `$2` (JSON array), at most `$3`, each with up to `$4` following records of its key and a `due`
-/// flag. With stop-on-first-failure a key's head is its lowest sequence (passed over unless due);
-/// without it, its lowest due sequence. A key's pending records are consecutive sequences, so the
-/// followers are a range.
+/// Head records, one per key, of partitions `$1` (a JSON array of `[partition, epoch, start after key or
+/// null]`, in the order to serve them), skipping keys `$2` (JSON array), at most `$3`, each with up to
+/// `$4` following records of its key and a `due` flag; `walk` numbers the heads in the order served.
+/// With stop-on-first-failure a key's head is its lowest sequence (passed over unless due); without it,
+/// its lowest due sequence.
 ///
-/// The heads come from a loose index scan written as a recursive walk, one row per key: partition `i`
-/// of `served` (those of `$1` that hold records, in order), its keys one index seek apart (`min(key) >
-/// previous key`), a row with no key moving on to the next partition. `found` counts the keys served so
-/// far (`{serve}`: not skipped, head due) and the walk stops at `$3`. A key costs a few index seeks
-/// however many records it has. Measured with `sqlite3` 3.40 against the walk over every record this
-/// replaced, 500 heads with up to 32 followers each: 1,000 keys × 50 records 53 ms against 115 ms; a
-/// blocked key holding 100,000 records 3 ms against 113 ms; but 50,000 keys of one record 4.3 ms against
-/// 2.3 ms, and 5 records in all 0.37 ms against 0.06 ms (the recursion's fixed cost).
+/// Fenced: only the partitions whose row shows owner `$5` at the given epoch, and only while `$5`'s lease
+/// is live by SQLite's clock.
+///
+/// The heads come from a loose index scan written as a recursive walk, one row per key: partition `i` of
+/// `served` (those of `$1` that are held and hold records, in order), its keys one index seek apart
+/// (`min(key) > previous key`), first those after the partition's start key, then (`wrapped`) from its
+/// lowest key up to the start key, a row with no key moving on (to the wrapped part, or to the next
+/// partition). `found` counts the keys served so far (`{serve}`: not skipped, head due) and the walk
+/// stops at `$3`. A key costs a few index seeks however many records it has. Measured with `sqlite3`
+/// 3.40 against a walk over every record: 1,000 keys × 50 records 53 ms against 115 ms; a blocked key
+/// holding 100,000 records 3 ms against 113 ms; 50,000 keys of one record 4.3 ms against 2.3 ms.
 const FETCH: &str = "WITH RECURSIVE served(list, n) AS MATERIALIZED (
-    SELECT json_group_array(p.value), count(*) FROM json_each($1) p
-    WHERE EXISTS (SELECT 1 FROM {s}_records e WHERE e.partition = p.value)
+    SELECT json_group_array(json_array(a.value ->> 0, a.value ->> 2) ORDER BY a.key), count(*)
+    FROM json_each($1) a
+    JOIN {s}_partitions p ON p.partition = a.value ->> 0 AND p.epoch = a.value ->> 1 AND p.owner = $5
+    WHERE EXISTS (SELECT 1 FROM {s}_records e WHERE e.partition = a.value ->> 0)
+      AND EXISTS (SELECT 1 FROM {s}_instances l WHERE l.id = $5 AND l.expires_at > {now})
 ),
-walk(i, partition, key, found) AS (
-    SELECT -1, NULL, NULL, 0
+walk(i, partition, after, key, wrapped, found) AS (
+    SELECT -1, NULL, NULL, NULL, 1, 0
     UNION ALL
-    SELECT CASE WHEN w.key IS NULL THEN w.i + 1 ELSE w.i END,
-           CASE WHEN w.key IS NULL THEN (SELECT list FROM served) ->> (w.i + 1) ELSE w.partition END,
-           CASE WHEN w.key IS NULL
-                THEN (SELECT min(k.key) FROM {s}_records k WHERE k.partition = (SELECT list FROM served) ->> (w.i + 1))
-                ELSE (SELECT min(k.key) FROM {s}_records k WHERE k.partition = w.partition AND k.key > w.key)
-           END,
-           w.found + (w.key IS NOT NULL AND {serve})
+    SELECT CASE WHEN {next} THEN w.i + 1 ELSE w.i END,
+        CASE WHEN {next} THEN {next_partition} ELSE w.partition END,
+        CASE WHEN {next} THEN {next_after} ELSE w.after END,
+        CASE
+            WHEN {next} THEN (SELECT min(k.key) FROM {s}_records k
+                              WHERE k.partition = {next_partition} AND k.key > coalesce({next_after}, ''))
+            WHEN w.key IS NULL THEN (SELECT min(k.key) FROM {s}_records k WHERE k.partition = w.partition AND k.key <= w.after)
+            WHEN w.wrapped THEN (SELECT min(k.key) FROM {s}_records k
+                                 WHERE k.partition = w.partition AND k.key > w.key AND k.key <= w.after)
+            ELSE (SELECT min(k.key) FROM {s}_records k WHERE k.partition = w.partition AND k.key > w.key)
+        END,
+        CASE WHEN {next} THEN 0 WHEN w.key IS NULL THEN 1 ELSE w.wrapped END,
+        w.found + (w.key IS NOT NULL AND {serve})
     FROM walk w
     WHERE w.i < (SELECT n FROM served) AND w.found < $3
 ),
 heads AS (
-    SELECT w.partition, w.key,
+    SELECT w.partition, w.key, w.found AS walk,
         (SELECT min(h.seq) FROM {s}_records h WHERE h.partition = w.partition AND h.key = w.key {step_due}) AS seq
     FROM walk w WHERE w.key IS NOT NULL AND {serve}
     LIMIT $3
 )
-SELECT {cols}, {due} AS due FROM heads
-JOIN {s}_records r ON r.partition = heads.partition AND r.key = heads.key
-    AND r.seq BETWEEN heads.seq AND heads.seq + $4";
+SELECT {cols}, {due} AS due, CASE WHEN r.seq = heads.seq THEN heads.walk END AS walk FROM heads
+JOIN {s}_records r ON r.partition = heads.partition AND r.key = heads.key AND r.seq >= heads.seq
+    AND r.seq <= coalesce((SELECT x.seq FROM {s}_records x WHERE x.partition = heads.partition AND x.key = heads.key
+                           AND x.seq >= heads.seq ORDER BY x.seq LIMIT 1 OFFSET $4), 9223372036854775807)";
+
+/// Whether the walk leaves its partition: it ran off the end of it, after wrapping around (or with no
+/// start key to wrap around to); then the next partition of `served` and its start key.
+const NEXT: &str = "(w.key IS NULL AND (w.wrapped OR w.after IS NULL))";
+const NEXT_PARTITION: &str = "(((SELECT list FROM served) -> (w.i + 1)) ->> 0)";
+const NEXT_AFTER: &str = "(((SELECT list FROM served) -> (w.i + 1)) ->> 1)";
 
 /// Whether the walk serves key `w.key` of `w.partition`, with stop-on-first-failure: not skipped, and
 /// its lowest sequence is due.
@@ -99,8 +120,8 @@ const SERVE_HEAD_DUE: &str = "(w.key NOT IN (SELECT value FROM json_each($2)) AN
 const SERVE_ANY_DUE: &str = "(w.key NOT IN (SELECT value FROM json_each($2)) AND EXISTS (SELECT 1
     FROM {s}_records r WHERE r.partition = w.partition AND r.key = w.key AND {due}))";
 
-/// The fence: this worker owns the partition at this epoch.
-const FENCE: &str = "SELECT 1 FROM {s}_partitions WHERE partition = $1 AND epoch = $2 AND owner = $3";
+/// The fence: the instance owns the partition at this epoch.
+const FENCE: &str = "SELECT 1 FROM {s}_partitions WHERE partition = $1 AND owner = $2 AND epoch = $3";
 
 const KEEP: &str =
     "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
@@ -108,19 +129,21 @@ SELECT id, partition, key, seq, event_type, payload, headers, created_at, $2, $3
 
 const DELETE: &str = "DELETE FROM {s}_records WHERE id = $1 RETURNING id";
 
-/// A retry at now + `$5` ms, or FAILED (`$4`).
+/// A retry at now + `$5` ms, or FAILED (`$4`), of a pending record not requeued since it was fetched
+/// (`$6` requeues then): a late retry of this write never undoes an operator's requeue.
 const FAIL: &str = "UPDATE {s}_records SET attempts = $2, last_error = $3,
     next_attempt_at = CASE WHEN $4 THEN NULL ELSE {now} + $5 END,
     failed_at = CASE WHEN $4 THEN {now} END
-WHERE id = $1 RETURNING id";
+WHERE id = $1 AND failed_at IS NULL AND requeues = $6 RETURNING id";
 
-const LIST_FAILED: &str = "SELECT id, partition, key, seq, event_type, attempts, last_error,
+const LIST_FAILED: &str = "SELECT id, partition, key, seq, event_type, attempts, requeues, last_error,
     {time:created_at} AS created_at, {time:failed_at} AS failed_at
 FROM {s}_records
 WHERE failed_at IS NOT NULL AND ($1 IS NULL OR key = $1) AND ($2 IS NULL OR partition = $2)
 ORDER BY partition, key, seq LIMIT $3";
 
-const REQUEUE: &str = "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL
+const REQUEUE: &str =
+    "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
 WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)";
 
 const SKIP_KEEP: &str =
@@ -143,7 +166,7 @@ const PURGE: &str = "DELETE FROM {s}_completed WHERE id IN (
 #[derive(Debug)]
 pub(crate) struct Sql {
     schema: String,
-    next_seq: Arc<str>,
+    take_seqs: Arc<str>,
     insert: Arc<str>,
     fetch: Arc<str>,
     fence: Arc<str>,
@@ -181,10 +204,15 @@ impl Sql {
         let build = |text: &str| render(text, schema);
         let (step_due, serve) =
             if stop_on_first_failure { ("", SERVE_HEAD_DUE) } else { ("AND {h_due}", SERVE_ANY_DUE) };
-        let fetch = FETCH.replace("{serve}", serve).replace("{step_due}", step_due);
+        let fetch = FETCH
+            .replace("{next_partition}", NEXT_PARTITION)
+            .replace("{next_after}", NEXT_AFTER)
+            .replace("{next}", NEXT)
+            .replace("{serve}", serve)
+            .replace("{step_due}", step_due);
         Self {
             schema: schema.to_string(),
-            next_seq: build(NEXT_SEQ),
+            take_seqs: build(TAKE_SEQS),
             insert: build(INSERT),
             fetch: build(&fetch),
             fence: build(FENCE),
@@ -241,31 +269,17 @@ pub(crate) type NewRow<'a> = (Uuid, i16, &'a str, &'a str, &'a [u8], String);
 
 /// Inserts records on the caller's connection; returns each one's sequence, in input order.
 ///
-/// All or nothing, as PostgreSQL's single statement: the statements run inside a savepoint, undone if
-/// one fails, so a caller who commits after an error commits none of the batch. Outside a transaction
-/// (a bare pooled connection) the savepoint is the transaction, so another writer cannot take a
-/// sequence number between this one's and its insert.
+/// All or nothing, as PostgreSQL's single statement, and cancel-safe: the statements run in a
+/// transaction of sqlx's own (a savepoint inside the caller's transaction, or `BEGIN IMMEDIATE` on a
+/// bare connection), which sqlx rolls back if this future is dropped half way (say, by a timeout while
+/// waiting for the write lock), so the connection never goes back to its pool inside a transaction.
 pub(crate) async fn schedule(conn: &mut SqliteConnection, sql: &Sql, rows: Vec<NewRow<'_>>) -> sqlx::Result<Vec<i64>> {
-    sqlx::query("SAVEPOINT outbox_schedule").execute(&mut *conn).await?;
-    match insert(conn, sql, rows).await {
-        Ok(seqs) => {
-            sqlx::query("RELEASE outbox_schedule").execute(&mut *conn).await?;
-            Ok(seqs)
-        }
-        Err(e) => {
-            let undo = sqlx::raw_sql("ROLLBACK TO outbox_schedule; RELEASE outbox_schedule").execute(&mut *conn).await;
-            if let Err(undo) = undo {
-                tracing::warn!(error = %undo, "could not undo a failed schedule; roll the transaction back");
-            }
-            Err(e)
-        }
-    }
-}
-
-async fn insert(conn: &mut SqliteConnection, sql: &Sql, rows: Vec<NewRow<'_>>) -> sqlx::Result<Vec<i64>> {
+    let mut tx =
+        if conn.is_in_transaction() { conn.begin().await? } else { conn.begin_with("BEGIN IMMEDIATE").await? };
+    let n = i64::try_from(rows.len()).unwrap_or(i64::MAX);
+    let last: i64 = sqlx::query_scalar(stmt(&sql.take_seqs)).bind(n).fetch_one(&mut *tx).await?;
     let mut seqs = Vec::with_capacity(rows.len());
-    for (id, partition, key, event_type, payload, headers) in rows {
-        let seq: i64 = sqlx::query_scalar(stmt(&sql.next_seq)).bind(key).fetch_one(&mut *conn).await?;
+    for (seq, (id, partition, key, event_type, payload, headers)) in (last - n + 1..).zip(rows) {
         sqlx::query(stmt(&sql.insert))
             .bind(id)
             .bind(partition)
@@ -274,32 +288,29 @@ async fn insert(conn: &mut SqliteConnection, sql: &Sql, rows: Vec<NewRow<'_>>) -
             .bind(event_type)
             .bind(payload)
             .bind(headers)
-            .execute(&mut *conn)
+            .execute(&mut *tx)
             .await?;
         seqs.push(seq);
     }
+    tx.commit().await?;
     Ok(seqs)
 }
 
 /// Head records with their followers and due flags (see [`FETCH`]); one statement, one snapshot.
-/// `bounds` = (heads at most, followers per head at most, bytes per key).
 ///
 /// The byte budget holds while the rows stream in, as PostgreSQL's statement applies it: a key keeps
 /// its head and then its lowest sequences while their payloads fit `key_lookahead_bytes`, so a fetch
 /// never holds more than the budget per key plus one payload (not `followers` payloads of up to
 /// `max_payload_bytes` each).
-pub(crate) async fn fetch(
-    pool: &SqlitePool,
-    sql: &Sql,
-    partitions: &[i16],
-    exclude: &[String],
-    (limit, followers, budget): (usize, usize, usize),
-) -> Result<Vec<FetchedRow>> {
+pub(crate) async fn fetch(pool: &SqlitePool, sql: &Sql, request: &Request, budget: usize) -> Result<Vec<FetchedRow>> {
+    let partitions: Vec<(i16, i64, Option<&str>)> =
+        request.partitions.iter().map(|(p, epoch, after)| (i16::from(*p), *epoch, after.as_deref())).collect();
     let mut rows = sqlx::query_as::<_, FetchedRow>(stmt(&sql.fetch))
-        .bind(json(partitions)?)
-        .bind(json(exclude)?)
-        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-        .bind(i64::try_from(followers).unwrap_or(i64::MAX))
+        .bind(json(&partitions)?)
+        .bind(json(&request.exclude)?)
+        .bind(i64::try_from(request.limit).unwrap_or(i64::MAX))
+        .bind(i64::try_from(request.followers).unwrap_or(i64::MAX))
+        .bind(request.instance)
         .fetch(pool);
     // Per key: its rows in sequence order, their payload bytes, and the lowest sequence dropped for the
     // budget. Rows may arrive in any order; dropping the highest until the run fits, and every later
@@ -337,30 +348,24 @@ fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
     serde_json::to_string(value).map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))
 }
 
-/// Writes a batch of outcomes in one write transaction, each only if its (partition, epoch) is still
-/// this worker's; returns the ids written.
-pub(crate) async fn write_outcomes(
-    pool: &SqlitePool,
-    sql: &Sql,
-    owner: Uuid,
-    outcomes: &[Outcome],
-) -> Result<BTreeSet<Uuid>> {
+/// Writes a batch of outcomes in one write transaction, each only if its partition is still owned by
+/// its instance at its epoch; returns what was written and which (partition, instance, epoch) held.
+pub(crate) async fn write_outcomes(pool: &SqlitePool, sql: &Sql, outcomes: &[Outcome]) -> Result<Written> {
     let mut tx = sqlite_write(pool).await?;
-    let pairs: BTreeSet<(u8, i64)> = outcomes.iter().map(|o| (o.partition, o.epoch)).collect();
-    let mut owned = BTreeSet::new();
-    for (partition, epoch) in pairs {
+    let grants: BTreeSet<(u8, Uuid, i64)> = outcomes.iter().map(|o| (o.partition, o.instance, o.epoch)).collect();
+    let mut written = Written::default();
+    for (partition, instance, epoch) in grants {
         let held = sqlx::query(stmt(&sql.fence))
             .bind(i16::from(partition))
+            .bind(instance)
             .bind(epoch)
-            .bind(owner)
             .fetch_optional(&mut *tx)
             .await?;
         if held.is_some() {
-            owned.insert((partition, epoch));
+            written.held.insert((partition, instance, epoch));
         }
     }
-    let mut written = BTreeSet::new();
-    for o in outcomes.iter().filter(|o| owned.contains(&(o.partition, o.epoch))) {
+    for o in outcomes.iter().filter(|o| written.held.contains(&(o.partition, o.instance, o.epoch))) {
         let row = match &o.verdict {
             Verdict::Delivered | Verdict::Fallback => {
                 if let Some(keep) = &sql.keep {
@@ -376,6 +381,7 @@ pub(crate) async fn write_outcomes(
                     .bind(error)
                     .bind(false)
                     .bind(millis(*delay))
+                    .bind(o.requeues)
                     .fetch_optional(&mut *tx)
                     .await?
             }
@@ -386,12 +392,13 @@ pub(crate) async fn write_outcomes(
                     .bind(error)
                     .bind(true)
                     .bind(0_i64)
+                    .bind(o.requeues)
                     .fetch_optional(&mut *tx)
                     .await?
             }
         };
         if row.is_some() {
-            written.insert(o.id);
+            written.ids.insert(o.id);
         }
     }
     tx.commit().await?;
@@ -439,7 +446,9 @@ pub(crate) async fn purge(pool: &SqlitePool, sql: &Sql, retention: Duration, lim
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
+    use sqlx::AssertSqlSafe;
 
+    use super::render;
     use crate::{Config, Db, Outbox};
 
     /// A migrated outbox on a private in-memory database (one connection: each has its own).
@@ -463,10 +472,11 @@ mod tests {
             let sql = super::Sql::new("outbox", stop_on_first_failure, true);
             let explain = format!("EXPLAIN QUERY PLAN {}", sql.fetch);
             let rows: Vec<(i64, i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(explain))
-                .bind("[0, 1, 2]")
+                .bind("[[0, 1, null], [1, 1, \"k\"], [2, 1, null]]")
                 .bind("[]")
                 .bind(100_i64)
                 .bind(7_i64)
+                .bind(uuid::Uuid::now_v7())
                 .fetch_all(&pool)
                 .await
                 .unwrap();
@@ -482,16 +492,18 @@ mod tests {
                     words.windows(2).any(|w| w[0].ends_with("SCAN") && w[1] == alias)
                 })
             };
-            for records in ["r", "k", "h"] {
+            for records in ["r", "k", "h", "x"] {
                 assert!(!scans(records), "records ({records}) scanned: {plan}");
             }
             // (A Bloom filter over the skipped keys' list is fine; one built on a table scans it.)
-            assert!(!plan.contains("BLOOM FILTER ON") && !plan.contains("TEMP B-TREE"), "{plan}");
+            // Only the list of served partitions (at most 256) is sorted, never records.
+            let sorts = plan.lines().filter(|l| l.contains("TEMP B-TREE") && !l.contains("json_group_array(ORDER BY)"));
+            assert!(!plan.contains("BLOOM FILTER ON") && sorts.count() == 0, "{plan}");
         }
     }
 
     /// A batch that fails part way writes nothing, even when the caller commits after the error; and
-    /// the key's counter is not advanced.
+    /// no sequence number is used up.
     #[tokio::test]
     async fn a_failed_batch_leaves_nothing_behind() {
         let (pool, outbox) = migrated().await;
@@ -507,11 +519,11 @@ mod tests {
         assert!(outbox.schedule_batch(&mut tx, &batch).await.is_err());
         tx.commit().await.unwrap();
         let counts: (i64, i64) =
-            sqlx::query_as("SELECT (SELECT count(*) FROM outbox_records), (SELECT count(*) FROM outbox_keys)")
+            sqlx::query_as("SELECT (SELECT count(*) FROM outbox_records), (SELECT last FROM outbox_sequence)")
                 .fetch_one(&pool)
                 .await
                 .unwrap();
-        assert_eq!(counts, (0, 0));
+        assert_eq!(counts, (0, 0), "no record, and no sequence number taken");
         // Without a transaction too, and the connection is left outside one.
         let mut conn = pool.acquire().await.unwrap();
         assert!(outbox.schedule_batch(&mut *conn, &batch).await.is_err());
@@ -534,40 +546,49 @@ mod tests {
         prop_oneof![3 => Just(State::Due), 1 => Just(State::BackingOff), 1 => Just(State::Failed)]
     }
 
-    /// What the fetch should return, computed the plain way: per served partition in the given order,
-    /// keys in byte order, each key's head by the mode's rule, the first `limit` keys served, each with
-    /// the records from its head to head + `followers` and their due flags.
+    /// One key of the model: partition, name, first sequence, step between sequences, record states.
+    type Key = (i16, String, i64, i64, Vec<State>);
+
+    /// A fetched row's (partition, key, seq, due).
+    type Row = (i16, String, i64, bool);
+
+    /// What the fetch should return, computed the plain way: per served partition in the given order
+    /// (those held: not in `unheld`), keys in byte order starting after the partition's cursor and then
+    /// wrapping around, each key's head by the mode's rule, the first `limit` keys served, each with
+    /// the records from its head to head + `followers` and their due flags. Returns the heads in the
+    /// order served, and every row.
     fn model(
-        keys: &[(i16, String, i64, Vec<State>)],
-        order: &[i16],
+        keys: &[Key],
+        request: (&[i16], &[Option<String>; 4], &[i16]),
         exclude: &[String],
-        limit: usize,
-        followers: i64,
+        (limit, followers): (usize, usize),
         stop_on_first_failure: bool,
-    ) -> Vec<(i16, String, i64, bool)> {
-        let mut out = Vec::new();
-        let mut served = 0;
-        for &partition in order {
-            let mut in_partition: Vec<_> = keys.iter().filter(|k| k.0 == partition).collect();
+    ) -> (Vec<String>, Vec<Row>) {
+        let (order, cursors, unheld) = request;
+        let (mut heads, mut rows) = (Vec::new(), Vec::new());
+        for &partition in order.iter().filter(|p| !unheld.contains(p)) {
+            let mut in_partition: Vec<&Key> = keys.iter().filter(|k| k.0 == partition).collect();
             in_partition.sort_by(|a, b| a.1.cmp(&b.1));
-            for (_, key, first, states) in in_partition {
+            if let Some(after) = &cursors[partition as usize] {
+                let (up_to, past): (Vec<&Key>, Vec<&Key>) = in_partition.iter().partition(|k| &k.1 <= after);
+                in_partition = past.into_iter().chain(up_to).collect();
+            }
+            for (_, key, first, step, states) in in_partition {
                 let due = |i: usize| matches!(states[i], State::Due);
                 let head =
                     if stop_on_first_failure { due(0).then_some(0) } else { (0..states.len()).find(|&i| due(i)) };
                 let Some(head) = head else { continue };
-                if exclude.contains(key) || served == limit {
+                if exclude.contains(key) || heads.len() == limit {
                     continue;
                 }
-                served += 1;
-                for i in head..states.len() {
-                    if (i - head) as i64 <= followers {
-                        out.push((partition, key.clone(), first + i as i64, due(i)));
-                    }
+                heads.push(key.clone());
+                for i in head..states.len().min(head + followers + 1) {
+                    rows.push((partition, key.clone(), first + i as i64 * step, due(i)));
                 }
             }
         }
-        out.sort();
-        out
+        rows.sort();
+        (heads, rows)
     }
 
     /// A record's payload size in the fetch test: varied, and known to the model.
@@ -576,9 +597,7 @@ mod tests {
     }
 
     /// Rows grouped by key, each key's in sequence order.
-    fn by_key(
-        rows: Vec<(i16, String, i64, bool)>,
-    ) -> std::collections::BTreeMap<String, Vec<(i16, String, i64, bool)>> {
+    fn by_key(rows: Vec<Row>) -> std::collections::BTreeMap<String, Vec<Row>> {
         let mut keys = std::collections::BTreeMap::<String, Vec<_>>::new();
         for row in rows {
             keys.entry(row.1.clone()).or_default().push(row);
@@ -589,34 +608,49 @@ mod tests {
         keys
     }
 
+    fn key_name(partition: i16, n: u8) -> String {
+        // Names sort differently from numbers ("p1-k10" < "p1-k2").
+        format!("p{partition}-k{}", u32::from(n) * 3 % 11)
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
 
         /// The SQLite fetch returns what the model says, in both modes, for random backlogs: keys with
-        /// FAILED and backing-off records anywhere, skipped keys, partitions served in a random order
-        /// (some not at all), limits that cut the walk off, byte budgets that cut runs short.
+        /// FAILED and backing-off records anywhere and gaps between their sequence numbers, skipped
+        /// keys, partitions served in a random order (some not at all, some no longer held at the
+        /// requested epoch), a cursor per partition to start after, limits that cut the walk off, byte
+        /// budgets that cut runs short.
         #[test]
         fn fetch_returns_what_the_model_says(
-            keys in proptest::collection::vec((0i16..4, 0u8..6, 1i64..4, proptest::collection::vec(state(), 1..8)), 0..14),
+            keys in proptest::collection::vec(
+                (0i16..4, 0u8..6, 1i64..4, 1i64..4, proptest::collection::vec(state(), 1..8)), 0..14),
             order in proptest::sample::subsequence(vec![0i16, 1, 2, 3], 0..=4).prop_shuffle(),
+            unheld in proptest::sample::subsequence(vec![0i16, 1, 2, 3], 0..=2),
+            cursors in proptest::collection::vec(proptest::option::of(0u8..12), 4),
             exclude in proptest::collection::vec(0u8..6, 0..3),
             limit in 1usize..6,
-            followers in 0i64..5,
+            followers in 0usize..5,
             budget in prop_oneof![Just(usize::MAX), 0usize..60],
         ) {
-            // One key per (partition, name); names sort differently from numbers ("p1-k10" < "p1-k2").
+            // One key per (partition, name).
             let mut seen = std::collections::BTreeSet::new();
-            let keys: Vec<(i16, String, i64, Vec<State>)> = keys
+            let keys: Vec<Key> = keys
                 .into_iter()
                 .filter(|(p, k, ..)| seen.insert((*p, *k)))
-                .map(|(p, k, first, states)| (p, format!("p{p}-k{}", u32::from(k) * 3 % 11), first, states))
+                .map(|(p, k, first, step, states)| (p, key_name(p, k), first, step, states))
                 .collect();
-            let exclude: Vec<String> = exclude.iter().map(|k| format!("p1-k{}", u32::from(*k) * 3 % 11)).collect();
+            let exclude: Vec<String> = exclude.iter().map(|k| key_name(1, *k)).collect();
+            // Cursors fall between, on and around the keys.
+            let cursors: [Option<String>; 4] =
+                std::array::from_fn(|p| cursors[p].map(|n| format!("p{p}-k{}", u32::from(n) * 3 % 13)));
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             runtime.block_on(async {
                 let (pool, _) = migrated().await;
-                for (partition, key, first, states) in &keys {
+                let me = hold(&pool, &[0, 1, 2, 3], 1).await;
+                for (partition, key, first, step, states) in &keys {
                     for (i, state) in states.iter().enumerate() {
+                        let seq = first + i as i64 * step;
                         let (next_attempt_at, failed_at) = match state {
                             State::Due => (None, None),
                             State::BackingOff => (Some(i64::MAX / 2), None),
@@ -629,8 +663,8 @@ mod tests {
                         .bind(uuid::Uuid::now_v7())
                         .bind(partition)
                         .bind(key)
-                        .bind(first + i as i64)
-                        .bind(vec![b'x'; size(key, first + i as i64)])
+                        .bind(seq)
+                        .bind(vec![b'x'; size(key, seq)])
                         .bind(next_attempt_at)
                         .bind(failed_at)
                         .execute(&pool)
@@ -638,12 +672,38 @@ mod tests {
                         .unwrap();
                     }
                 }
+                let request = crate::processor::Request {
+                    instance: me,
+                    partitions: order
+                        .iter()
+                        .map(|&p| (p as u8, if unheld.contains(&p) { 2 } else { 1 }, cursors[p as usize].clone()))
+                        .collect(),
+                    exclude: exclude.clone(),
+                    limit,
+                    followers,
+                };
                 for stop_on_first_failure in [true, false] {
                     let sql = super::Sql::new("outbox", stop_on_first_failure, true);
-                    let bounds = (limit, followers as usize, budget);
-                    let rows = super::fetch(&pool, &sql, &order, &exclude, bounds).await.unwrap();
+                    let request = crate::processor::Request {
+                        followers: if stop_on_first_failure { followers } else { 0 },
+                        partitions: request.partitions.clone(),
+                        exclude: request.exclude.clone(),
+                        ..request
+                    };
+                    let rows = super::fetch(&pool, &sql, &request, budget).await.unwrap();
+                    let mut walk: Vec<(i64, String)> =
+                        rows.iter().filter_map(|r| Some((r.walk()?, r.key().to_string()))).collect();
+                    walk.sort();
                     let got = by_key(rows.iter().map(|r| r.position()).collect());
-                    let want = by_key(model(&keys, &order, &exclude, limit, followers, stop_on_first_failure));
+                    let (heads, want) = model(
+                        &keys,
+                        (&order, &cursors, &unheld),
+                        &exclude,
+                        (limit, request.followers),
+                        stop_on_first_failure,
+                    );
+                    prop_assert_eq!(walk.into_iter().map(|(_, key)| key).collect::<Vec<_>>(), heads, "heads in walk order");
+                    let want = by_key(want);
                     prop_assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
                     // Each key: a gapless run from its head, holding every record the byte budget
                     // admits (the head always), and within the budget unless it is the head alone.
@@ -666,5 +726,82 @@ mod tests {
                 Ok(())
             })?;
         }
+    }
+
+    /// Registers an instance with a lease far in the future and gives it `partitions` at `epoch`.
+    async fn hold(pool: &sqlx::SqlitePool, partitions: &[i16], epoch: i64) -> uuid::Uuid {
+        let me = uuid::Uuid::now_v7();
+        sqlx::query("INSERT INTO outbox_instances (id, name, expires_at, takeover_at) VALUES ($1, 'test', $2, $2)")
+            .bind(me)
+            .bind(i64::MAX / 2)
+            .execute(pool)
+            .await
+            .unwrap();
+        for p in partitions {
+            sqlx::query("UPDATE outbox_partitions SET owner = $1, epoch = $2 WHERE partition = $3")
+                .bind(me)
+                .bind(epoch)
+                .bind(p)
+                .execute(pool)
+                .await
+                .unwrap();
+        }
+        me
+    }
+
+    /// A database file left at version 1 (per-key counter rows) is upgraded without any key's sequence
+    /// going backwards.
+    #[tokio::test]
+    async fn upgrading_from_version_1_keeps_every_keys_sequence_growing() {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
+            .await
+            .unwrap();
+        let (version, name, text) = super::MIGRATIONS[0];
+        sqlx::raw_sql(AssertSqlSafe(render(super::MIGRATIONS_TABLE, "outbox").to_string()))
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::raw_sql(AssertSqlSafe(render(text, "outbox").to_string())).execute(&pool).await.unwrap();
+        sqlx::query("INSERT INTO outbox_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)")
+            .bind(version)
+            .bind(name)
+            .bind(crate::migrate::checksum(text))
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO outbox_keys (key, last_seq) VALUES ('old', 41), ('drained', 7)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        let old = outbox.schedule(&mut tx, crate::NewRecord::new("old", "t", "")).await.unwrap();
+        let drained = outbox.schedule(&mut tx, crate::NewRecord::new("drained", "t", "")).await.unwrap();
+        tx.commit().await.unwrap();
+        assert!(old.seq > 41 && drained.seq > 41, "{} {}", old.seq, drained.seq);
+    }
+
+    /// A fetch returns nothing once the instance's lease has expired, even for partitions it still owns.
+    #[tokio::test]
+    async fn the_fetch_returns_nothing_after_the_lease_expired() {
+        let (pool, outbox) = migrated().await;
+        let me = hold(&pool, &[crate::partition_of("k") as i16], 1).await;
+        let mut tx = pool.begin().await.unwrap();
+        outbox.schedule(&mut tx, crate::NewRecord::new("k", "t", "")).await.unwrap();
+        tx.commit().await.unwrap();
+        let request = crate::processor::Request {
+            instance: me,
+            partitions: vec![(crate::partition_of("k"), 1, None)],
+            exclude: vec![],
+            limit: 10,
+            followers: 0,
+        };
+        let sql = super::Sql::new("outbox", true, true);
+        assert_eq!(super::fetch(&pool, &sql, &request, usize::MAX).await.unwrap().len(), 1);
+        sqlx::query("UPDATE outbox_instances SET expires_at = 0").execute(&pool).await.unwrap();
+        assert!(super::fetch(&pool, &sql, &request, usize::MAX).await.unwrap().is_empty());
     }
 }

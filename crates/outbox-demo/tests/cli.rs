@@ -197,10 +197,13 @@ async fn failed_records_can_be_listed_requeued_and_skipped_and_purge_deletes_old
     let env = Env::new(&pool).await;
     env.ok(&["migrate"]);
     env.ok(&["produce", "--orders", "2", "--events-per-order", "2", "--rollback-fraction", "0"]);
-    sqlx::query("UPDATE outbox.records SET failed_at = now(), attempts = 3, last_error = 'permanent: broker said no' WHERE seq = 1")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "UPDATE outbox.records SET failed_at = now(), attempts = 3, last_error = 'permanent: broker said no'
+         WHERE (key, seq) IN (SELECT key, min(seq) FROM outbox.records GROUP BY key)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     let listed = env.ok(&["failed", "list"]);
     assert!(listed.contains("2 FAILED records") && listed.contains("broker said no"), "{listed}");
     let ids: Vec<(uuid::Uuid, String)> =

@@ -1,5 +1,6 @@
-//! A clustered outbox worker for the fault tests: joins the cluster, records every delivery (instance,
-//! record, key, seq, partition, epoch) in `fault_deliveries`, and on SIGTERM stops gracefully.
+//! A clustered outbox worker for the fault tests: joins the cluster, records every handler call
+//! (instance, record, key, seq, partition, epoch, and the call's wall-clock start and end in
+//! microseconds) in `fault_deliveries`, and on SIGTERM stops gracefully.
 //!
 //! Environment: `DATABASE_URL` (`postgres://…`, or `sqlite://path` for a SQLite file shared with the
 //! test and the other workers), `WORKER_NAME`, and optional `HEARTBEAT`, `STALE`, `REBALANCE`, `POLL`
@@ -52,10 +53,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let handler = handler_fn(move |r| {
         let (db, instance) = (record_db.clone(), instance.clone());
         async move {
-            let delay = rand::rng().random_range(0..3);
-            tokio::time::sleep(Duration::from_millis(delay)).await;
-            const INSERT: &str = "INSERT INTO fault_deliveries (instance, record_id, key, seq, partition, epoch)
-                VALUES ($1, $2, $3, $4, $5, $6)";
+            // Two awaits, as a handler that connects and then sends a request: a call spans several
+            // polls, so a paused or fenced instance is caught in the middle of one.
+            let (connect, request) = (rand::rng().random_range(2..12), rand::rng().random_range(0..8));
+            let started = outbox_tests::wall_micros();
+            tokio::time::sleep(Duration::from_millis(connect)).await;
+            tokio::time::sleep(Duration::from_millis(request)).await;
+            let ended = outbox_tests::wall_micros();
+            const INSERT: &str = "INSERT INTO fault_deliveries
+                (instance, record_id, key, seq, partition, epoch, started_us, ended_us)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
             macro_rules! insert {
                 ($pool:expr) => {
                     sqlx::query(INSERT)
@@ -65,6 +72,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                         .bind(r.seq)
                         .bind(i16::from(r.partition))
                         .bind(r.epoch)
+                        .bind(started)
+                        .bind(ended)
                         .execute($pool)
                         .await
                         .map(|_| ())

@@ -222,6 +222,19 @@ impl Sink {
     pub fn seqs_of(&self, key: &str) -> Vec<i64> {
         self.of_key(key).iter().map(|d| d.seq).collect()
     }
+
+    /// The key's deliveries as positions in its own sequence (see [`ranks`]).
+    pub fn ranks_of(&self, key: &str) -> Vec<i64> {
+        ranks(&self.seqs_of(key))
+    }
+}
+
+/// Each sequence number's rank among the distinct ones in `seqs`, from 1. A key's sequence numbers are
+/// strictly increasing but not consecutive, so `[41, 41, 97, 130]` (a redelivered first record, then
+/// two more) reads `[1, 1, 2, 3]`.
+pub fn ranks(seqs: &[i64]) -> Vec<i64> {
+    let distinct: std::collections::BTreeSet<i64> = seqs.iter().copied().collect();
+    seqs.iter().map(|s| distinct.range(..s).count() as i64 + 1).collect()
 }
 
 /// Waits until `condition` holds, polling every 10 ms; panics with `what` after `timeout`.
@@ -247,10 +260,22 @@ pub async fn pending(db: &TestDb) -> i64 {
 }
 
 /// Schedules `records` in one committed transaction.
-pub async fn commit(outbox: &Outbox, db: &TestDb, records: Vec<NewRecord>) {
+pub async fn commit(outbox: &Outbox, db: &TestDb, records: Vec<NewRecord>) -> Vec<outbox_core::Scheduled> {
     let mut tx = db.begin().await;
-    outbox.schedule_batch(&mut tx, &records).await.unwrap();
+    let scheduled = outbox.schedule_batch(&mut tx, &records).await.unwrap();
     tx.commit().await.unwrap();
+    scheduled
+}
+
+/// Registers an instance with a lease a day long, as the cluster's registry would; returns its id.
+pub async fn register_instance(db: &TestDb) -> uuid::Uuid {
+    let me = uuid::Uuid::now_v7();
+    exec!(
+        db,
+        "INSERT INTO {s}instances (id, name, expires_at, takeover_at) VALUES ($1, 'test', {ago:-86400}, {ago:-86400})",
+        me
+    );
+    me
 }
 
 pub async fn failed_count(db: &TestDb) -> i64 {

@@ -1,0 +1,258 @@
+//! Delivering a key's run: each record to its handler in turn (with a timeout), then the retry
+//! decision and the fallback. Whatever happens, including a panic anywhere in a handler, a fallback or
+//! the decision, a delivered record ends with an [`Outcome`]; only a cancelled call (its partition was
+//! fenced, or the lease ran out) ends without one, and its record is delivered again.
+
+use std::any::Any;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+use uuid::Uuid;
+
+use super::{Assignment, Fetched};
+use crate::config::Config;
+use crate::handler::{FailureKind, HandlerError, Handlers, Route};
+use crate::partition::Partition;
+use crate::record::Record;
+
+/// Longest error text stored with a record (`last_error`), in bytes. A longer text is cut at a
+/// character boundary and ends with "…"; NUL and other control characters (but newline and tab) are
+/// replaced with U+FFFD, so any handler error can be stored on every backend.
+pub const MAX_ERROR_BYTES: usize = 4096;
+
+/// What happened to one delivery.
+#[derive(Debug, Clone)]
+pub(crate) enum Verdict {
+    Delivered,
+    Fallback,
+    /// Deliver again after `delay`; `error` is storable ([`storable_error`]).
+    Retry {
+        delay: Duration,
+        error: String,
+    },
+    /// FAILED; `error` is storable.
+    Failed {
+        error: String,
+    },
+}
+
+impl Verdict {
+    /// Delivered or handled by the fallback: the record leaves the queue.
+    pub(crate) fn completes(&self) -> bool {
+        matches!(self, Verdict::Delivered | Verdict::Fallback)
+    }
+}
+
+/// The outcome of one delivery, with what its completion is fenced by.
+#[derive(Debug, Clone)]
+pub(crate) struct Outcome {
+    pub(crate) id: Uuid,
+    pub(crate) partition: Partition,
+    /// The instance (lease) and epoch the record was delivered under.
+    pub(crate) instance: Uuid,
+    pub(crate) epoch: i64,
+    pub(crate) key: String,
+    /// Failed deliveries including this one (unchanged on success).
+    pub(crate) attempts: i32,
+    /// Operator requeues of the record when it was fetched: a failure is written only if the record
+    /// has not been requeued since (a late retry of a FAILED write must not undo a requeue).
+    pub(crate) requeues: i32,
+    pub(crate) created_at: chrono::DateTime<chrono::Utc>,
+    pub(crate) verdict: Verdict,
+}
+
+/// What a run needs besides its records.
+pub(super) struct Context {
+    pub(super) handlers: Arc<Handlers>,
+    pub(super) config: Config,
+    pub(super) assignment: watch::Receiver<Assignment>,
+    pub(super) shutdown: CancellationToken,
+}
+
+/// Delivers a key's run one record at a time, each finished before the next starts. Before each
+/// record it checks that the partition is still granted to this instance at the run's epoch and the
+/// lease has not run out. Stops after a record that is not completed (a retry or FAILED: the rest must
+/// wait), on shutdown (after the first record), and at once when `fenced` is cancelled, dropping the
+/// handler call in progress. Returns the key and the outcomes of the records it delivered.
+pub(super) async fn deliver_run(
+    ctx: Arc<Context>,
+    run: Vec<Fetched>,
+    fenced: CancellationToken,
+) -> (String, Vec<Outcome>) {
+    let key = run.first().map(|f| f.record.key.clone()).unwrap_or_default();
+    let mut outcomes = Vec::with_capacity(run.len());
+    for (i, fetched) in run.into_iter().enumerate() {
+        let record = &fetched.record;
+        if i > 0 && ctx.shutdown.is_cancelled() {
+            break;
+        }
+        if !ctx.assignment.borrow().grants(fetched.instance, record.partition, record.epoch) {
+            break;
+        }
+        let outcome = tokio::select! {
+            biased;
+            () = fenced.cancelled() => {
+                warn!(record = %record.id, key = %record.key, partition = record.partition, instance = %fetched.instance,
+                    epoch = record.epoch, "handler call cancelled: the partition was fenced or the lease ran out; the record will be delivered again");
+                break;
+            }
+            outcome = deliver(&ctx.handlers, &ctx.config, &fetched) => outcome,
+        };
+        let completed = outcome.verdict.completes();
+        outcomes.push(outcome);
+        if !completed {
+            break;
+        }
+    }
+    (key, outcomes)
+}
+
+/// Delivers one record: handler (with timeout), then retry decision, then fallback. Always returns an
+/// outcome: a panic that escapes the guarded calls (in the decision, say in an error's `Display`)
+/// becomes a retry under the configured default policy.
+async fn deliver(handlers: &Handlers, config: &Config, fetched: &Fetched) -> Outcome {
+    let record = &fetched.record;
+    let guarded = AssertUnwindSafe(decide(handlers, config, record)).catch_unwind().await;
+    let (verdict, attempts) = guarded.unwrap_or_else(|panic| {
+        let attempts = record.attempts.saturating_add(1);
+        let failure = HandlerError::retryable(format!("delivery panicked: {}", panic_message(&*panic)));
+        (retry(record, attempts, &config.retry, &failure), attempts)
+    });
+    Outcome {
+        id: record.id,
+        partition: record.partition,
+        instance: fetched.instance,
+        epoch: record.epoch,
+        key: record.key.clone(),
+        attempts,
+        requeues: fetched.requeues,
+        created_at: record.created_at,
+        verdict,
+    }
+}
+
+/// The verdict and the attempt count after this delivery.
+async fn decide(handlers: &Handlers, config: &Config, record: &Record) -> (Verdict, i32) {
+    let route = handlers.get(&record.event_type);
+    let timeout = config.handler_timeout;
+    let result = match route {
+        None => Err(HandlerError::permanent(format!("no handler for event type {:?}", record.event_type))),
+        Some(route) => call("handler", timeout, || route.handler.handle(record)).await,
+    };
+    let failure = match result {
+        Ok(()) => return (Verdict::Delivered, record.attempts),
+        Err(failure) => failure,
+    };
+    let attempts = record.attempts.saturating_add(1);
+    let policy = route.and_then(|r| r.retry.as_ref()).unwrap_or(&config.retry);
+    if failure.kind() == FailureKind::Retryable && policy.may_retry(u32::try_from(attempts).unwrap_or(u32::MAX)) {
+        return (retry(record, attempts, policy, &failure), attempts);
+    }
+    (fall_back(route, timeout, record, attempts, &failure).await, attempts)
+}
+
+fn retry(record: &Record, attempts: i32, policy: &crate::RetryPolicy, failure: &HandlerError) -> Verdict {
+    let retries = u32::try_from(attempts).unwrap_or(u32::MAX);
+    let delay = failure.retry_after().map_or_else(|| policy.delay(record.id, retries), |d| d.min(policy.max_delay));
+    warn!(record = %record.id, key = %record.key, partition = record.partition, attempts,
+        retry_in = ?delay, error = %failure, "delivery failed; will retry");
+    Verdict::Retry { delay, error: storable_error(&failure.to_string()) }
+}
+
+/// Retries are exhausted or the failure is permanent: the route's fallback, else FAILED.
+async fn fall_back(
+    route: Option<&Route>,
+    timeout: Duration,
+    record: &Record,
+    attempts: i32,
+    failure: &HandlerError,
+) -> Verdict {
+    let Some(fallback) = route.and_then(|r| r.fallback.as_ref()) else {
+        return failed(record, attempts, &failure.to_string());
+    };
+    match call("fallback", timeout, || fallback.handle(record, failure)).await {
+        Ok(()) => {
+            info!(record = %record.id, key = %record.key, partition = record.partition, attempts,
+                error = %failure, "delivery failed; the fallback handled the record");
+            Verdict::Fallback
+        }
+        Err(fallback_failure) => failed(record, attempts, &format!("{failure}; fallback: {fallback_failure}")),
+    }
+}
+
+fn failed(record: &Record, attempts: i32, error: &str) -> Verdict {
+    error!(record = %record.id, key = %record.key, partition = record.partition, attempts, error,
+        "record FAILED; its key is blocked until an operator requeues or skips it");
+    Verdict::Failed { error: storable_error(error) }
+}
+
+/// Runs one handler or fallback call with a timeout. A timeout, or a panic anywhere in the call
+/// (including while `start` builds the future, before its first await), is a retryable failure that
+/// carries the panic's message.
+async fn call<'a>(
+    what: &str,
+    timeout: Duration,
+    start: impl FnOnce() -> BoxFuture<'a, Result<(), HandlerError>>,
+) -> Result<(), HandlerError> {
+    let guarded = AssertUnwindSafe(async move { start().await }).catch_unwind();
+    match tokio::time::timeout(timeout, guarded).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(panic)) => Err(HandlerError::retryable(format!("{what} panicked: {}", panic_message(&*panic)))),
+        Err(_) => Err(HandlerError::retryable(format!("{what} timed out after {timeout:?}"))),
+    }
+}
+
+/// The message of a panic (`panic!("…")` payloads are `&str` or `String`).
+fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
+}
+
+/// `text` as it can be stored on every backend: control characters (NUL, which PostgreSQL's text
+/// refuses, among them) but newline and tab replaced with U+FFFD, at most [`MAX_ERROR_BYTES`].
+pub(crate) fn storable_error(text: &str) -> String {
+    let mut stored: String =
+        text.chars().map(|c| if c.is_control() && c != '\n' && c != '\t' { '\u{FFFD}' } else { c }).collect();
+    if stored.len() > MAX_ERROR_BYTES {
+        let mut end = MAX_ERROR_BYTES - '…'.len_utf8();
+        while !stored.is_char_boundary(end) {
+            end -= 1;
+        }
+        stored.truncate(end);
+        stored.push('…');
+    }
+    stored
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stored_errors_hold_no_control_characters_and_are_capped() {
+        assert_eq!(storable_error("a\0b\r\nc\td\u{1b}"), "a\u{FFFD}b\u{FFFD}\nc\td\u{FFFD}");
+        let short = "é".repeat(MAX_ERROR_BYTES / 2);
+        assert_eq!(storable_error(&short), short, "exactly at the limit: kept whole");
+        let long = "é".repeat(MAX_ERROR_BYTES);
+        let stored = storable_error(&long);
+        assert!(stored.len() <= MAX_ERROR_BYTES && stored.ends_with('…'), "{}", stored.len());
+        assert!(stored.starts_with("éé"));
+    }
+
+    #[test]
+    fn panic_messages_are_recovered() {
+        let text = std::panic::catch_unwind(|| panic!("boom {}", 7)).unwrap_err();
+        assert_eq!(panic_message(&*text), "boom 7");
+        let literal = std::panic::catch_unwind(|| panic!("plain")).unwrap_err();
+        assert_eq!(panic_message(&*literal), "plain");
+    }
+}
