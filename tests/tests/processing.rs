@@ -123,7 +123,8 @@ async fn retries_wait_the_policy_delays_then_succeed(db: TestDb) {
                 }
             }
         }))
-        .retry(policy),
+        .retry(policy)
+        .unwrap(),
     );
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "x"), NewRecord::new("k", "t", "y")]).await;
     let node = start(&outbox, &db, handlers).await;
@@ -160,7 +161,8 @@ async fn handler_timeout_counts_as_a_retryable_failure(db: TestDb) {
                 Ok(())
             }
         }))
-        .retry(RetryPolicy::fixed(Duration::from_millis(10), 1)),
+        .retry(RetryPolicy::fixed(Duration::from_millis(10), 1))
+        .unwrap(),
     );
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
     let node = start(&outbox, &db, handlers).await;
@@ -177,21 +179,22 @@ async fn exhausted_retries_go_to_the_fallback_or_to_failed(db: TestDb) {
     let handlers = Handlers::new()
         .route(
             "rescued",
-            Route::new(failing()).retry(RetryPolicy::fixed(Duration::from_millis(5), 2)).fallback(fallback_fn(
-                move |r, error| {
+            Route::new(failing()).retry(RetryPolicy::fixed(Duration::from_millis(5), 2)).unwrap().fallback(
+                fallback_fn(move |r, error| {
                     let fb = fb.clone();
                     async move {
                         assert!(error.contains("broker down"), "{error}");
                         fb.record(&r);
                         Ok(())
                     }
-                },
-            )),
+                }),
+            ),
         )
         .route(
             "doomed",
             Route::new(failing())
                 .retry(RetryPolicy::fixed(Duration::from_millis(5), 1))
+                .unwrap()
                 .fallback(fallback_fn(|_, _| async { Err(HandlerError::permanent("archive full")) })),
         )
         .route("malformed", Route::new(handler_fn(|_| async { Err::<(), _>(HandlerError::permanent("bad schema")) })));
@@ -289,7 +292,8 @@ async fn without_stop_on_first_failure_later_records_proceed(db: TestDb) {
                 if r.payload == "1" { Err(HandlerError::retryable("flaky")) } else { Ok(()) }
             }
         }))
-        .retry(RetryPolicy::fixed(Duration::from_millis(200), 1)),
+        .retry(RetryPolicy::fixed(Duration::from_millis(200), 1))
+        .unwrap(),
     );
     commit(&outbox, &db, (1..=3).map(|i| NewRecord::new("k", "t", format!("{i}"))).collect()).await;
     let node = start(&outbox, &db, handlers).await;

@@ -180,10 +180,12 @@ impl Route {
         self
     }
 
-    /// Uses `policy` instead of the configured default.
-    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+    /// Uses `policy` instead of the configured default; a policy that does not
+    /// [validate](RetryPolicy::validate) (say a jitter above 1) is refused here, with the field named.
+    pub fn retry(mut self, policy: RetryPolicy) -> crate::Result<Self> {
+        policy.validate()?;
         self.retry = Some(policy);
-        self
+        Ok(self)
     }
 }
 

@@ -134,8 +134,9 @@ impl RetryPolicy {
             Backoff::Fixed { delay } => delay,
             Backoff::Linear { initial, increment } => initial.saturating_add(increment.saturating_mul(steps)),
             Backoff::Exponential { initial, multiplier } => {
-                // Compute in f64 seconds and cap before converting, so huge exponents cannot overflow.
-                let secs = initial.as_secs_f64() * multiplier.powi(steps.min(1024) as i32);
+                // Compute in f64 seconds and cap before converting, so huge exponents cannot overflow
+                // (and a multiplier that does not validate cannot make a negative or NaN delay).
+                let secs = initial.as_secs_f64() * multiplier.max(1.0).powi(steps.min(1024) as i32);
                 Duration::try_from_secs_f64(secs.min(self.max_delay.as_secs_f64())).unwrap_or(self.max_delay)
             }
         };
@@ -143,14 +144,16 @@ impl RetryPolicy {
     }
 
     /// The delay before retry `n` of record `id`: the nominal delay shortened by up to `jitter`, by a
-    /// fraction derived from `(id, n)`.
+    /// fraction derived from `(id, n)`. Total even for a policy that does not validate: the jitter is
+    /// taken within `0..=1`.
     pub fn delay(&self, id: Uuid, n: u32) -> Duration {
         let nominal = self.nominal_delay(n);
-        if self.jitter == 0.0 {
+        let jitter = if self.jitter.is_nan() { 0.0 } else { self.jitter.clamp(0.0, 1.0) };
+        if jitter == 0.0 {
             return nominal;
         }
         let unit = (xxh3_64_with_seed(id.as_bytes(), u64::from(n)) >> 11) as f64 / (1u64 << 53) as f64;
-        nominal.mul_f64(1.0 - self.jitter * unit)
+        nominal.mul_f64(1.0 - jitter * unit)
     }
 
     /// Whether a record that has now failed `attempts` times may be retried.
@@ -198,6 +201,20 @@ mod tests {
         let p = RetryPolicy::fixed(MS(1), 2);
         assert!(p.may_retry(1) && p.may_retry(2) && !p.may_retry(3));
         assert!(!RetryPolicy::fixed(MS(1), 0).may_retry(1));
+    }
+
+    /// A policy that does not validate still gives a delay within its bounds instead of panicking.
+    #[test]
+    fn delays_are_total_even_for_invalid_policies() {
+        for jitter in [1.5, -0.5, f64::NAN, f64::INFINITY] {
+            let policy = RetryPolicy::fixed(MS(100), 3).with_jitter(jitter);
+            let d = policy.delay(Uuid::now_v7(), 1);
+            assert!(d <= MS(100), "jitter {jitter}: {d:?}");
+        }
+        for multiplier in [0.5, -2.0, f64::NAN] {
+            let policy = RetryPolicy::exponential(MS(10), multiplier, 3);
+            assert!(policy.delay(Uuid::now_v7(), 3) <= DEFAULT_MAX_DELAY, "multiplier {multiplier}");
+        }
     }
 
     #[test]
