@@ -1,13 +1,10 @@
--- outbox schema, version 2: exclusive deliveries (a lease and a later takeover time per instance), a
--- requeue count on records, and one database-wide sequence instead of a counter row per key ever written.
+-- outbox schema, version 2: exclusive deliveries (each instance's heartbeat interval), a requeue count
+-- on records, and one database-wide sequence instead of a counter row per key ever written.
 
--- An instance counts as live until `expires_at`; its partitions may be taken from `takeover_at` on. The
--- gap is the time the instance itself needs to notice that its lease ended early (a heartbeat that
--- finds the lease expired fences the instance at once), so that no one else delivers its partitions
--- before it has stopped. Each heartbeat renews both, and only a lease that has not expired.
-ALTER TABLE instances ADD COLUMN takeover_at timestamptz;
-UPDATE instances SET takeover_at = expires_at;
-ALTER TABLE instances ALTER COLUMN takeover_at SET NOT NULL;
+-- The instance's heartbeat interval. An instance that takes partitions from an owner whose lease
+-- expired waits two of the owner's intervals before delivering them: the time the owner needs to find
+-- its lease expired at its next heartbeat and stop, even if the lease ended early (a clock step).
+ALTER TABLE instances ADD COLUMN heartbeat_ms bigint NOT NULL DEFAULT 0;
 
 -- Operator requeues of the record. A worker writes a failure only if the record has not been
 -- requeued since it was fetched, so a late retry of a FAILED write cannot undo a requeue.

@@ -1,8 +1,7 @@
 -- outbox schema for SQLite, version 2: the same changes as migrations/postgres/0002, with SQLite's means.
 
--- Live until `expires_at`; its partitions may be taken from `takeover_at` on (see the PostgreSQL file).
-ALTER TABLE {s}_instances ADD COLUMN takeover_at INTEGER NOT NULL DEFAULT 0;
-UPDATE {s}_instances SET takeover_at = expires_at;
+-- The instance's heartbeat interval (see the PostgreSQL file).
+ALTER TABLE {s}_instances ADD COLUMN heartbeat_ms INTEGER NOT NULL DEFAULT 0;
 
 -- Operator requeues of the record (a late FAILED write cannot undo a requeue).
 ALTER TABLE {s}_records ADD COLUMN requeues INTEGER NOT NULL DEFAULT 0;

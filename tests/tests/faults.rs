@@ -1,7 +1,8 @@
 //! Multi-process fault test: real worker processes (`outbox-test-worker`) against the real PostgreSQL
 //! and against one SQLite file they all share, scaled 1 → 4 → 2 → 3 while a producer writes (and
 //! sometimes rolls back), with kill -9, SIGSTOP pauses in every timing window (shorter than the lease,
-//! between the takeover and the reap, longer than the reap), and (on PostgreSQL) terminated database
+//! between "another instance took over" and "the instance row was reaped", longer than the reap), and
+//! (on PostgreSQL) terminated database
 //! connections. A checker then reads the database and the workers' handler-call log and asserts the
 //! invariants, including exclusivity: no two handler calls for one key overlap in time, except a call
 //! that was already running when its process was stopped.
@@ -31,8 +32,9 @@ use uuid::Uuid;
 both!(cluster_survives_scaling_crashes_pauses_and_killed_connections);
 
 /// SIGSTOP durations, one per timing window of the workers' tunables (heartbeat 200 ms, stale timeout
-/// 1 s): shorter than the lease; past the takeover (about 1 s after the last heartbeat) but before the
-/// reap (2 s); past the reap.
+/// 1 s, so a 600 ms lease): shorter than the lease; past the takeover by another instance (the lease,
+/// then a round or two, then a 400 ms quiet period: about 1-1.4 s after the last heartbeat) but before
+/// the instance row is reaped (two stale timeouts after the lease: 2.6 s); past the reap.
 const PAUSES: [Duration; 3] = [Duration::from_millis(300), Duration::from_millis(1500), Duration::from_millis(3000)];
 
 /// Stated bound: after the last crash, the backlog drains within this (failover needs the 1 s lease

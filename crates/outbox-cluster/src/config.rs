@@ -11,7 +11,7 @@ pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 /// An instance silent for 10 s is dead and its partitions move on: five heartbeat intervals, so a GC pause
 /// or a slow query is not a death.
 pub const DEFAULT_STALE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Look for partitions to acquire every 2 s: bounds takeover time after a crash at stale timeout + 2 s.
+/// Look for partitions to acquire every 2 s: bounds failover after a crash at stale timeout + 2 s.
 pub const DEFAULT_REBALANCE_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Tunables of a clustered node.
@@ -23,10 +23,11 @@ pub struct ClusterConfig {
     /// How often the instance renews its lease.
     #[serde(with = "humantime_serde")]
     pub heartbeat_interval: Duration,
-    /// How long after its last heartbeat (by database time) an instance's partitions may be taken by
-    /// others. Its lease, during which it counts as live and may deliver, ends two heartbeat intervals
-    /// earlier ([`ClusterConfig::lease`]): the time it needs to notice a lease that ended early before
-    /// anyone else may deliver its partitions. Must be at least four heartbeat intervals.
+    /// How long after its last heartbeat (by database time) a dead instance's partitions are delivered
+    /// by others. Its lease, during which it counts as live and may deliver, ends two heartbeat
+    /// intervals earlier ([`ClusterConfig::lease`]); whoever takes its partitions then waits those two
+    /// intervals (the time the old owner needs to notice a lease that ended early) before delivering
+    /// them. Must be at least four heartbeat intervals.
     #[serde(with = "humantime_serde")]
     pub stale_timeout: Duration,
     /// How often ownership is reconsidered.
@@ -74,7 +75,7 @@ impl ClusterConfig {
 
     /// How long a renewal keeps the instance live (and delivering): `stale_timeout` minus two heartbeat
     /// intervals. Once a lease has expired it is never renewed: the instance fences itself and registers
-    /// again under a new id.
+    /// again under a new id, and others may take its partitions.
     pub fn lease(&self) -> Duration {
         self.stale_timeout.saturating_sub(self.heartbeat_interval * 2)
     }

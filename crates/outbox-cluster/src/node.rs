@@ -12,7 +12,8 @@
 //!   computes the balanced targets ([`rebalance`](crate::rebalance)) and writes those that changed; each
 //!   instance then stops fetching the partitions targeted elsewhere, releases them once none of their
 //!   records is in flight (release-before-acquire), and acquires the partitions targeted at it that are
-//!   free or whose owner's takeover time has passed;
+//!   free or whose owner's lease has expired; the latter it hands to the processor only after a quiet
+//!   period of two heartbeat intervals (the previous owner's, or its own if longer);
 //! - **processor** and **purge** from `outbox-core`.
 //!
 //! Graceful shutdown: mark the instance draining, stop fetching, finish and complete in-flight records,
@@ -20,20 +21,26 @@
 //! partitions at their next round instead of after the stale timeout.
 //!
 //! # Exclusive delivery, and what it rests on
-//! An instance's partitions can be taken `stale_timeout` after its last renewal (database time); its
-//! lease, and so its processor's deadline, ends two heartbeat intervals before that
-//! ([`ClusterConfig::lease`]), and the processor's deadline is counted from before the renewal was sent.
-//! So a live process stops starting handler calls, and cancels those running, before anyone may take
-//! its partitions, even when its lease ends early (a database clock step): its next heartbeat, at most
-//! two heartbeat intervals later, finds the lease expired and fences it. This rests on the host's and the
-//! database's clocks running at about the same rate. A process that is stopped (SIGSTOP, a debugger)
-//! resumes past its deadline and starts no new call, but a handler call it was running goes on until the
-//! processor notices (its next poll of the loop) and cancels it. A suspended virtual machine stops the
-//! monotonic clock too: the processor also checks the wall clock, so if the host corrects it on resume
-//! nothing new starts; if not, calls may start for up to one heartbeat interval after the resume, until
-//! the heartbeat finds the lease expired. Every fetch is fenced by the database (the partition's owner
-//! and epoch, and a live lease by database time), and every write too, so none of this can lose,
-//! reorder or corrupt records: it decides only whether a handler call could overlap another instance's.
+//! An instance's lease lasts `stale_timeout` minus two heartbeat intervals after each renewal
+//! ([`ClusterConfig::lease`]), by database time; the processor's deadline is the lease's remaining time
+//! as the database answered it, counted from before the renewal was sent, so it passes no later than
+//! the lease. At the deadline the processor starts no handler call and cancels those running. Another
+//! instance may take the partitions once the lease has expired, and then waits a quiet period of two
+//! heartbeat intervals before delivering them: the time the old owner needs to find, at its next
+//! heartbeat, that its lease expired, should it have ended early (a database clock step, an operator's
+//! edit) while its own deadline had not passed; it fences itself at once. So after a crash the
+//! partitions are delivered again `stale_timeout` (plus up to one rebalance interval) after the last
+//! heartbeat, and a live owner has stopped before anyone else delivers them. This rests on the
+//! heartbeats getting through within their interval and on the clocks' rates, not on their readings.
+//!
+//! A process that is stopped (SIGSTOP, a debugger) resumes past its deadline and starts no new call,
+//! but a handler call it was running goes on until the processor notices (its next turn of the loop)
+//! and cancels it. A suspended virtual machine stops the monotonic clock too: the processor also checks
+//! the wall clock, so if the host corrects it on resume nothing new starts; if not, calls may start for
+//! up to one heartbeat interval after the resume, until the heartbeat finds the lease expired. Every
+//! fetch is fenced by the database (the partition's owner and epoch, and a live lease by database
+//! time), and every write too, so none of this can lose, reorder or corrupt records: it decides only
+//! whether a handler call could overlap another instance's.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -42,7 +49,7 @@ use outbox_core::{Assignment, Db, Deadline, Epochs, Handlers, Outbox, Partition,
 use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::time::MissedTickBehavior;
+use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -157,7 +164,30 @@ fn not_migrated(outbox: &Outbox, e: Error) -> Error {
 
 /// What each registration or renewal asks for.
 fn lease(config: &ClusterConfig) -> Lease {
-    Lease { live: config.lease(), takeover: config.stale_timeout }
+    Lease { live: config.lease(), heartbeat: config.heartbeat_interval }
+}
+
+/// What the ownership task carries from one round to the next, for one instance id.
+struct Rounds {
+    instance: Uuid,
+    /// Partitions taken away from the processor in an earlier round, waiting to be released.
+    giving_up: BTreeSet<Partition>,
+    /// Partitions taken from a dead owner, held back from the processor until its quiet period ends:
+    /// (epoch, end).
+    quiet: BTreeMap<Partition, (i64, Instant)>,
+}
+
+impl Rounds {
+    fn new(instance: Uuid) -> Self {
+        Self { instance, giving_up: BTreeSet::new(), quiet: BTreeMap::new() }
+    }
+}
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 #[derive(Clone)]
@@ -261,41 +291,38 @@ impl Ctx {
     async fn ownership(self, busy: watch::Receiver<BTreeSet<Partition>>, shutdown: CancellationToken) {
         let mut ticker = tokio::time::interval(self.config.rebalance_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        // Partitions taken away from the processor in an earlier round, waiting to be released, and the
-        // instance id that round ran under.
-        let mut giving_up = (self.instance(), BTreeSet::new());
+        let mut rounds = Rounds::new(self.instance());
         loop {
+            let quiet_ends = rounds.quiet.values().map(|&(_, until)| until).min();
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
+                // A stolen partition's quiet period is over: hand it to the processor now.
+                () = sleep_until_opt(quiet_ends) => {}
             }
             let current = self.assign.borrow().clone();
             if !current.is_live() {
                 continue;
             }
-            if giving_up.0 != current.instance {
-                giving_up = (current.instance, BTreeSet::new());
+            if rounds.instance != current.instance {
+                rounds = Rounds::new(current.instance);
             }
-            if let Err(e) = self.round(current.instance, &busy, &mut giving_up.1).await {
+            if let Err(e) = self.round(&busy, &mut rounds).await {
                 warn!(instance = %current.instance, error = %e, "ownership round failed");
             }
         }
     }
 
-    /// One ownership round of instance `id`: rebalance (leader only), release, acquire, publish the
-    /// assignment (unless the instance registered again meanwhile: this round's view is then stale).
-    async fn round(
-        &self,
-        id: Uuid,
-        busy: &watch::Receiver<BTreeSet<Partition>>,
-        giving_up: &mut BTreeSet<Partition>,
-    ) -> Result<()> {
+    /// One ownership round: rebalance (leader only), release, acquire, publish the assignment (unless
+    /// the instance registered again meanwhile: this round's view is then stale).
+    async fn round(&self, busy: &watch::Receiver<BTreeSet<Partition>>, rounds: &mut Rounds) -> Result<()> {
+        let id = rounds.instance;
         let live = ownership::live(&self.pool, &self.sql).await?;
         let rows = ownership::partitions(&self.pool, &self.sql).await?;
         let targets: BTreeMap<Partition, Uuid> = if live.first() == Some(&id) {
-            // Housekeeping for the cluster: forget instances whose partitions became takeable more than
-            // a stale timeout ago.
-            registry::reap(&self.pool, &self.sql, self.config.stale_timeout).await?;
+            // Housekeeping for the cluster: forget instances whose lease expired two stale timeouts ago
+            // (their partitions have moved on long since).
+            registry::reap(&self.pool, &self.sql, self.config.stale_timeout * 2).await?;
             ownership::rebalance(&self.pool, &self.sql, id, &live, &rows).await?
         } else {
             rows.iter().filter_map(|r| r.target.map(|t| (r.partition, t))).collect()
@@ -308,19 +335,25 @@ impl Ctx {
         let in_flight = busy.borrow().clone();
         let release: Epochs = owned
             .iter()
-            .filter(|(p, _)| giving_up.contains(p) && !mine(p) && !in_flight.contains(p))
+            .filter(|(p, _)| rounds.giving_up.contains(p) && !mine(p) && !in_flight.contains(p))
             .map(|(&p, &e)| (p, e))
             .collect();
         if !release.is_empty() {
             ownership::release(&self.pool, &self.sql, id, &release, "rebalance").await?;
         }
         if rows.iter().any(|r| mine(&r.partition) && r.owner != Some(id)) {
-            ownership::acquire(&self.pool, &self.sql, id).await?;
+            let acquired = ownership::acquire(&self.pool, &self.sql, id, self.config.heartbeat_interval).await?;
+            for a in acquired {
+                if let Some(quiet) = a.quiet {
+                    rounds.quiet.insert(a.partition, (a.epoch, Instant::now() + quiet));
+                }
+            }
         }
 
         let owned = ownership::owned(&self.pool, &self.sql, id).await?;
-        *giving_up = owned.keys().copied().filter(|p| !mine(p)).collect();
-        let keep: Epochs = owned.into_iter().filter(|(p, _)| mine(p)).collect();
+        rounds.giving_up = owned.keys().copied().filter(|p| !mine(p)).collect();
+        rounds.quiet.retain(|p, (epoch, until)| owned.get(p) == Some(epoch) && *until > Instant::now());
+        let keep: Epochs = owned.into_iter().filter(|(p, _)| mine(p) && !rounds.quiet.contains_key(p)).collect();
         metrics::gauge!("outbox_owned_partitions").set(keep.len() as f64);
         metrics::gauge!("outbox_live_instances").set(live.len() as f64);
         self.assign.send_if_modified(|current| {

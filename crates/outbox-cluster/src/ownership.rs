@@ -1,6 +1,8 @@
 //! Partition ownership: acquire (free or dead owner) and release, each a compare-and-set that bumps the
 //! partition's epoch. The processor fences every write with the (owner, epoch) it was given.
 
+use std::time::Duration;
+
 use outbox_core::{Db, Epochs, Partition};
 use tracing::info;
 use uuid::Uuid;
@@ -8,23 +10,40 @@ use uuid::Uuid;
 use crate::sql::{Sql, stmt};
 use crate::{Result, sqlite};
 
-/// Acquires the partitions targeted at this instance that are free or whose owner is dead; returns them
-/// with their new epochs.
-pub(crate) async fn acquire(db: &Db, sql: &Sql, me: Uuid) -> Result<Epochs> {
-    let rows: Vec<(i16, i64, Option<Uuid>)> = match db {
+/// (partition, new epoch, previous owner, the previous owner's heartbeat interval in ms).
+pub(crate) type AcquiredRow = (i16, i64, Option<Uuid>, Option<i64>);
+
+/// A partition just acquired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Acquired {
+    pub(crate) partition: Partition,
+    pub(crate) epoch: i64,
+    /// Taken from an owner whose lease expired (not free): deliver nothing of it for this long, the
+    /// time the previous owner needs to notice its lease expired and stop (two of its heartbeat
+    /// intervals, or of ours if longer or if its row is gone).
+    pub(crate) quiet: Option<Duration>,
+}
+
+/// Acquires the partitions targeted at this instance that are free or whose owner is dead.
+pub(crate) async fn acquire(db: &Db, sql: &Sql, me: Uuid, heartbeat: Duration) -> Result<Vec<Acquired>> {
+    let rows: Vec<AcquiredRow> = match db {
         Db::Postgres(pool) => sqlx::query_as(stmt(&sql.acquire)).bind(me).fetch_all(pool).await?,
         Db::Sqlite(pool) => sqlite::acquire(pool, &sql.sqlite, me).await?,
     };
-    let mut acquired = Epochs::new();
-    for (partition, epoch, previous) in rows {
+    let mut acquired = Vec::with_capacity(rows.len());
+    for (partition, epoch, previous, previous_heartbeat) in rows {
         let partition = to_partition(partition)?;
-        match previous {
-            Some(previous) => {
-                info!(partition, epoch, instance = %me, %previous, reason = "owner lease expired", "partition stolen")
-            }
-            None => info!(partition, epoch, instance = %me, reason = "free", "partition acquired"),
+        let quiet = previous.map(|previous| {
+            let theirs = Duration::from_millis(previous_heartbeat.and_then(|ms| u64::try_from(ms).ok()).unwrap_or(0));
+            let quiet = 2 * theirs.max(heartbeat);
+            info!(partition, epoch, instance = %me, %previous, reason = "owner lease expired", ?quiet,
+                "partition stolen; delivering it after the quiet period");
+            quiet
+        });
+        if quiet.is_none() {
+            info!(partition, epoch, instance = %me, reason = "free", "partition acquired");
         }
-        acquired.insert(partition, epoch);
+        acquired.push(Acquired { partition, epoch, quiet });
     }
     Ok(acquired)
 }

@@ -1,9 +1,9 @@
 //! Instance registry: register, heartbeat (lease renewal by database time), deregister, reap the dead.
 //!
-//! An instance's row holds two times: `expires_at`, until which it counts as live (and may deliver), and
-//! `takeover_at`, from which others may take its partitions. A heartbeat renews both, but only while the
-//! lease has not expired: an expired lease means the instance was declared dead, and it must fence
-//! itself and register again under a new id.
+//! An instance's row holds its lease (`expires_at`), until which it counts as live, and its heartbeat
+//! interval. A heartbeat renews the lease only while it has not expired: an expired lease means the
+//! instance was declared dead (others may take its partitions), and it must fence itself and register
+//! again under a new id.
 
 use std::time::Duration;
 
@@ -32,11 +32,11 @@ pub struct InstanceInfo {
     pub partitions: i64,
 }
 
-/// How long a registration or renewal lasts: live for `live`, partitions takeable after `takeover`.
+/// What a registration or renewal declares: live for `live`, renewed every `heartbeat`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Lease {
     pub(crate) live: Duration,
-    pub(crate) takeover: Duration,
+    pub(crate) heartbeat: Duration,
 }
 
 /// Registers `id`; returns the lease's remaining time as the database answered it.
@@ -47,7 +47,7 @@ pub(crate) async fn register(db: &Db, sql: &Sql, id: Uuid, name: &str, lease: Le
                 .bind(id)
                 .bind(name)
                 .bind(millis(lease.live))
-                .bind(millis(lease.takeover))
+                .bind(millis(lease.heartbeat))
                 .fetch_one(pool)
                 .await?
         }
@@ -59,12 +59,8 @@ pub(crate) async fn register(db: &Db, sql: &Sql, id: Uuid, name: &str, lease: Le
 /// Renews an unexpired lease; returns its remaining time, or `None` when it had expired (the instance
 /// was declared dead).
 pub(crate) async fn heartbeat(conn: &mut PgConnection, sql: &Sql, id: Uuid, lease: Lease) -> Result<Option<Duration>> {
-    let remaining: Option<i64> = sqlx::query_scalar(stmt(&sql.heartbeat))
-        .bind(id)
-        .bind(millis(lease.live))
-        .bind(millis(lease.takeover))
-        .fetch_optional(conn)
-        .await?;
+    let remaining: Option<i64> =
+        sqlx::query_scalar(stmt(&sql.heartbeat)).bind(id).bind(millis(lease.live)).fetch_optional(conn).await?;
     Ok(remaining.map(from_millis))
 }
 
@@ -82,7 +78,7 @@ pub(crate) async fn deregister(db: &Db, sql: &Sql, id: Uuid) -> Result<()> {
     }
 }
 
-/// Deletes instances whose partitions became takeable more than `grace` ago.
+/// Deletes instances whose lease expired more than `grace` ago.
 pub(crate) async fn reap(db: &Db, sql: &Sql, grace: Duration) -> Result<u64> {
     match db {
         Db::Postgres(pool) => Ok(sqlx::query(stmt(&sql.reap)).bind(millis(grace)).execute(pool).await?.rows_affected()),

@@ -8,40 +8,42 @@ use sqlx::AssertSqlSafe;
 /// The lease's remaining time in milliseconds, by database time.
 const REMAINING: &str = "(extract(epoch FROM expires_at - now()) * 1000)::bigint";
 
-/// Registers an instance: live for `$3` ms, its partitions takeable after `$4` ms. Returns the lease's
-/// remaining time.
-const REGISTER: &str = "INSERT INTO {s}.instances (id, name, expires_at, takeover_at)
-VALUES ($1, $2, now() + $3 * interval '1 millisecond', now() + $4 * interval '1 millisecond')
+/// Registers an instance, live for `$3` ms, heartbeating every `$4` ms. Returns the lease's remaining
+/// time.
+const REGISTER: &str = "INSERT INTO {s}.instances (id, name, expires_at, heartbeat_ms)
+VALUES ($1, $2, now() + $3 * interval '1 millisecond', $4)
 RETURNING {remaining}";
 
-/// Renews a lease that has not expired by database time, for `$2` ms (takeover after `$3` ms); returns
-/// its remaining time. No row: the lease had expired (or the instance was reaped), so the instance was
-/// declared dead and may have lost its partitions: it must stop and register again.
+/// Renews a lease that has not expired by database time, for `$2` ms; returns its remaining time. No
+/// row: the lease had expired (or the instance was reaped), so the instance was declared dead and may
+/// have lost its partitions: it must stop and register again.
 const HEARTBEAT: &str = "UPDATE {s}.instances
-SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond', takeover_at = now() + $3 * interval '1 millisecond'
+SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond'
 WHERE id = $1 AND expires_at > now()
 RETURNING {remaining}";
 
 const DEREGISTER: &str = "DELETE FROM {s}.instances WHERE id = $1";
 
-/// Removes instances whose partitions became takeable more than `$1` ms ago.
-const REAP: &str = "DELETE FROM {s}.instances WHERE takeover_at < now() - $1 * interval '1 millisecond'";
+/// Removes instances whose lease expired more than `$1` ms ago.
+const REAP: &str = "DELETE FROM {s}.instances WHERE expires_at < now() - $1 * interval '1 millisecond'";
 
-/// Acquires the partitions targeted at this instance that are free or whose owner's takeover time has
-/// passed by database time (the owner's lease ended earlier, and it had the time in between to notice).
-/// Each acquisition bumps the epoch, fencing out whatever the previous owner still tries to write. Rows
-/// being written under a fence are skipped and retried next round.
-/// Returns (partition, epoch, previous owner).
+/// Acquires the partitions targeted at this instance that are free or whose owner has no live lease by
+/// database time. Each acquisition bumps the epoch, fencing out whatever the previous owner still tries
+/// to write. Rows being written under a fence are skipped and retried next round.
+/// Returns (partition, epoch, previous owner, the previous owner's heartbeat interval in ms if its row
+/// is still there).
 const ACQUIRE: &str = "WITH taken AS (
-    SELECT p.partition, p.owner FROM {s}.partitions p
+    SELECT p.partition, p.owner,
+           (SELECT i.heartbeat_ms FROM {s}.instances i WHERE i.id = p.owner) AS heartbeat_ms
+    FROM {s}.partitions p
     WHERE p.target_owner = $1 AND p.owner IS DISTINCT FROM $1
       AND (p.owner IS NULL OR NOT EXISTS (
-          SELECT 1 FROM {s}.instances i WHERE i.id = p.owner AND i.takeover_at > now()))
+          SELECT 1 FROM {s}.instances i WHERE i.id = p.owner AND i.expires_at > now()))
     FOR UPDATE OF p SKIP LOCKED
 )
 UPDATE {s}.partitions p SET owner = $1, epoch = p.epoch + 1, changed_at = now()
 FROM taken WHERE p.partition = taken.partition
-RETURNING p.partition, p.epoch, taken.owner";
+RETURNING p.partition, p.epoch, taken.owner, taken.heartbeat_ms";
 
 /// Live instances that take part in the assignment (lease valid by database time, not draining).
 const LIVE: &str = "SELECT id FROM {s}.instances WHERE expires_at > now() AND NOT draining ORDER BY id";

@@ -15,26 +15,29 @@ use sqlx::{AssertSqlSafe, SqlitePool};
 use uuid::Uuid;
 
 use crate::Result;
+use crate::ownership::AcquiredRow;
 use crate::registry::{InstanceInfo, Lease};
 use crate::sql::millis;
 
-const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, takeover_at)
-VALUES ($1, $2, {now} + $3, {now} + $4) RETURNING expires_at - {now}";
+const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbeat_ms)
+VALUES ($1, $2, {now} + $3, $4) RETURNING expires_at - {now}";
 
 /// Renews a lease that has not expired (see the PostgreSQL statement); returns its remaining ms.
-const HEARTBEAT: &str =
-    "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2, takeover_at = {now} + $3
+const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2
 WHERE id = $1 AND expires_at > {now} RETURNING expires_at - {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = $1";
 
-const REAP: &str = "DELETE FROM {s}_instances WHERE takeover_at < {now} - $1";
+const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - $1";
 
-/// Partitions targeted at `$1` that are free or whose owner's takeover time has passed, with that owner.
-const ACQUIRABLE: &str = "SELECT p.partition, p.owner FROM {s}_partitions p
+/// Partitions targeted at `$1` that are free or whose owner has no live lease, with that owner and its
+/// heartbeat interval (if its row is still there).
+const ACQUIRABLE: &str =
+    "SELECT p.partition, p.owner, (SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner)
+FROM {s}_partitions p
 WHERE p.target_owner = $1 AND p.owner IS NOT $1
   AND (p.owner IS NULL OR NOT EXISTS (
-      SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.takeover_at > {now}))";
+      SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))";
 
 const TAKE: &str = "UPDATE {s}_partitions SET owner = $1, epoch = epoch + 1, changed_at = {now}
 WHERE partition = $2 RETURNING epoch";
@@ -109,7 +112,7 @@ pub(crate) async fn register(pool: &SqlitePool, sql: &Sql, id: Uuid, name: &str,
         .bind(id)
         .bind(name)
         .bind(millis(lease.live))
-        .bind(millis(lease.takeover))
+        .bind(millis(lease.heartbeat))
         .fetch_one(&mut *tx)
         .await?;
     tx.commit().await?;
@@ -119,12 +122,8 @@ pub(crate) async fn register(pool: &SqlitePool, sql: &Sql, id: Uuid, name: &str,
 /// Renews an unexpired lease; returns its remaining ms, `None` if it had expired.
 pub(crate) async fn heartbeat(pool: &SqlitePool, sql: &Sql, id: Uuid, lease: Lease) -> Result<Option<i64>> {
     let mut tx = sqlite_write(pool).await?;
-    let remaining: Option<i64> = sqlx::query_scalar(stmt(&sql.heartbeat))
-        .bind(id)
-        .bind(millis(lease.live))
-        .bind(millis(lease.takeover))
-        .fetch_optional(&mut *tx)
-        .await?;
+    let remaining: Option<i64> =
+        sqlx::query_scalar(stmt(&sql.heartbeat)).bind(id).bind(millis(lease.live)).fetch_optional(&mut *tx).await?;
     tx.commit().await?;
     Ok(remaining)
 }
@@ -142,15 +141,15 @@ pub(crate) async fn reap(pool: &SqlitePool, sql: &Sql, grace: Duration) -> Resul
     Ok(reaped)
 }
 
-/// (partition, new epoch, previous owner) of each partition acquired.
-pub(crate) async fn acquire(pool: &SqlitePool, sql: &Sql, me: Uuid) -> Result<Vec<(i16, i64, Option<Uuid>)>> {
+/// (partition, new epoch, previous owner, its heartbeat interval in ms) of each partition acquired.
+pub(crate) async fn acquire(pool: &SqlitePool, sql: &Sql, me: Uuid) -> Result<Vec<AcquiredRow>> {
     let mut tx = sqlite_write(pool).await?;
-    let candidates: Vec<(i16, Option<Uuid>)> =
+    let candidates: Vec<(i16, Option<Uuid>, Option<i64>)> =
         sqlx::query_as(stmt(&sql.acquirable)).bind(me).fetch_all(&mut *tx).await?;
     let mut acquired = Vec::with_capacity(candidates.len());
-    for (partition, previous) in candidates {
+    for (partition, previous, heartbeat_ms) in candidates {
         let epoch: i64 = sqlx::query_scalar(stmt(&sql.take)).bind(me).bind(partition).fetch_one(&mut *tx).await?;
-        acquired.push((partition, epoch, previous));
+        acquired.push((partition, epoch, previous, heartbeat_ms));
     }
     tx.commit().await?;
     Ok(acquired)

@@ -731,7 +731,7 @@ mod tests {
     /// Registers an instance with a lease far in the future and gives it `partitions` at `epoch`.
     async fn hold(pool: &sqlx::SqlitePool, partitions: &[i16], epoch: i64) -> uuid::Uuid {
         let me = uuid::Uuid::now_v7();
-        sqlx::query("INSERT INTO outbox_instances (id, name, expires_at, takeover_at) VALUES ($1, 'test', $2, $2)")
+        sqlx::query("INSERT INTO outbox_instances (id, name, expires_at) VALUES ($1, 'test', $2)")
             .bind(me)
             .bind(i64::MAX / 2)
             .execute(pool)

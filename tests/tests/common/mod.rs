@@ -270,11 +270,7 @@ pub async fn commit(outbox: &Outbox, db: &TestDb, records: Vec<NewRecord>) -> Ve
 /// Registers an instance with a lease a day long, as the cluster's registry would; returns its id.
 pub async fn register_instance(db: &TestDb) -> uuid::Uuid {
     let me = uuid::Uuid::now_v7();
-    exec!(
-        db,
-        "INSERT INTO {s}instances (id, name, expires_at, takeover_at) VALUES ($1, 'test', {ago:-86400}, {ago:-86400})",
-        me
-    );
+    exec!(db, "INSERT INTO {s}instances (id, name, expires_at) VALUES ($1, 'test', {ago:-86400})", me);
     me
 }
 

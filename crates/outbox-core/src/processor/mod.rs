@@ -649,8 +649,7 @@ mod tests {
         match db {
             crate::Db::Postgres(pool) => {
                 sqlx::query(
-                    "INSERT INTO outbox.instances (id, name, expires_at, takeover_at)
-                     VALUES ($1, 'test', now() + interval '1 day', now() + interval '1 day')",
+                    "INSERT INTO outbox.instances (id, name, expires_at) VALUES ($1, 'test', now() + interval '1 day')",
                 )
                 .bind(me)
                 .execute(pool)
@@ -659,14 +658,12 @@ mod tests {
                 sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 1").bind(me).execute(pool).await.unwrap();
             }
             crate::Db::Sqlite(pool) => {
-                sqlx::query(
-                    "INSERT INTO outbox_instances (id, name, expires_at, takeover_at) VALUES ($1, 'test', $2, $2)",
-                )
-                .bind(me)
-                .bind(i64::MAX / 2)
-                .execute(pool)
-                .await
-                .unwrap();
+                sqlx::query("INSERT INTO outbox_instances (id, name, expires_at) VALUES ($1, 'test', $2)")
+                    .bind(me)
+                    .bind(i64::MAX / 2)
+                    .execute(pool)
+                    .await
+                    .unwrap();
                 sqlx::query("UPDATE outbox_partitions SET owner = $1, epoch = 1").bind(me).execute(pool).await.unwrap();
             }
         }
