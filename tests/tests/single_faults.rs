@@ -1,0 +1,208 @@
+//! Single faults a delivery can meet, each of which once stopped a key or a partition without anything
+//! turning FAILED: a record removed under its completion, a handler that panics before its first
+//! await, an error text the database cannot store, a hot key set that sorts low, a shutdown whose first
+//! step fails. Each ends in an outcome an operator can see, and the other keys go on.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[macro_use]
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::*;
+use outbox_core::{Error, HandlerError, Handlers, NewRecord, Record, RetryPolicy, Route, handler_fn, partition_of};
+
+both!(
+    a_record_removed_before_its_completion_does_not_stop_its_partition,
+    a_handler_that_panics_before_its_first_await_is_retried_then_failed,
+    an_error_text_with_nul_is_stored_and_the_rest_of_the_batch_is_completed,
+    a_hot_key_set_that_sorts_low_cannot_starve_a_key_that_sorts_high,
+    shutdown_stops_every_task_even_when_marking_the_instance_draining_fails,
+);
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// `n` distinct keys with `prefix` that fall into `partition`.
+fn keys_in(partition: outbox_core::Partition, prefix: &str, n: usize) -> Vec<String> {
+    (0..).map(|i| format!("{prefix}-{i}")).filter(|k| partition_of(k) == partition).take(n).collect()
+}
+
+/// A completion that finds its record already gone (here the handler deleted it; in production an
+/// earlier attempt of the same completion committed before its connection dropped) is settled, not
+/// "fenced": the partition goes on being processed.
+async fn a_record_removed_before_its_completion_does_not_stop_its_partition(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let sink = Sink::new();
+    let (s, d) = (sink.clone(), db.clone());
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r: Record| {
+        let (s, d) = (s.clone(), d.clone());
+        async move {
+            if r.payload == "delete me" {
+                exec!(d, "DELETE FROM {s}records WHERE id = $1", r.id);
+            }
+            s.record(&r);
+            Ok(())
+        }
+    })));
+    let node = start(&outbox, &db, handlers).await;
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "delete me")]).await;
+    wait_for("the first record delivered and completed", LONG, || async { sink.len() == 1 }).await;
+    drained(&db, LONG).await;
+    // Work committed afterwards in the same partition: the key itself and a neighbour.
+    let neighbour = keys_in(partition_of("k"), "neighbour", 1).remove(0);
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "2"), NewRecord::new(&neighbour, "t", "1")]).await;
+    wait_for("later records of the partition delivered", LONG, || async { sink.len() == 3 }).await;
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(sink.ranks_of("k"), [1, 2]);
+}
+
+/// A `handler_fn` closure that panics before building its future (so before any await) is a retryable
+/// failure carrying the panic message, then FAILED when retries run out; nothing stays in flight, so a
+/// graceful stop finishes.
+async fn a_handler_that_panics_before_its_first_await_is_retried_then_failed(db: TestDb) {
+    let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_secs(20)).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let handler = handler_fn(move |r: Record| {
+        c.fetch_add(1, Ordering::SeqCst);
+        assert!(r.key != "poison", "cannot handle {}", r.key);
+        async { Ok::<(), HandlerError>(()) }
+    });
+    let route = Route::new(handler).retry(RetryPolicy::fixed(Duration::from_millis(10), 2)).unwrap();
+    commit(&outbox, &db, vec![NewRecord::new("poison", "t", ""), NewRecord::new("fine", "t", "")]).await;
+    let node = start(&outbox, &db, Handlers::new().default_route(route)).await;
+    wait_failed(&db, 1).await;
+    drained(&db, LONG).await;
+    node.shutdown().await.expect("nothing left in flight: the graceful stop completes");
+    assert_eq!(calls.load(Ordering::SeqCst), 4, "three calls for the poisoned record, one for the other");
+    let failed = outbox.failed(&db, &Default::default()).await.unwrap();
+    assert_eq!(failed.len(), 1);
+    let error = failed[0].last_error.clone().unwrap();
+    assert!(error.contains("handler panicked") && error.contains("cannot handle poison"), "{error}");
+    assert_eq!(failed[0].attempts, 3);
+}
+
+/// A handler error holding a NUL byte (which PostgreSQL's text refuses) is stored with the NUL replaced;
+/// the failing key's attempts grow to FAILED, and the other keys of its batches are completed once.
+async fn an_error_text_with_nul_is_stored_and_the_rest_of_the_batch_is_completed(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let sink = Sink::new();
+    let s = sink.clone();
+    let handler = handler_fn(move |r: Record| {
+        let s = s.clone();
+        async move {
+            s.record(&r);
+            if r.key == "nul" { Err(HandlerError::retryable("a\0b")) } else { Ok(()) }
+        }
+    });
+    let route = Route::new(handler).retry(RetryPolicy::fixed(Duration::from_millis(20), 3)).unwrap();
+    let mut records = vec![NewRecord::new("nul", "t", "")];
+    records.extend((0..20).map(|i| NewRecord::new(format!("ok-{i}"), "t", "")));
+    commit(&outbox, &db, records).await;
+    let node = start(&outbox, &db, Handlers::new().default_route(route)).await;
+    wait_failed(&db, 1).await;
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    let failed = outbox.failed(&db, &Default::default()).await.unwrap();
+    assert_eq!(failed[0].last_error.as_deref(), Some("retryable: a\u{FFFD}b"));
+    assert_eq!(failed[0].attempts, 4);
+    assert_eq!(sink.of_key("nul").len(), 4);
+    for i in 0..20 {
+        assert_eq!(sink.of_key(&format!("ok-{i}")).len(), 1, "ok-{i} delivered once");
+    }
+}
+
+/// Keys that sort low and keep a backlog cannot starve a key that sorts high in the same partition:
+/// each fetch of a partition starts after the key where the previous one stopped.
+async fn a_hot_key_set_that_sorts_low_cannot_starve_a_key_that_sorts_high(db: TestDb) {
+    let outbox = outbox(&db, |c| {
+        c.batch_size = 2;
+        c.concurrency = 2;
+        c.key_lookahead = 1;
+    })
+    .await;
+    let hot = keys_in(partition_of("z-high"), "a-hot", 3);
+    let mut records: Vec<NewRecord> = (0..40).flat_map(|_| hot.iter().map(|k| NewRecord::new(k, "t", ""))).collect();
+    records.push(NewRecord::new("z-high", "t", ""));
+    commit(&outbox, &db, records).await;
+    let sink = Sink::new();
+    let s = sink.clone();
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r: Record| {
+        let s = s.clone();
+        async move {
+            s.record(&r);
+            Ok(())
+        }
+    })));
+    let node = start(&outbox, &db, handlers).await;
+    wait_for("the high key delivered", LONG, || async { !sink.of_key("z-high").is_empty() }).await;
+    let hot_first = sink.all().iter().take_while(|d| d.key != "z-high").count();
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    assert!(hot_first < 20, "{hot_first} of the 120 hot records went before the high key");
+}
+
+/// `shutdown` stops the processor and the background tasks even when its first step (marking the
+/// instance draining) fails, and says so.
+async fn shutdown_stops_every_task_even_when_marking_the_instance_draining_fails(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    if db.is_sqlite() {
+        exec!(
+            db,
+            "CREATE TRIGGER refuse_drain BEFORE UPDATE OF draining ON {s}instances
+             BEGIN SELECT RAISE(ABORT, 'draining refused by the test'); END"
+        );
+    } else {
+        exec!(
+            db,
+            "CREATE FUNCTION outbox.refuse_drain() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN RAISE EXCEPTION 'draining refused by the test'; END $$"
+        );
+        exec!(
+            db,
+            "CREATE TRIGGER refuse_drain BEFORE UPDATE OF draining ON outbox.instances
+             FOR EACH ROW EXECUTE FUNCTION outbox.refuse_drain()"
+        );
+    }
+    let sink = Sink::new();
+    let s = sink.clone();
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r: Record| {
+        let s = s.clone();
+        async move {
+            s.record(&r);
+            Ok(())
+        }
+    })));
+    let node = start(&outbox, &db, handlers).await;
+    let id = node.id();
+    wait_for("partitions acquired", LONG, || async {
+        count(&db, "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL").await == 256
+    })
+    .await;
+    let err = node.shutdown().await.unwrap_err();
+    assert!(err.to_string().contains("draining refused"), "{err}");
+    // The rest of the shutdown ran: partitions released, instance deregistered.
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL").await, 0);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}instances").await, 0, "{id} deregistered");
+    // And the processor is stopped: a record committed now stays pending.
+    commit(&outbox, &db, vec![NewRecord::new("after", "t", "")]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(sink.len(), 0);
+    assert_eq!(pending(&db).await, 1);
+}
+
+/// A route's retry policy is checked when the route is built: a jitter above 1 (which made the delay
+/// computation panic inside a delivery) is refused, naming the field.
+#[test]
+fn a_route_with_an_invalid_retry_policy_is_refused_when_built() {
+    let handler = handler_fn(|_| async { Ok::<(), HandlerError>(()) });
+    let bad = RetryPolicy::fixed(Duration::from_millis(10), 1).with_jitter(1.5);
+    match Route::new(handler).retry(bad) {
+        Err(Error::Config(message)) => assert!(message.contains("jitter"), "{message}"),
+        Err(other) => panic!("expected a configuration error, got {other}"),
+        Ok(_) => panic!("an invalid policy was accepted"),
+    }
+}
