@@ -784,6 +784,38 @@ mod tests {
         assert!(old.seq > 41 && drained.seq > 41, "{} {}", old.seq, drained.seq);
     }
 
+    /// A `schedule` on a bare pooled connection, dropped by a timeout while it waits for the write lock
+    /// (another connection holds `BEGIN IMMEDIATE`), leaves no transaction open on the connection: once
+    /// the other writer commits, writes through the same pool commit, and other writers are not locked out.
+    #[tokio::test]
+    async fn a_schedule_dropped_while_waiting_for_the_write_lock_leaves_no_transaction_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
+        let options = crate::db::sqlite_options(&url).unwrap().busy_timeout(std::time::Duration::from_secs(2));
+        let connect = || sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect_with(options.clone());
+        let (pool, other) = (connect().await.unwrap(), connect().await.unwrap());
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+
+        let holder = other.begin_with("BEGIN IMMEDIATE").await.unwrap();
+        {
+            let mut conn = pool.acquire().await.unwrap();
+            let schedule = outbox.schedule(&mut *conn, crate::NewRecord::new("k", "t", "dropped"));
+            let dropped = tokio::time::timeout(std::time::Duration::from_millis(100), schedule).await;
+            assert!(dropped.is_err(), "the schedule was waiting for the write lock");
+        }
+        holder.commit().await.unwrap();
+
+        let mut conn = pool.acquire().await.unwrap();
+        outbox.schedule(&mut *conn, crate::NewRecord::new("k", "t", "after")).await.unwrap();
+        drop(conn);
+        let writer = other.begin_with("BEGIN IMMEDIATE").await.expect("no transaction of the pool holds the lock");
+        writer.commit().await.unwrap();
+        let payloads: Vec<Vec<u8>> =
+            sqlx::query_scalar("SELECT payload FROM outbox_records").fetch_all(&other).await.unwrap();
+        assert_eq!(payloads, [b"after".to_vec()]);
+    }
+
     /// A fetch returns nothing once the instance's lease has expired, even for partitions it still owns.
     #[tokio::test]
     async fn the_fetch_returns_nothing_after_the_lease_expired() {

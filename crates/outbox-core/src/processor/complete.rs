@@ -214,3 +214,56 @@ fn fence_params(outcomes: &[&Outcome]) -> (Vec<i16>, Vec<Uuid>, Vec<i64>) {
     }
     params
 }
+
+#[cfg(test)]
+mod tests {
+    use sqlx::PgPool;
+
+    use super::{Outcome, Verdict, complete};
+    use crate::processor::tests::hold_all;
+    use crate::{Config, Db, NewRecord, Outbox};
+
+    /// A FAILED outcome written again after an operator requeued its record (as a completion retried
+    /// after an ambiguous commit would) leaves the requeue in place, and is settled, not fenced.
+    #[sqlx::test(migrations = false)]
+    async fn a_late_failed_write_does_not_undo_a_requeue(pool: PgPool) {
+        a_late_failed_write_does_not_undo_a_requeue_on(pool.into()).await;
+        let sqlite = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
+            .await
+            .unwrap();
+        a_late_failed_write_does_not_undo_a_requeue_on(sqlite.into()).await;
+    }
+
+    async fn a_late_failed_write_does_not_undo_a_requeue_on(db: Db) {
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&db).await.unwrap();
+        let instance = hold_all(&db).await;
+        let mut tx = db.begin().await.unwrap();
+        let scheduled = outbox.schedule(&mut tx, NewRecord::new("k", "t", "")).await.unwrap();
+        tx.commit().await.unwrap();
+        let outcome = Outcome {
+            id: scheduled.id,
+            partition: scheduled.partition,
+            instance,
+            epoch: 1,
+            key: "k".into(),
+            attempts: 1,
+            requeues: 0,
+            created_at: chrono::Utc::now(),
+            verdict: Verdict::Failed { error: "permanent: no".into() },
+        };
+        let first = complete(&outbox, &db, vec![outcome.clone()]).await;
+        assert!(first.retry.is_none() && first.written.ids.contains(&scheduled.id));
+        outbox.requeue(&db, scheduled.id).await.unwrap();
+
+        let late = complete(&outbox, &db, vec![outcome]).await;
+        assert!(late.retry.is_none());
+        assert!(!late.written.ids.contains(&scheduled.id), "the requeued record was not failed again");
+        assert!(late.written.held.contains(&(scheduled.partition, instance, 1)), "settled, not fenced");
+        assert!(outbox.failed(&db, &Default::default()).await.unwrap().is_empty());
+        let stats = outbox.stats(&db).await.unwrap();
+        assert_eq!((stats[0].pending, stats[0].failed), (1, 0));
+    }
+}

@@ -644,7 +644,7 @@ mod tests {
     }
 
     /// Registers an instance with a lease a day long and gives it every partition at epoch 1.
-    async fn hold_all(db: &crate::Db) -> uuid::Uuid {
+    pub(crate) async fn hold_all(db: &crate::Db) -> uuid::Uuid {
         let me = uuid::Uuid::now_v7();
         match db {
             crate::Db::Postgres(pool) => {
