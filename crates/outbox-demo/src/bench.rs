@@ -21,6 +21,7 @@ use outbox_nats::{JetStreamHandler, NatsConfig, StreamSettings};
 use rand::RngExt;
 use serde_json::json;
 use sqlx::PgPool;
+use sqlx::sqlite::{SqlitePoolOptions, SqliteSynchronous};
 use uuid::Uuid;
 
 use crate::{Context, Failure};
@@ -220,25 +221,40 @@ impl Bench {
         Ok(rows)
     }
 
-    /// The in-process scenarios again with the outbox on a fresh SQLite file (WAL, `db::sqlite_options`).
+    /// The in-process scenarios again with the outbox on a fresh SQLite file (WAL, `db::sqlite_options`:
+    /// `synchronous = FULL`), then the no-op drain and the steady latency with `synchronous = NORMAL`,
+    /// for what durability costs.
     async fn on_sqlite(&self) -> Result<Vec<Row>, Failure> {
-        let dir = tempfile::tempdir().map_err(|e| Failure(format!("bench: no temporary directory: {e}")))?;
-        let db = Db::connect(&format!("sqlite://{}", dir.path().join("bench.db").display())).await?;
-        self.outbox.migrate(&db).await?;
-        let bench = Bench {
-            pool: self.pool.clone(),
-            db,
-            outbox: self.outbox.clone(),
-            nats: self.nats.clone(),
-            database_url: self.database_url.clone(),
-            sizes: self.sizes,
-        };
-        let rows = vec![
-            bench.drain_in_process(&bench.outbox, "sqlite_drain_1_instance_no_op_handler", Target::Nothing).await?,
-            bench.drain_in_process(&bench.outbox, "sqlite_drain_1_instance", Target::JetStream).await?,
-            bench.steady("sqlite_steady_commit_to_ack_p50").await?,
-        ];
-        bench.db.close().await;
+        let mut rows = Vec::new();
+        for synchronous in [SqliteSynchronous::Full, SqliteSynchronous::Normal] {
+            let dir = tempfile::tempdir().map_err(|e| Failure(format!("bench: no temporary directory: {e}")))?;
+            let url = format!("sqlite://{}", dir.path().join("bench.db").display());
+            let options = outbox_core::db::sqlite_options(&url)?.synchronous(synchronous);
+            let db = Db::Sqlite(SqlitePoolOptions::new().max_connections(8).connect_with(options).await?);
+            self.outbox.migrate(&db).await?;
+            let bench = Bench {
+                pool: self.pool.clone(),
+                db,
+                outbox: self.outbox.clone(),
+                nats: self.nats.clone(),
+                database_url: self.database_url.clone(),
+                sizes: self.sizes,
+            };
+            if synchronous == SqliteSynchronous::Full {
+                rows.push(
+                    bench
+                        .drain_in_process(&bench.outbox, "sqlite_drain_1_instance_no_op_handler", Target::Nothing)
+                        .await?,
+                );
+                rows.push(bench.drain_in_process(&bench.outbox, "sqlite_drain_1_instance", Target::JetStream).await?);
+                rows.push(bench.steady("sqlite_steady_commit_to_ack_p50").await?);
+            } else {
+                let drain = "sqlite_synchronous_normal_drain_1_instance_no_op_handler";
+                rows.push(bench.drain_in_process(&bench.outbox, drain, Target::Nothing).await?);
+                rows.push(bench.steady("sqlite_synchronous_normal_steady_commit_to_ack_p50").await?);
+            }
+            bench.db.close().await;
+        }
         Ok(rows)
     }
 
@@ -252,11 +268,12 @@ impl Bench {
 
     /// Empties the outbox tables on `db` and the bench stream.
     async fn reset(&self) -> Result<async_nats::Client, Failure> {
-        let tables = ["records", "completed", "keys", "instances"].map(|t| self.table(t));
+        let tables = ["records", "completed", "instances"].map(|t| self.table(t));
         let unowned = format!("UPDATE {} SET owner = NULL, target_owner = NULL", self.table("partitions"));
         match &self.db {
             Db::Postgres(pool) => {
-                let reset = format!("TRUNCATE {}; {unowned}", tables.join(", "));
+                // PostgreSQL also keeps lock rows of keys with records pending (SQLite needs none).
+                let reset = format!("TRUNCATE {}, {}; {unowned}", tables.join(", "), self.table("keys"));
                 sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(pool).await?;
             }
             Db::Sqlite(pool) => {

@@ -136,5 +136,7 @@ pub async fn failed(ctx: &Context, command: FailedCommand) -> Result<(), Failure
 pub async fn purge(ctx: &Context, older_than: Duration) -> Result<(), Failure> {
     let n = ctx.outbox.purge_completed(&ctx.db, older_than, ctx.config.outbox.purge_batch_size).await?;
     println!("purged {n} completed records older than {}", humantime::format_duration(older_than));
+    let keys = ctx.outbox.prune_keys(&ctx.db, ctx.config.outbox.purge_batch_size).await?;
+    println!("pruned {keys} lock rows of keys with no record left");
     Ok(())
 }
