@@ -71,7 +71,7 @@ async fn batch_numbers_each_keys_records_in_order(db: TestDb) {
 
 /// Two transactions write the same key; the one that schedules first holds the key until it commits,
 /// so the second gets the next sequence number and commits after it: sequence order = commit order.
-/// (PostgreSQL: the key's counter row lock; SQLite: the database write lock.)
+/// (PostgreSQL: the key's lock row; SQLite: the database write lock.)
 async fn concurrent_writers_of_one_key_commit_in_sequence_order(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
     let mut first = db.begin().await;

@@ -106,7 +106,9 @@ pub struct Record {
     pub partition: Partition,
     /// Ordering key.
     pub key: String,
-    /// Per-key sequence, 1, 2, 3, … in commit order, without gaps.
+    /// Per-key sequence number: strictly increasing in commit order for the life of the database, so a
+    /// consumer may deduplicate by (key, seq) and drop anything not above the last seq it applied. Not
+    /// consecutive: numbers come from one database-wide sequence.
     pub seq: i64,
     /// Event type.
     pub event_type: String,

@@ -17,9 +17,10 @@ impl Outbox {
     /// pool, so scheduling outside the transaction cannot happen by mistake. Bad input is rejected before
     /// anything is sent, leaving the transaction usable.
     ///
-    /// Holds the key's counter row lock until the caller commits (SQLite: the database write lock):
-    /// concurrent writers of the same key wait, which is what makes per-key order equal commit order.
-    /// Keep such transactions short.
+    /// Holds the key's lock row until the caller commits (SQLite: the database write lock): concurrent
+    /// writers of the same key wait, which is what makes per-key order equal commit order. Keep such
+    /// transactions short. The record's sequence number is strictly increasing per key for the life of
+    /// the database (see [`Record::seq`](crate::Record::seq)).
     ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool, outbox: outbox_core::Outbox) -> outbox_core::Result<()> {

@@ -15,7 +15,7 @@ use crate::subject::SubjectTemplate;
 pub const KEY_HEADER: &str = "Outbox-Key";
 /// Header carrying the partition.
 pub const PARTITION_HEADER: &str = "Outbox-Partition";
-/// Header carrying the per-key sequence (1, 2, 3, … in commit order).
+/// Header carrying the per-key sequence number (strictly increasing in commit order, not consecutive).
 pub const SEQ_HEADER: &str = "Outbox-Seq";
 /// Header carrying the event type.
 pub const EVENT_TYPE_HEADER: &str = "Outbox-Event-Type";
