@@ -46,7 +46,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use outbox_core::{Assignment, Db, Deadline, Epochs, Handlers, Outbox, Partition, Processor};
-use sqlx::{Connection, PgConnection};
+use sqlx::{Connection, PgConnection, SqliteConnection};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -162,6 +162,13 @@ fn not_migrated(outbox: &Outbox, e: Error) -> Error {
     }
 }
 
+/// The heartbeat's own database connection (of the node's backend), opened on first use.
+#[derive(Default)]
+struct OwnConnection {
+    postgres: Option<PgConnection>,
+    sqlite: Option<SqliteConnection>,
+}
+
 /// What each registration or renewal asks for.
 fn lease(config: &ClusterConfig) -> Lease {
     Lease { live: config.lease(), heartbeat: config.heartbeat_interval }
@@ -205,11 +212,14 @@ impl Ctx {
     }
 
     /// Renews the lease every `heartbeat_interval` over a connection of its own, so it never queues
-    /// behind deliveries or a busy shared pool; reconnects when the connection is lost.
+    /// behind deliveries or a busy shared pool; reconnects when the connection is lost. A slow renewal
+    /// is waited for up to the lease's length (later ticks wait meanwhile): the deadline it yields is
+    /// counted from before it was sent, so lateness costs nothing, while abandoning it after one
+    /// interval (SQLite writers queue for the write lock across processes) let leases expire under load.
     async fn heartbeat(self, shutdown: CancellationToken) {
         let mut ticker = tokio::time::interval(self.config.heartbeat_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut conn: Option<PgConnection> = None;
+        let mut conn = OwnConnection::default();
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -217,37 +227,44 @@ impl Ctx {
             }
             let id = self.instance();
             let sent = Deadline::now();
-            match tokio::time::timeout(self.config.heartbeat_interval, self.renew(&mut conn, id)).await {
+            match tokio::time::timeout(self.config.lease(), self.renew(&mut conn, id)).await {
                 Ok(Ok(Some(remaining))) => self.extend_lease(id, sent.after(remaining)),
                 Ok(Ok(None)) => self.declared_dead(id).await,
                 Ok(Err(e)) => {
                     warn!(instance = %id, error = %e, "heartbeat failed; reconnecting");
-                    conn = None;
+                    conn = OwnConnection::default();
                 }
                 Err(_) => {
                     warn!(instance = %id, "heartbeat timed out; reconnecting");
-                    conn = None;
+                    conn = OwnConnection::default();
                 }
             }
         }
     }
 
-    /// PostgreSQL: on the heartbeat's own connection. SQLite: through the pool (statements run in
-    /// process; the wait that matters there is the write lock, which a connection of its own would
-    /// not avoid).
-    async fn renew(&self, conn: &mut Option<PgConnection>, id: Uuid) -> Result<Option<std::time::Duration>> {
-        let pool = match &self.pool {
-            Db::Postgres(pool) => pool,
-            Db::Sqlite(pool) => {
-                let remaining = crate::sqlite::heartbeat(pool, &self.sql.sqlite, id, lease(&self.config)).await?;
-                return Ok(remaining.map(|ms| std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))));
+    /// On the heartbeat's own connection (opened on first use), so it never waits for a pooled
+    /// connection behind deliveries or the application's use of the pool. On SQLite it still takes this
+    /// process's turn at the file and then the write lock, which writers in other processes may hold.
+    async fn renew(&self, own: &mut OwnConnection, id: Uuid) -> Result<Option<std::time::Duration>> {
+        let lease = lease(&self.config);
+        match &self.pool {
+            Db::Postgres(pool) => {
+                let conn = match own.postgres.take() {
+                    Some(conn) => conn,
+                    None => PgConnection::connect_with(&pool.connect_options()).await?,
+                };
+                registry::heartbeat(own.postgres.insert(conn), &self.sql, id, lease).await
             }
-        };
-        let conn = match conn {
-            Some(conn) => conn,
-            None => conn.insert(PgConnection::connect_with(&pool.connect_options()).await?),
-        };
-        registry::heartbeat(conn, &self.sql, id, lease(&self.config)).await
+            Db::Sqlite(pool) => {
+                let conn = match own.sqlite.take() {
+                    Some(conn) => conn,
+                    None => SqliteConnection::connect_with(&pool.connect_options()).await?,
+                };
+                let conn = own.sqlite.insert(conn);
+                let remaining = crate::sqlite::heartbeat(pool, conn, &self.sql.sqlite, id, lease).await?;
+                Ok(remaining.map(|ms| std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))))
+            }
+        }
     }
 
     /// The lease of `id` was renewed: the processor may go on until `until`. Only the deadline moves, so

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::Outbox;
-use outbox_core::db::sqlite_write;
-use sqlx::{AssertSqlSafe, SqlitePool};
+use outbox_core::db::{sqlite_write, sqlite_write_on};
+use sqlx::{AssertSqlSafe, SqliteConnection, SqlitePool};
 use uuid::Uuid;
 
 use crate::Result;
@@ -119,9 +119,16 @@ pub(crate) async fn register(pool: &SqlitePool, sql: &Sql, id: Uuid, name: &str,
     Ok(remaining)
 }
 
-/// Renews an unexpired lease; returns its remaining ms, `None` if it had expired.
-pub(crate) async fn heartbeat(pool: &SqlitePool, sql: &Sql, id: Uuid, lease: Lease) -> Result<Option<i64>> {
-    let mut tx = sqlite_write(pool).await?;
+/// Renews an unexpired lease on the heartbeat's own connection `conn` (to `pool`'s file); returns its
+/// remaining ms, `None` if it had expired.
+pub(crate) async fn heartbeat(
+    pool: &SqlitePool,
+    conn: &mut SqliteConnection,
+    sql: &Sql,
+    id: Uuid,
+    lease: Lease,
+) -> Result<Option<i64>> {
+    let mut tx = sqlite_write_on(pool, conn).await?;
     let remaining: Option<i64> =
         sqlx::query_scalar(stmt(&sql.heartbeat)).bind(id).bind(millis(lease.live)).fetch_optional(&mut *tx).await?;
     tx.commit().await?;

@@ -82,7 +82,10 @@ pub struct Config {
     /// Payload bytes one key's run may hold (its first record always comes, whatever its size). With
     /// `concurrency` this bounds the memory the lookahead uses: 256 keys × 64 KiB = 16 MiB by default.
     pub key_lookahead_bytes: usize,
-    /// Time limit of one handler call; exceeding it is a retryable failure.
+    /// Time limit of one handler call; exceeding it is a retryable failure. It may exceed the cluster's
+    /// lease: a call still running when the lease runs out, or when its partition turns out to have
+    /// moved on, is cancelled then (its future dropped at its next `.await`; the record is delivered
+    /// again), so no call outlives its instance's hold on the partition.
     #[serde(with = "humantime_serde")]
     pub handler_timeout: Duration,
     /// Hold back a key's later records while an earlier one is failing (default on).

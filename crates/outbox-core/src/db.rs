@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{PgConnection, PgPool, Postgres, Sqlite, SqliteConnection, SqlitePool, Transaction};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Sqlite, SqliteConnection, SqlitePool, Transaction};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::error::Result;
@@ -202,13 +202,13 @@ impl<'c> From<&'c mut Tx> for Conn<'c> {
 /// A write transaction of the outbox on a SQLite database ([`sqlite_write`]): `BEGIN IMMEDIATE`, and
 /// this process's turn at the database file until it commits or is dropped. Derefs to the connection.
 #[derive(Debug)]
-pub struct SqliteWrite {
+pub struct SqliteWrite<'c> {
     // Declared (so dropped) before the turn: a dropped write rolls back before the next writer's turn.
-    tx: Transaction<'static, Sqlite>,
+    tx: Transaction<'c, Sqlite>,
     _turn: OwnedMutexGuard<()>,
 }
 
-impl SqliteWrite {
+impl SqliteWrite<'_> {
     /// Commits, then hands the turn on.
     pub async fn commit(self) -> Result<()> {
         self.tx.commit().await?;
@@ -216,14 +216,14 @@ impl SqliteWrite {
     }
 }
 
-impl Deref for SqliteWrite {
+impl Deref for SqliteWrite<'_> {
     type Target = SqliteConnection;
     fn deref(&self) -> &SqliteConnection {
         &self.tx
     }
 }
 
-impl DerefMut for SqliteWrite {
+impl DerefMut for SqliteWrite<'_> {
     fn deref_mut(&mut self) -> &mut SqliteConnection {
         &mut self.tx
     }
@@ -242,11 +242,20 @@ impl DerefMut for SqliteWrite {
 ///
 /// The `BEGIN` runs on a task of its own, so a caller dropped while it runs cannot leave the pooled
 /// connection inside a transaction.
-pub async fn sqlite_write(pool: &SqlitePool) -> Result<SqliteWrite> {
+pub async fn sqlite_write(pool: &SqlitePool) -> Result<SqliteWrite<'static>> {
     let turn = turn_of(pool).lock_owned().await;
     let pool = pool.clone();
     let begun = tokio::spawn(async move { pool.begin_with("BEGIN IMMEDIATE").await });
     let tx = begun.await.unwrap_or(Err(sqlx::Error::WorkerCrashed))?;
+    Ok(SqliteWrite { tx, _turn: turn })
+}
+
+/// [`sqlite_write`] on a connection of the caller's own (to the file `pool` opens), for a writer that
+/// must not wait for a pooled connection behind the application's use of the pool: the heartbeat.
+/// Cancel-safe as well: sqlx's SQLite worker rolls back a `BEGIN` whose caller went away.
+pub async fn sqlite_write_on<'c>(pool: &SqlitePool, conn: &'c mut SqliteConnection) -> Result<SqliteWrite<'c>> {
+    let turn = turn_of(pool).lock_owned().await;
+    let tx = conn.begin_with("BEGIN IMMEDIATE").await?;
     Ok(SqliteWrite { tx, _turn: turn })
 }
 

@@ -98,7 +98,7 @@ pub(super) async fn deliver_run(
         let outcome = tokio::select! {
             biased;
             () = fenced.cancelled() => {
-                warn!(record = %record.id, key = %record.key, partition = record.partition, instance = %fetched.instance,
+                info!(record = %record.id, key = %record.key, partition = record.partition, instance = %fetched.instance,
                     epoch = record.epoch, "handler call cancelled: the partition was fenced or the lease ran out; the record will be delivered again");
                 break;
             }
