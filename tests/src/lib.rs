@@ -1,6 +1,7 @@
 //! Test support shared by the end-to-end tests (`tests/`), the fault tests' worker process
 //! (`src/bin/`) and other crates' tests: a real nats-server per test.
 
+pub mod calls;
 pub mod nats;
 pub mod process;
 

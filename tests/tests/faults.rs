@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use common::*;
 use outbox_core::{NewRecord, Outbox};
+use outbox_tests::calls::Call;
 use outbox_tests::process::Process;
 use outbox_tests::wall_micros;
 use rand::RngExt;
@@ -50,11 +51,16 @@ struct Worker {
 }
 
 impl Worker {
-    fn start(url: &str, name: &str) -> Worker {
-        let log = std::fs::File::create(std::env::temp_dir().join(format!("outbox-fault-{name}.log"))).unwrap();
+    /// Starts a worker on `url` logging its handler calls to `<name>.calls` in `calls`; its own log goes
+    /// to `outbox-fault-<backend>-<name>.log` in the temporary directory.
+    fn start(url: &str, name: &str, calls: &std::path::Path) -> Worker {
+        let backend = if url.starts_with("sqlite:") { "sqlite" } else { "postgres" };
+        let path = std::env::temp_dir().join(format!("outbox-fault-{backend}-{name}.log"));
+        let log = std::fs::File::create(path).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_outbox-test-worker"))
             .env("DATABASE_URL", url)
             .env("WORKER_NAME", name)
+            .env("CALL_LOG", calls.join(format!("{name}.calls")))
             .env("RUST_LOG", "info,sqlx=warn")
             .stdout(Stdio::null())
             .stderr(log)
@@ -109,19 +115,6 @@ struct Pause {
     worker: String,
     stopped_us: i64,
     duration: Duration,
-}
-
-/// One handler call as a worker logged it.
-#[derive(Debug, sqlx::FromRow)]
-struct Call {
-    instance: String,
-    record_id: Uuid,
-    key: String,
-    seq: i64,
-    partition: i16,
-    epoch: i64,
-    started_us: i64,
-    ended_us: i64,
 }
 
 /// Pairs of handler calls for one key that overlap in time. A call that was running when its process
@@ -205,21 +198,7 @@ async fn owners(db: &TestDb) -> usize {
 
 async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
-    if db.is_sqlite() {
-        exec!(
-            db,
-            "CREATE TABLE fault_deliveries (id INTEGER PRIMARY KEY AUTOINCREMENT, instance TEXT NOT NULL,
-             record_id BLOB NOT NULL, key TEXT NOT NULL, seq INTEGER NOT NULL, partition INTEGER NOT NULL,
-             epoch INTEGER NOT NULL, started_us INTEGER NOT NULL, ended_us INTEGER NOT NULL)"
-        );
-    } else {
-        exec!(
-            db,
-            "CREATE TABLE fault_deliveries (id bigserial PRIMARY KEY, instance text NOT NULL, record_id uuid NOT NULL,
-             key text NOT NULL, seq bigint NOT NULL, partition smallint NOT NULL, epoch bigint NOT NULL,
-             started_us bigint NOT NULL, ended_us bigint NOT NULL)"
-        );
-    }
+    let calls = tempfile::tempdir().unwrap();
     let url = db.url().await;
     let stop = Arc::new(AtomicBool::new(false));
     let producer = tokio::spawn(produce(outbox.clone(), db.clone(), stop.clone()));
@@ -234,7 +213,7 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
     let mut spawn = |workers: &mut BTreeMap<String, Worker>| {
         started += 1;
         let name = format!("w{started}");
-        workers.insert(name.clone(), Worker::start(&url, &name));
+        workers.insert(name.clone(), Worker::start(&url, &name, calls.path()));
     };
     let pick = |workers: &BTreeMap<String, Worker>| {
         let names: Vec<String> = workers.keys().cloned().collect();
@@ -316,7 +295,20 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
     stop.store(true, Ordering::SeqCst);
     let mut produced = producer.await.unwrap();
     produced.committed.extend(bursts);
-    drained(&db, DRAIN_BOUND).await;
+    if tokio::time::timeout(DRAIN_BOUND, drained(&db, DRAIN_BOUND * 2)).await.is_err() {
+        let stuck = rows!(
+            db,
+            (i16, i64, Option<Uuid>, i64, Option<bool>),
+            "SELECT r.partition, count(*), p.owner, p.epoch, (SELECT i.expires_at > {now} FROM {s}instances i WHERE i.id = p.owner)
+             FROM {s}records r JOIN {s}partitions p ON p.partition = r.partition
+             WHERE r.failed_at IS NULL GROUP BY r.partition, p.owner, p.epoch ORDER BY r.partition"
+        );
+        let instances = rows!(db, (Uuid, String, bool), "SELECT id, name, expires_at > {now} FROM {s}instances");
+        panic!(
+            "not drained within {DRAIN_BOUND:?} of the last crash (worker logs: outbox-fault-*.log in the temporary directory).\n\
+             pending by (partition, count, owner, epoch, owner live): {stuck:?}\ninstances: {instances:?}"
+        );
+    }
     eprintln!("drained {:?} after the last crash", last_crash.elapsed());
     for (_, worker) in std::mem::take(&mut workers) {
         worker.stop().await;
@@ -324,11 +316,8 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
 
     // The checker.
     assert!(produced.committed.len() > 500, "produced {}", produced.committed.len());
-    let deliveries = rows!(
-        db,
-        Call,
-        "SELECT instance, record_id, key, seq, partition, epoch, started_us, ended_us FROM fault_deliveries ORDER BY id"
-    );
+    let mut deliveries = outbox_tests::calls::read_dir(calls.path()).unwrap();
+    deliveries.sort_by_key(|c| c.started_us);
     let delivered: BTreeSet<Uuid> = deliveries.iter().map(|d| d.record_id).collect();
     let missing: Vec<_> = produced.committed.iter().filter(|(id, _, _)| !delivered.contains(id)).collect();
     assert!(
@@ -395,13 +384,6 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
 #[ignore = "measurement, run on demand"]
 async fn measure_handover_failover_and_idle_load(pool: PgPool) {
     outbox(&TestDb::postgres(pool.clone()), |_| {}).await;
-    sqlx::query(
-        "CREATE TABLE fault_deliveries (id bigserial, instance text, record_id uuid, key text, seq bigint,
-         partition smallint, epoch bigint, started_us bigint, ended_us bigint)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
     let url = TestDb::postgres(pool.clone()).url().await;
     let profiles = [("default", "2s", "10s", "2s", "100ms"), ("fast", "200ms", "1s", "200ms", "50ms")];
     for (profile, heartbeat, stale, rebalance, poll) in profiles {

@@ -1,17 +1,21 @@
-//! A clustered outbox worker for the fault tests: joins the cluster, records every handler call
+//! A clustered outbox worker for the fault tests: joins the cluster, logs every handler call
 //! (instance, record, key, seq, partition, epoch, and the call's wall-clock start and end in
-//! microseconds) in `fault_deliveries`, and on SIGTERM stops gracefully.
+//! microseconds) to the file `CALL_LOG` if set ([`outbox_tests::calls`]), and on SIGTERM stops
+//! gracefully.
 //!
 //! Environment: `DATABASE_URL` (`postgres://…`, or `sqlite://path` for a SQLite file shared with the
 //! test and the other workers), `WORKER_NAME`, and optional `HEARTBEAT`, `STALE`, `REBALANCE`, `POLL`
 //! (humantime durations). On PostgreSQL its connections carry `application_name = outbox-<WORKER_NAME>`,
 //! so a test can terminate them.
 
+use std::path::Path;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_cluster::{ClusterConfig, Node};
 use outbox_core::{Config, Db, HandlerError, Handlers, Outbox, Route, handler_fn};
+use outbox_tests::calls::{Call, CallLog};
 use rand::RngExt;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::signal::unix::{SignalKind, signal};
@@ -49,9 +53,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         rebalance_interval: duration("REBALANCE", Duration::from_millis(200))?,
     };
 
-    let (record_db, instance) = (db.clone(), name.clone());
+    let log = match std::env::var("CALL_LOG") {
+        Ok(path) => Some(Arc::new(CallLog::create(Path::new(&path))?)),
+        Err(_) => None,
+    };
+    let instance = name.clone();
     let handler = handler_fn(move |r| {
-        let (db, instance) = (record_db.clone(), instance.clone());
+        let (log, instance) = (log.clone(), instance.clone());
         async move {
             // Two awaits, as a handler that connects and then sends a request: a call spans several
             // polls, so a paused or fenced instance is caught in the middle of one.
@@ -60,30 +68,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             tokio::time::sleep(Duration::from_millis(connect)).await;
             tokio::time::sleep(Duration::from_millis(request)).await;
             let ended = outbox_tests::wall_micros();
-            const INSERT: &str = "INSERT INTO fault_deliveries
-                (instance, record_id, key, seq, partition, epoch, started_us, ended_us)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
-            macro_rules! insert {
-                ($pool:expr) => {
-                    sqlx::query(INSERT)
-                        .bind(&instance)
-                        .bind(r.id)
-                        .bind(&r.key)
-                        .bind(r.seq)
-                        .bind(i16::from(r.partition))
-                        .bind(r.epoch)
-                        .bind(started)
-                        .bind(ended)
-                        .execute($pool)
-                        .await
-                        .map(|_| ())
+            if let Some(log) = log {
+                let call = Call {
+                    instance,
+                    record_id: r.id,
+                    key: r.key.clone(),
+                    seq: r.seq,
+                    partition: i16::from(r.partition),
+                    epoch: r.epoch,
+                    started_us: started,
+                    ended_us: ended,
                 };
+                log.append(&call).map_err(HandlerError::retryable)?;
             }
-            match &db {
-                Db::Postgres(pool) => insert!(pool),
-                Db::Sqlite(pool) => insert!(pool),
-            }
-            .map_err(HandlerError::retryable)?;
             Ok(())
         }
     });

@@ -1,0 +1,91 @@
+//! The handler-call log of the fault tests' worker processes: one line per call, appended to a file of
+//! the worker's own, so logging adds no write to the database under test (on SQLite, one autocommit
+//! write per call to the shared file would be most of its write load).
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::Path;
+use std::sync::Mutex;
+
+use uuid::Uuid;
+
+/// One handler call as a worker logged it; times are wall-clock microseconds ([`crate::wall_micros`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Call {
+    /// The worker's name.
+    pub instance: String,
+    /// The record delivered.
+    pub record_id: Uuid,
+    /// Its key.
+    pub key: String,
+    /// Its sequence number.
+    pub seq: i64,
+    /// Its partition.
+    pub partition: i16,
+    /// The epoch it was delivered under.
+    pub epoch: i64,
+    /// When the call started.
+    pub started_us: i64,
+    /// When it ended (before it returned `Ok`).
+    pub ended_us: i64,
+}
+
+/// A worker's log file. Each call is one `write` to a file opened for appending, so a line is either
+/// whole or absent, even if the process is killed.
+pub struct CallLog(Mutex<File>);
+
+impl CallLog {
+    /// Opens (creating if missing) the log at `path` for appending.
+    pub fn create(path: &Path) -> std::io::Result<CallLog> {
+        Ok(CallLog(Mutex::new(OpenOptions::new().create(true).append(true).open(path)?)))
+    }
+
+    /// Appends one call.
+    pub fn append(&self, call: &Call) -> std::io::Result<()> {
+        let line = format!(
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\n",
+            call.instance,
+            call.record_id,
+            call.key,
+            call.seq,
+            call.partition,
+            call.epoch,
+            call.started_us,
+            call.ended_us
+        );
+        let mut file = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        file.write_all(line.as_bytes())
+    }
+}
+
+/// Every call logged in the `*.calls` files of `dir`.
+pub fn read_dir(dir: &Path) -> std::io::Result<Vec<Call>> {
+    let mut calls = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "calls") {
+            for line in std::fs::read_to_string(&path)?.lines() {
+                calls.push(
+                    parse(line)
+                        .ok_or_else(|| std::io::Error::other(format!("{}: bad line {line:?}", path.display())))?,
+                );
+            }
+        }
+    }
+    Ok(calls)
+}
+
+fn parse(line: &str) -> Option<Call> {
+    let f: Vec<&str> = line.split('\t').collect();
+    let [instance, record_id, key, seq, partition, epoch, started_us, ended_us] = f[..] else { return None };
+    Some(Call {
+        instance: instance.into(),
+        record_id: record_id.parse().ok()?,
+        key: key.into(),
+        seq: seq.parse().ok()?,
+        partition: partition.parse().ok()?,
+        epoch: epoch.parse().ok()?,
+        started_us: started_us.parse().ok()?,
+        ended_us: ended_us.parse().ok()?,
+    })
+}
