@@ -375,16 +375,18 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
 }
 
 /// Measures, with real worker processes, how long partitions take to move after a graceful stop
-/// (handover) and after a kill -9 (failover), and how many transactions per second an idle instance
-/// costs the database, for the default tunables and a fast profile. Prints figures (for the README);
-/// timings are not asserted.
+/// (handover) and after a kill -9 (failover), until the other instance owns them and until a record
+/// committed into one of them right after the stop is delivered, and how many transactions per second
+/// an idle instance costs the database, for the default tunables and a fast profile. Prints figures
+/// (for the README); timings are not asserted.
 ///
 /// `./scripts/test.sh -p outbox-tests --test faults -- --ignored --nocapture measure`
 #[sqlx::test(migrations = false)]
 #[ignore = "measurement, run on demand"]
 async fn measure_handover_failover_and_idle_load(pool: PgPool) {
-    outbox(&TestDb::postgres(pool.clone()), |_| {}).await;
-    let url = TestDb::postgres(pool.clone()).url().await;
+    let db = TestDb::postgres(pool.clone());
+    let outbox = outbox(&db, |_| {}).await;
+    let url = db.url().await;
     let profiles = [("default", "2s", "10s", "2s", "100ms"), ("fast", "200ms", "1s", "200ms", "50ms")];
     for (profile, heartbeat, stale, rebalance, poll) in profiles {
         let start = |name: &str| {
@@ -411,6 +413,25 @@ async fn measure_handover_failover_and_idle_load(pool: PgPool) {
                 n
             }
         };
+        // A key of a partition `name` owns: a record for it, committed once `name` has gone, is
+        // delivered only once another instance has taken that partition over.
+        let key_owned_by = |name: &'static str| {
+            let pool = pool.clone();
+            async move {
+                let partition: i16 = sqlx::query_scalar(
+                    "SELECT p.partition FROM outbox.partitions p JOIN outbox.instances i ON i.id = p.owner
+                     WHERE i.name = $1 LIMIT 1",
+                )
+                .bind(name)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                (0..)
+                    .map(|i| format!("measure-{i}"))
+                    .find(|k| i16::from(outbox_core::partition_of(k)) == partition)
+                    .unwrap()
+            }
+        };
         let minute = Duration::from_secs(60);
         let a = start("a");
         wait_for("a owns all", minute, || async { owned_by("a").await == 256 }).await;
@@ -432,24 +453,33 @@ async fn measure_handover_failover_and_idle_load(pool: PgPool) {
 
         let b = start("b");
         wait_for("balanced", minute, || async { owned_by("a").await == 128 && owned_by("b").await == 128 }).await;
+        let key = key_owned_by("b").await;
         let stopped = Instant::now();
         b.signal("-TERM");
+        commit(&outbox, &db, vec![NewRecord::new(&key, "t", "")]).await;
         wait_for("a took b's partitions", minute, || async { owned_by("a").await == 256 }).await;
         let handover = stopped.elapsed();
+        drained(&db, minute).await;
+        let handover_delivered = stopped.elapsed();
         b.stop_wait().await;
 
         let c = start("c");
         wait_for("balanced", minute, || async { owned_by("a").await == 128 && owned_by("c").await == 128 }).await;
+        let key = key_owned_by("c").await;
         let crashed = Instant::now();
         c.kill9();
+        commit(&outbox, &db, vec![NewRecord::new(&key, "t", "")]).await;
         wait_for("a took the crashed instance's partitions", minute, || async { owned_by("a").await == 256 }).await;
         let failover = crashed.elapsed();
+        drained(&db, minute).await;
+        let failover_delivered = crashed.elapsed();
         a.stop().await;
         sqlx::query("DELETE FROM outbox.instances").execute(&pool).await.unwrap();
         sqlx::query("UPDATE outbox.partitions SET owner = NULL, target_owner = NULL").execute(&pool).await.unwrap();
         eprintln!(
             "profile {profile} (heartbeat {heartbeat}, stale {stale}, rebalance {rebalance}, poll {poll}): \
-             graceful handover {handover:.2?}, failover after kill -9 {failover:.2?}, idle instance {idle_tps:.1} transactions/s"
+             graceful handover {handover:.2?} (delivering {handover_delivered:.2?}), failover after kill -9 \
+             {failover:.2?} (delivering {failover_delivered:.2?}), idle instance {idle_tps:.1} transactions/s"
         );
     }
 }
