@@ -38,17 +38,6 @@ both!(
 
 const LONG: Duration = Duration::from_secs(60);
 
-fn recording(sink: &Arc<Sink>) -> Handlers {
-    let sink = sink.clone();
-    Handlers::new().default_route(Route::new(handler_fn(move |r| {
-        let sink = sink.clone();
-        async move {
-            sink.record(&r);
-            Ok(())
-        }
-    })))
-}
-
 /// Per key, deliveries must be exactly its n records, each once, in order.
 fn assert_in_order(sink: &Sink, keys: &[String], n: i64) {
     for key in keys {

@@ -129,14 +129,7 @@ async fn a_hot_key_set_that_sorts_low_cannot_starve_a_key_that_sorts_high(db: Te
     records.push(NewRecord::new("z-high", "t", ""));
     commit(&outbox, &db, records).await;
     let sink = Sink::new();
-    let s = sink.clone();
-    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r: Record| {
-        let s = s.clone();
-        async move {
-            s.record(&r);
-            Ok(())
-        }
-    })));
+    let handlers = recording(&sink);
     let node = start(&outbox, &db, handlers).await;
     wait_for("the high key delivered", LONG, || async { !sink.of_key("z-high").is_empty() }).await;
     let hot_first = sink.all().iter().take_while(|d| d.key != "z-high").count();
@@ -168,14 +161,7 @@ async fn shutdown_stops_every_task_even_when_marking_the_instance_draining_fails
         );
     }
     let sink = Sink::new();
-    let s = sink.clone();
-    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r: Record| {
-        let s = s.clone();
-        async move {
-            s.record(&r);
-            Ok(())
-        }
-    })));
+    let handlers = recording(&sink);
     let node = start(&outbox, &db, handlers).await;
     let id = node.id();
     wait_for("partitions acquired", LONG, || async {

@@ -276,6 +276,13 @@ pub fn sqlite_statement(text: &str, schema: &str) -> std::sync::Arc<str> {
     crate::sqlite::render(text, schema)
 }
 
+/// A private in-memory SQLite database for tests (one connection: each has its own database).
+#[cfg(test)]
+pub(crate) async fn sqlite_memory() -> SqlitePool {
+    #[allow(clippy::unwrap_used)]
+    SqlitePoolOptions::new().max_connections(1).connect_with(sqlite_options("sqlite::memory:").unwrap()).await.unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -453,11 +453,7 @@ mod tests {
 
     /// A migrated outbox on a private in-memory database (one connection: each has its own).
     async fn migrated() -> (sqlx::SqlitePool, Outbox) {
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
-            .await
-            .unwrap();
+        let pool = crate::db::sqlite_memory().await;
         let outbox = Outbox::new(Config::default()).unwrap();
         outbox.migrate(Db::from(&pool)).await.unwrap();
         (pool, outbox)
@@ -730,34 +726,14 @@ mod tests {
 
     /// Registers an instance with a lease far in the future and gives it `partitions` at `epoch`.
     async fn hold(pool: &sqlx::SqlitePool, partitions: &[i16], epoch: i64) -> uuid::Uuid {
-        let me = uuid::Uuid::now_v7();
-        sqlx::query("INSERT INTO outbox_instances (id, name, expires_at) VALUES ($1, 'test', $2)")
-            .bind(me)
-            .bind(i64::MAX / 2)
-            .execute(pool)
-            .await
-            .unwrap();
-        for p in partitions {
-            sqlx::query("UPDATE outbox_partitions SET owner = $1, epoch = $2 WHERE partition = $3")
-                .bind(me)
-                .bind(epoch)
-                .bind(p)
-                .execute(pool)
-                .await
-                .unwrap();
-        }
-        me
+        crate::processor::tests::hold(&Db::from(pool), partitions, epoch).await
     }
 
     /// A database file left at version 1 (per-key counter rows) is upgraded without any key's sequence
     /// going backwards.
     #[tokio::test]
     async fn upgrading_from_version_1_keeps_every_keys_sequence_growing() {
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
-            .await
-            .unwrap();
+        let pool = crate::db::sqlite_memory().await;
         let (version, name, text) = super::MIGRATIONS[0];
         sqlx::raw_sql(AssertSqlSafe(render(super::MIGRATIONS_TABLE, "outbox").to_string()))
             .execute(&pool)

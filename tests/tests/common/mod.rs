@@ -299,6 +299,18 @@ pub async fn drained(db: &TestDb, timeout: Duration) {
     .await;
 }
 
+/// Handlers that record every delivery in `sink` and accept it.
+pub fn recording(sink: &Arc<Sink>) -> Handlers {
+    let sink = sink.clone();
+    Handlers::new().default_route(outbox_core::Route::new(outbox_core::handler_fn(move |r| {
+        let sink = sink.clone();
+        async move {
+            sink.record(&r);
+            Ok(())
+        }
+    })))
+}
+
 /// A handler that records each delivery, signals `entered`, then waits for a `release` permit.
 pub struct Gate {
     pub entered: Arc<tokio::sync::Semaphore>,

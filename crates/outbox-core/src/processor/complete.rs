@@ -228,11 +228,7 @@ mod tests {
     #[sqlx::test(migrations = false)]
     async fn a_late_failed_write_does_not_undo_a_requeue(pool: PgPool) {
         a_late_failed_write_does_not_undo_a_requeue_on(pool.into()).await;
-        let sqlite = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
-            .await
-            .unwrap();
+        let sqlite = crate::db::sqlite_memory().await;
         a_late_failed_write_does_not_undo_a_requeue_on(sqlite.into()).await;
     }
 

@@ -537,7 +537,7 @@ async fn begin(outbox: &Outbox, pool: &PgPool) -> Result<sqlx::Transaction<'stat
     begun.await.unwrap_or(Err(sqlx::Error::WorkerCrashed)).map_err(|e| outbox.db_error(e))
 }
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use sqlx::PgPool;
 
     use crate::{Config, NewRecord, Outbox};
@@ -593,11 +593,7 @@ mod tests {
     #[sqlx::test(migrations = false)]
     async fn lookahead_stops_at_the_byte_budget(pool: PgPool) {
         lookahead_stops_at_the_byte_budget_on(pool.into()).await;
-        let sqlite = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(crate::db::sqlite_options("sqlite::memory:").unwrap())
-            .await
-            .unwrap();
+        let sqlite = crate::db::sqlite_memory().await;
         lookahead_stops_at_the_byte_budget_on(sqlite.into()).await;
     }
 
@@ -645,26 +641,32 @@ mod tests {
 
     /// Registers an instance with a lease a day long and gives it every partition at epoch 1.
     pub(crate) async fn hold_all(db: &crate::Db) -> uuid::Uuid {
+        let all: Vec<i16> = (0..256).collect();
+        hold(db, &all, 1).await
+    }
+
+    /// Registers an instance with a lease a day long and gives it `partitions` at `epoch`.
+    pub(crate) async fn hold(db: &crate::Db, partitions: &[i16], epoch: i64) -> uuid::Uuid {
         let me = uuid::Uuid::now_v7();
+        let (register, own) = match db {
+            crate::Db::Postgres(_) => (
+                "INSERT INTO outbox.instances (id, name, expires_at) VALUES ($1, 'test', now() + interval '1 day')",
+                "UPDATE outbox.partitions SET owner = $1, epoch = $2 WHERE partition = ANY($3)",
+            ),
+            crate::Db::Sqlite(_) => (
+                "INSERT INTO outbox_instances (id, name, expires_at) VALUES ($1, 'test', 4611686018427387903)",
+                "UPDATE outbox_partitions SET owner = $1, epoch = $2 WHERE partition IN (SELECT value FROM json_each($3))",
+            ),
+        };
         match db {
             crate::Db::Postgres(pool) => {
-                sqlx::query(
-                    "INSERT INTO outbox.instances (id, name, expires_at) VALUES ($1, 'test', now() + interval '1 day')",
-                )
-                .bind(me)
-                .execute(pool)
-                .await
-                .unwrap();
-                sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 1").bind(me).execute(pool).await.unwrap();
+                sqlx::query(register).bind(me).execute(pool).await.unwrap();
+                sqlx::query(own).bind(me).bind(epoch).bind(partitions).execute(pool).await.unwrap();
             }
             crate::Db::Sqlite(pool) => {
-                sqlx::query("INSERT INTO outbox_instances (id, name, expires_at) VALUES ($1, 'test', $2)")
-                    .bind(me)
-                    .bind(i64::MAX / 2)
-                    .execute(pool)
-                    .await
-                    .unwrap();
-                sqlx::query("UPDATE outbox_partitions SET owner = $1, epoch = 1").bind(me).execute(pool).await.unwrap();
+                let json = format!("{partitions:?}");
+                sqlx::query(register).bind(me).execute(pool).await.unwrap();
+                sqlx::query(own).bind(me).bind(epoch).bind(json).execute(pool).await.unwrap();
             }
         }
         me
