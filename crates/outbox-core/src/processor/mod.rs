@@ -1,15 +1,15 @@
 //! The processor: delivers the records of the partitions this instance holds.
 //!
 //! One loop per instance keeps three things going at once, never waiting on each other:
-//! - [**fetch**](fetch): one round trip reads the head record of up to `batch_size` keys (one per key,
+//! - **fetch** (`fetch.rs`): one round trip reads the head record of up to `batch_size` keys (one per key,
 //!   keys in flight excluded, blocked keys passed over) from the held partitions, fenced by the
 //!   instance's (owner, epoch) and its live lease;
-//! - [**deliver**](deliver): each key's run (its head and up to `key_lookahead - 1` records after it)
+//! - **deliver** (`deliver.rs`): each key's run (its head and up to `key_lookahead - 1` records after it)
 //!   goes to its handler in its own task, one record after another, each finished before the next
 //!   starts, up to `concurrency` keys at once; a key is fetched again only after its run is completed
 //!   in the database, so a slow key holds only its own slot (a crash before that completion redelivers
 //!   the run: at least once);
-//! - [**complete**](complete): outcomes are written in batches, each statement fenced by (owner, epoch)
+//! - **complete** (`complete.rs`): outcomes are written in batches, each statement fenced by (owner, epoch)
 //!   per partition: a worker that lost a partition changes nothing.
 //!
 //! Which partitions it holds, under which instance id and epoch, and until when its lease lets it
