@@ -326,22 +326,37 @@ async fn sqlite_workers_in_separate_processes_share_the_partitions() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path();
     embedded_ok(path, &["migrate"]);
+    // Each worker logs to a file in the directory, shown if the cluster does not form.
     let spawn = |name: &str| {
+        let log = std::fs::File::create(path.join(format!("{name}.log"))).unwrap();
         let mut command = embedded(path, &["worker", "--name", name]);
-        Process(command.env("RUST_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap())
+        Process(command.env("RUST_LOG", "info,sqlx=warn").stdout(Stdio::null()).stderr(log).spawn().unwrap())
     };
     let (w1, w2) = (spawn("w1"), spawn("w2"));
     let url = format!("sqlite://{}", path.join("outbox-demo.db").display());
     let pool = sqlx::SqlitePool::connect_with(outbox_core::db::sqlite_options(&url).unwrap()).await.unwrap();
-    wait_for("two workers sharing the partitions", || async {
-        let owners: i64 =
-            sqlx::query_scalar("SELECT count(DISTINCT owner) FROM outbox_partitions WHERE owner IS NOT NULL")
-                .fetch_one(&pool)
+    let sharing = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let owners: i64 =
+                sqlx::query_scalar("SELECT count(DISTINCT owner) FROM outbox_partitions WHERE owner IS NOT NULL")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            if owners == 2 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    if sharing.await.is_err() {
+        let owners: Vec<(Option<uuid::Uuid>, Option<uuid::Uuid>, i64)> =
+            sqlx::query_as("SELECT owner, target_owner, count(*) FROM outbox_partitions GROUP BY owner, target_owner")
+                .fetch_all(&pool)
                 .await
                 .unwrap();
-        owners == 2
-    })
-    .await;
+        let logs = ["w1", "w2"].map(|w| std::fs::read_to_string(path.join(format!("{w}.log"))).unwrap_or_default());
+        panic!("two workers did not come to share the partitions: {owners:?}\nw1:\n{}\nw2:\n{}", logs[0], logs[1]);
+    }
     let produced = embedded_ok(path, &["produce", "--orders", "60", "--events-per-order", "4"]);
     assert!(produced.contains("produced 240 events for 60 orders"), "{produced}");
     wait_for("backlog drained", || async {
