@@ -21,9 +21,9 @@ pub struct Call {
     /// Its sequence number.
     pub seq: i64,
     /// Its partition.
-    pub partition: i16,
+    pub partition: outbox_core::Partition,
     /// The epoch it was delivered under.
-    pub epoch: i64,
+    pub epoch: outbox_core::Epoch,
     /// When the call started.
     pub started_us: i64,
     /// When it ended (before it returned `Ok`).
@@ -84,7 +84,7 @@ fn parse(line: &str) -> Option<Call> {
         key: key.into(),
         seq: seq.parse().ok()?,
         partition: partition.parse().ok()?,
-        epoch: epoch.parse().ok()?,
+        epoch: outbox_core::Epoch(epoch.parse().ok()?),
         started_us: started_us.parse().ok()?,
         ended_us: ended_us.parse().ok()?,
     })

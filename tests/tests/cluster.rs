@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use outbox_cluster::Node;
-use outbox_core::{HandlerError, Handlers, NewRecord, Outbox, Partition, Route, handler_fn};
+use outbox_core::{HandlerError, Handlers, InstanceId, NewRecord, Outbox, Partition, Route, handler_fn};
 use rand::RngExt;
 use tokio::time::Instant;
 
@@ -76,10 +76,10 @@ fn handlers(name: &str, sink: &Arc<Sink>, exclusive: &Arc<Exclusive>, step_ms: u
     })))
 }
 
-async fn owners(db: &TestDb) -> BTreeMap<uuid::Uuid, i64> {
+async fn owners(db: &TestDb) -> BTreeMap<InstanceId, i64> {
     let rows = rows!(
         db,
-        (uuid::Uuid, i64),
+        (InstanceId, i64),
         "SELECT owner, count(*) FROM {s}partitions WHERE owner IS NOT NULL GROUP BY owner"
     );
     rows.into_iter().collect()
@@ -222,7 +222,7 @@ async fn a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition(
         let o = owners(&db).await;
         o.len() == 2 && o.values().all(|&n| n == 128)
     };
-    let end_early = |ids: Vec<uuid::Uuid>| {
+    let end_early = |ids: Vec<InstanceId>| {
         let db = db.clone();
         async move {
             for id in ids {

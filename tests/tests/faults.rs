@@ -53,13 +53,14 @@ struct Worker {
 impl Worker {
     /// Starts a worker on `url` logging its handler calls to `<name>.calls` in `calls`; its own log goes
     /// to `outbox-fault-<backend>-<name>.log` in the temporary directory.
-    fn start(url: &str, name: &str, calls: &std::path::Path) -> Worker {
-        let backend = if url.starts_with("sqlite:") { "sqlite" } else { "postgres" };
+    fn start(db: &TestDb, url: &str, name: &str, calls: &std::path::Path) -> Worker {
+        let backend = db.db.backend();
         let path = std::env::temp_dir().join(format!("outbox-fault-{backend}-{name}.log"));
         let log = std::fs::File::create(path).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_outbox-test-worker"))
             .env("DATABASE_URL", url)
             .env("WORKER_NAME", name)
+            .env("PGAPPNAME", format!("outbox-{name}"))
             .env("CALL_LOG", calls.join(format!("{name}.calls")))
             .env("RUST_LOG", "info,sqlx=warn")
             .stdout(Stdio::null())
@@ -213,7 +214,7 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
     let mut spawn = |workers: &mut BTreeMap<String, Worker>| {
         started += 1;
         let name = format!("w{started}");
-        workers.insert(name.clone(), Worker::start(&url, &name, calls.path()));
+        workers.insert(name.clone(), Worker::start(&db, &url, &name, calls.path()));
     };
     let pick = |workers: &BTreeMap<String, Worker>| {
         let names: Vec<String> = workers.keys().cloned().collect();
@@ -258,15 +259,8 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
 
         // Kill a worker's database connections (its pool and heartbeat reconnect). PostgreSQL only:
         // SQLite runs inside each process, so it has no server connections to kill.
-        if let outbox_core::Db::Postgres(pool) = &db.db {
-            let victim = format!("outbox-{}", pick(&workers));
-            let terminated: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1) t",
-            )
-            .bind(&victim)
-            .fetch_one(pool)
-            .await
-            .unwrap();
+        let victim = format!("outbox-{}", pick(&workers));
+        if let Some(terminated) = db.terminate_connections(&victim).await {
             assert!(terminated > 0, "{victim} had connections to terminate");
         }
         tokio::time::sleep(step).await;
@@ -345,7 +339,7 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
         assert_eq!(&firsts[key], seqs, "{key}: first deliveries out of sequence");
     }
 
-    let mut by_epoch: BTreeMap<(i16, i64), BTreeSet<&str>> = BTreeMap::new();
+    let mut by_epoch: BTreeMap<(outbox_core::Partition, outbox_core::Epoch), BTreeSet<&str>> = BTreeMap::new();
     for call in &deliveries {
         by_epoch.entry((call.partition, call.epoch)).or_default().insert(&call.instance);
     }

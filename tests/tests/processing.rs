@@ -13,8 +13,8 @@ use std::time::Duration;
 use common::*;
 use outbox_core::operator::FailedFilter;
 use outbox_core::{
-    Assignment, Deadline, HandlerError, Handlers, NewRecord, Processor, RetryPolicy, Route, fallback_fn, handler_fn,
-    partition_of,
+    Assignment, Deadline, Epoch, HandlerError, Handlers, InstanceId, NewRecord, Processor, RetryPolicy, Route,
+    fallback_fn, handler_fn, partition_of,
 };
 use rand::RngExt;
 use tokio::sync::{Semaphore, watch};
@@ -339,7 +339,7 @@ async fn slow_and_blocked_keys_do_not_stall_other_keys(db: TestDb) {
 /// between records: see `a_run_stops_at_the_lease_deadline`.)
 async fn a_write_from_a_stale_epoch_changes_nothing(db: TestDb) {
     let outbox = outbox(&db, |c| c.key_lookahead = 1).await;
-    let epoch = 1;
+    let epoch = Epoch(1);
     let (me, partition) = own_partition_of(&db, "k", epoch).await;
     commit(&outbox, &db, vec![NewRecord::new("k", "t", ""), NewRecord::new("k", "t", "")]).await;
 
@@ -437,7 +437,7 @@ async fn graceful_stop_completes_in_flight_records(db: TestDb) {
 
 /// Registers a new instance with a lease a day long and makes it the owner of `key`'s partition at
 /// `epoch`, as the ownership layer would.
-async fn own_partition_of(db: &TestDb, key: &str, epoch: i64) -> (uuid::Uuid, outbox_core::Partition) {
+async fn own_partition_of(db: &TestDb, key: &str, epoch: Epoch) -> (InstanceId, outbox_core::Partition) {
     let (me, partition) = (register_instance(db).await, partition_of(key));
     exec!(db, "UPDATE {s}partitions SET owner = $1, epoch = $2 WHERE partition = $3", me, epoch, i16::from(partition));
     (me, partition)
@@ -447,9 +447,9 @@ async fn own_partition_of(db: &TestDb, key: &str, epoch: i64) -> (uuid::Uuid, ou
 /// is fetched or handed to a handler; a renewed deadline resumes delivery.
 async fn nothing_is_delivered_past_the_assignment_deadline(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
-    let (me, partition) = own_partition_of(&db, "k", 7).await;
+    let (me, partition) = own_partition_of(&db, "k", Epoch(7)).await;
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
-    let expired = Assignment { instance: me, epochs: [(partition, 7)].into(), lease: Some(Deadline::now()) };
+    let expired = Assignment { instance: me, epochs: [(partition, Epoch(7))].into(), lease: Some(Deadline::now()) };
     let (tx, assignment) = watch::channel(expired);
     let sink = Sink::new();
     let stop = CancellationToken::new();
@@ -459,7 +459,7 @@ async fn nothing_is_delivered_past_the_assignment_deadline(db: TestDb) {
     assert_eq!(sink.len(), 0, "an expired assignment must not deliver");
     tx.send_modify(|a| a.lease = Some(Deadline::now().after(LONG)));
     drained(&db, LONG).await;
-    assert_eq!(sink.all().iter().map(|d| d.epoch).collect::<Vec<_>>(), [7], "delivered under its epoch");
+    assert_eq!(sink.all().iter().map(|d| d.epoch).collect::<Vec<_>>(), [Epoch(7)], "delivered under its epoch");
     stop.cancel();
     processor.await.unwrap().unwrap();
 }
@@ -476,13 +476,13 @@ async fn the_in_process_sink_passes_the_handler_conformance_suite(db: TestDb) {
 /// the lease renewed, delivery resumes from the first one.
 async fn a_run_stops_at_the_lease_deadline(db: TestDb) {
     let outbox = outbox(&db, |c| c.key_lookahead = 8).await;
-    let (me, partition) = own_partition_of(&db, "k", 3).await;
+    let (me, partition) = own_partition_of(&db, "k", Epoch(3)).await;
     commit(&outbox, &db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
     let sink = Sink::new();
     let (handlers, Gate { entered, release }) = gated(&sink);
     let deadline = Deadline::now().after(Duration::from_millis(300));
     let (tx, assignment) =
-        watch::channel(Assignment { instance: me, epochs: [(partition, 3)].into(), lease: Some(deadline) });
+        watch::channel(Assignment { instance: me, epochs: [(partition, Epoch(3))].into(), lease: Some(deadline) });
     let stop = CancellationToken::new();
     let processor = Processor::new(outbox.clone(), db.clone(), handlers, assignment);
     let mut busy = processor.busy_partitions();

@@ -142,24 +142,7 @@ async fn a_hot_key_set_that_sorts_low_cannot_starve_a_key_that_sorts_high(db: Te
 /// instance draining) fails, and says so.
 async fn shutdown_stops_every_task_even_when_marking_the_instance_draining_fails(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
-    if db.is_sqlite() {
-        exec!(
-            db,
-            "CREATE TRIGGER refuse_drain BEFORE UPDATE OF draining ON {s}instances
-             BEGIN SELECT RAISE(ABORT, 'draining refused by the test'); END"
-        );
-    } else {
-        exec!(
-            db,
-            "CREATE FUNCTION outbox.refuse_drain() RETURNS trigger LANGUAGE plpgsql AS
-             $$ BEGIN RAISE EXCEPTION 'draining refused by the test'; END $$"
-        );
-        exec!(
-            db,
-            "CREATE TRIGGER refuse_drain BEFORE UPDATE OF draining ON outbox.instances
-             FOR EACH ROW EXECUTE FUNCTION outbox.refuse_drain()"
-        );
-    }
+    db.refuse_draining().await;
     let sink = Sink::new();
     let handlers = recording(&sink);
     let node = start(&outbox, &db, handlers).await;

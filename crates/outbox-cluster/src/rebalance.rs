@@ -14,39 +14,38 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 
-use outbox_core::{PARTITIONS, Partition, partition::all_partitions};
-use uuid::Uuid;
+use outbox_core::{InstanceId, PARTITIONS, Partition, partition::all_partitions};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Target owner of each partition.
-pub type Targets = BTreeMap<Partition, Uuid>;
+pub type Targets = BTreeMap<Partition, InstanceId>;
 
 /// Rendezvous score: an instance prefers the partitions it scores highest on, and a free partition goes
 /// to the eligible instance that scores highest on it.
-fn score(instance: Uuid, partition: Partition) -> u64 {
-    xxh3_64_with_seed(instance.as_bytes(), u64::from(partition))
+fn score(instance: InstanceId, partition: Partition) -> u64 {
+    xxh3_64_with_seed(instance.0.as_bytes(), u64::from(partition))
 }
 
 /// Computes the targets for `live` instances given who holds each partition now (`current`: its target
 /// or, without one, its owner; holders that are not live are ignored). Empty when nobody is live.
-pub fn assign(live: &[Uuid], current: &BTreeMap<Partition, Uuid>) -> Targets {
-    let live: BTreeSet<Uuid> = live.iter().copied().collect();
+pub fn assign(live: &[InstanceId], current: &BTreeMap<Partition, InstanceId>) -> Targets {
+    let live: BTreeSet<InstanceId> = live.iter().copied().collect();
     if live.is_empty() {
         return Targets::new();
     }
     let total = usize::from(PARTITIONS);
     let (base, extra) = (total / live.len(), total % live.len());
 
-    let mut held: BTreeMap<Uuid, Vec<Partition>> = live.iter().map(|&id| (id, Vec::new())).collect();
+    let mut held: BTreeMap<InstanceId, Vec<Partition>> = live.iter().map(|&id| (id, Vec::new())).collect();
     for (&partition, holder) in current {
         if let Some(list) = held.get_mut(holder) {
             list.push(partition);
         }
     }
     // The larger shares go to the instances holding the most (ties: by id), so the most stays put.
-    let mut by_holding: Vec<Uuid> = live.iter().copied().collect();
+    let mut by_holding: Vec<InstanceId> = live.iter().copied().collect();
     by_holding.sort_by_key(|id| (Reverse(held[id].len()), *id));
-    let mut room: BTreeMap<Uuid, usize> =
+    let mut room: BTreeMap<InstanceId, usize> =
         by_holding.iter().enumerate().map(|(i, &id)| (id, base + usize::from(i < extra))).collect();
 
     let mut targets = Targets::new();
@@ -81,13 +80,15 @@ pub fn assign(live: &[Uuid], current: &BTreeMap<Partition, Uuid>) -> Targets {
 mod tests {
     use proptest::prelude::*;
 
+    use uuid::Uuid;
+
     use super::*;
 
-    fn ids(n: usize, seed: u64) -> Vec<Uuid> {
-        (0..n as u64).map(|i| Uuid::from_u64_pair(seed, i)).collect()
+    fn ids(n: usize, seed: u64) -> Vec<InstanceId> {
+        (0..n as u64).map(|i| InstanceId(Uuid::from_u64_pair(seed, i))).collect()
     }
 
-    fn loads(targets: &Targets) -> BTreeMap<Uuid, usize> {
+    fn loads(targets: &Targets) -> BTreeMap<InstanceId, usize> {
         let mut loads = BTreeMap::new();
         for id in targets.values() {
             *loads.entry(*id).or_insert(0) += 1;
@@ -119,7 +120,7 @@ mod tests {
             let live = ids(n, seed);
             let before = assign(&live, &BTreeMap::new());
             let mut grown = live.clone();
-            grown.push(Uuid::from_u64_pair(seed.wrapping_add(1), 999));
+            grown.push(InstanceId(Uuid::from_u64_pair(seed.wrapping_add(1), 999)));
             let after = assign(&grown, &before);
             let newcomer_share = 256 / (n + 1);
             // Exactly the newcomer's share moves, all of it to the newcomer.
@@ -134,7 +135,7 @@ mod tests {
             let live = ids(n, seed);
             let before = assign(&live, &BTreeMap::new());
             let departed = live[gone % n];
-            let remaining: Vec<Uuid> = live.iter().copied().filter(|&id| id != departed).collect();
+            let remaining: Vec<InstanceId> = live.iter().copied().filter(|&id| id != departed).collect();
             let after = assign(&remaining, &before);
             let departed_count = before.values().filter(|&&id| id == departed).count();
             prop_assert_eq!(moved(&before, &after), departed_count);
@@ -146,8 +147,8 @@ mod tests {
         fn same_inputs_same_answer_in_any_order(n in 1usize..40, seed: u64, holders in proptest::collection::vec(0usize..80, 256)) {
             let live = ids(n, seed);
             // An arbitrary, unbalanced current state, including holders that are not live.
-            let current: BTreeMap<Partition, Uuid> = holders.iter().enumerate()
-                .map(|(p, &h)| (p as Partition, Uuid::from_u64_pair(seed, h as u64))).collect();
+            let current: BTreeMap<Partition, InstanceId> = holders.iter().enumerate()
+                .map(|(p, &h)| (p as Partition, InstanceId(Uuid::from_u64_pair(seed, h as u64)))).collect();
             let mut shuffled = live.clone();
             shuffled.reverse();
             let a = assign(&live, &current);

@@ -1,95 +1,108 @@
-//! Instance registry: register, heartbeat (lease renewal by database time), deregister, reap the dead.
+//! Instance registry: register, heartbeat (lease renewal by database time), deregister.
 //!
 //! An instance's row holds its lease (`expires_at`), until which it counts as live, and its heartbeat
 //! interval. A heartbeat renews the lease only while it has not expired: an expired lease means the
 //! instance was declared dead (others may take its partitions), and it must fence itself and register
 //! again under a new id.
 
-use std::time::Duration;
+use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
-use outbox_core::Db;
-use sqlx::PgConnection;
-use uuid::Uuid;
+use outbox_core::{Assignment, Deadline, Epochs, InstanceId};
+use tokio::sync::watch;
+use tokio::time::MissedTickBehavior;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
-use crate::sql::{Sql, millis, stmt};
-use crate::{Result, sqlite};
+use crate::config::ClusterConfig;
+use crate::driver::{HeartbeatConnection, Store};
+use crate::error::Result;
+use crate::stored::Lease;
 
-/// One registered instance, as status shows it.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
-pub struct InstanceInfo {
-    /// Instance id (new on every start).
-    pub id: Uuid,
-    /// Name given in its config.
-    pub name: String,
-    /// When it registered.
-    pub started_at: DateTime<Utc>,
-    /// Its last heartbeat.
-    pub heartbeat_at: DateTime<Utc>,
-    /// Whether its lease is still valid by database time.
-    pub live: bool,
-    /// Partitions it owns.
-    pub partitions: i64,
+/// What each registration or renewal asks for.
+fn lease(config: &ClusterConfig) -> Lease {
+    Lease { live: config.lease(), heartbeat: config.heartbeat_interval }
 }
 
-/// What a registration or renewal declares: live for `live`, renewed every `heartbeat`.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Lease {
-    pub(crate) live: Duration,
-    pub(crate) heartbeat: Duration,
+/// Registers a new instance id; returns the assignment it starts with: no partitions, and the lease's
+/// deadline counted from before the registration was sent.
+pub(crate) async fn register(store: &Store, config: &ClusterConfig) -> Result<Assignment> {
+    let id = InstanceId::new();
+    let sent = Deadline::now();
+    let remaining = store.register(id, &config.name, lease(config)).await?;
+    Ok(Assignment { instance: id, epochs: Epochs::new(), lease: Some(sent.after(remaining)) })
 }
 
-/// Registers `id`; returns the lease's remaining time as the database answered it.
-pub(crate) async fn register(db: &Db, sql: &Sql, id: Uuid, name: &str, lease: Lease) -> Result<Duration> {
-    let remaining = match db {
-        Db::Postgres(pool) => {
-            sqlx::query_scalar(stmt(&sql.register))
-                .bind(id)
-                .bind(name)
-                .bind(millis(lease.live))
-                .bind(millis(lease.heartbeat))
-                .fetch_one(pool)
-                .await?
+/// The heartbeat task: renews the lease every `heartbeat_interval` and moves the processor's deadline.
+pub(crate) struct Heartbeat {
+    pub(crate) store: Store,
+    pub(crate) config: ClusterConfig,
+    pub(crate) assign: Arc<watch::Sender<Assignment>>,
+}
+
+impl Heartbeat {
+    /// Renews the lease every `heartbeat_interval` over a connection of its own, so it never queues
+    /// behind deliveries or a busy shared pool; reconnects when the connection is lost. A slow renewal
+    /// is waited for up to the lease's length: the deadline it yields is counted from before it was
+    /// sent, so lateness costs nothing (SQLite writers may queue for the lock across processes).
+    pub(crate) async fn run(self, shutdown: CancellationToken) {
+        let mut ticker = tokio::time::interval(self.config.heartbeat_interval);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut conn = HeartbeatConnection::default();
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            let id = self.assign.borrow().instance;
+            let sent = Deadline::now();
+            let renewal = conn.renew(&self.store, id, lease(&self.config));
+            match tokio::time::timeout(self.config.lease(), renewal).await {
+                Ok(Ok(Some(remaining))) => self.extend_lease(id, sent.after(remaining)),
+                Ok(Ok(None)) => self.declared_dead(id).await,
+                Ok(Err(e)) => {
+                    warn!(instance = %id, error = %e, "heartbeat failed; reconnecting");
+                    conn = HeartbeatConnection::default();
+                }
+                Err(_) => {
+                    warn!(instance = %id, "heartbeat timed out; reconnecting");
+                    conn = HeartbeatConnection::default();
+                }
+            }
         }
-        Db::Sqlite(pool) => sqlite::register(pool, &sql.sqlite, id, name, lease).await?,
-    };
-    Ok(from_millis(remaining))
-}
+    }
 
-/// Renews an unexpired lease; returns its remaining time, or `None` when it had expired (the instance
-/// was declared dead).
-pub(crate) async fn heartbeat(conn: &mut PgConnection, sql: &Sql, id: Uuid, lease: Lease) -> Result<Option<Duration>> {
-    let remaining: Option<i64> =
-        sqlx::query_scalar(stmt(&sql.heartbeat)).bind(id).bind(millis(lease.live)).fetch_optional(conn).await?;
-    Ok(remaining.map(from_millis))
-}
+    /// The lease of `id` was renewed: the processor may go on until `until`. Only the deadline moves, so
+    /// the processor is not woken (one that stopped at the old deadline resumes at its next poll).
+    fn extend_lease(&self, id: InstanceId, until: Deadline) {
+        self.assign.send_if_modified(|current| {
+            if current.instance == id && current.lease.is_none_or(|d| d.instant() < until.instant()) {
+                current.lease = Some(until);
+            }
+            false
+        });
+    }
 
-fn from_millis(ms: i64) -> Duration {
-    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
-
-pub(crate) async fn deregister(db: &Db, sql: &Sql, id: Uuid) -> Result<()> {
-    match db {
-        Db::Postgres(pool) => {
-            sqlx::query(stmt(&sql.deregister)).bind(id).execute(pool).await?;
-            Ok(())
+    /// The lease of `id` had expired: others may take (or have taken) its partitions. Fence at once,
+    /// then register again under a new id, with no partitions.
+    async fn declared_dead(&self, id: InstanceId) {
+        let fenced = self.assign.send_if_modified(|current| {
+            if current.instance != id {
+                return false;
+            }
+            current.epochs.clear();
+            current.lease = Some(Deadline::now());
+            true
+        });
+        if fenced {
+            warn!(instance = %id, "lease expired: the instance was declared dead; processing stopped, running handler calls cancelled");
         }
-        Db::Sqlite(pool) => sqlite::deregister(pool, &sql.sqlite, id).await,
+        match register(&self.store, &self.config).await {
+            Ok(fresh) => {
+                let new = fresh.instance;
+                self.assign.send_modify(|current| *current = fresh);
+                info!(instance = %new, previous = %id, name = %self.config.name, "instance registered again under a new id");
+            }
+            Err(e) => warn!(instance = %id, error = %e, "registering again failed; retrying at the next heartbeat"),
+        }
     }
-}
-
-/// Deletes instances whose lease expired more than `grace` ago.
-pub(crate) async fn reap(db: &Db, sql: &Sql, grace: Duration) -> Result<u64> {
-    match db {
-        Db::Postgres(pool) => Ok(sqlx::query(stmt(&sql.reap)).bind(millis(grace)).execute(pool).await?.rows_affected()),
-        Db::Sqlite(pool) => sqlite::reap(pool, &sql.sqlite, grace).await,
-    }
-}
-
-pub(crate) async fn instances(db: &Db, sql: &Sql) -> Result<Vec<InstanceInfo>> {
-    let pool = match db {
-        Db::Postgres(pool) => pool,
-        Db::Sqlite(pool) => return sqlite::instances(pool, &sql.sqlite).await,
-    };
-    Ok(sqlx::query_as(stmt(&sql.instances)).fetch_all(pool).await?)
 }

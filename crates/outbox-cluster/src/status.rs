@@ -3,10 +3,9 @@
 
 use outbox_core::{Db, Outbox};
 
-use crate::Result;
-use crate::ownership::{self, PartitionRow};
-use crate::registry::{self, InstanceInfo};
-use crate::sql::Sql;
+use crate::driver::Store;
+use crate::error::Result;
+pub use crate::stored::{InstanceInfo, PartitionRow};
 
 /// A snapshot of the cluster as the database sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,9 +18,6 @@ pub struct ClusterStatus {
 
 /// Reads the cluster's state (any process may call it; it needs no running node).
 pub async fn status(db: impl Into<Db>, outbox: &Outbox) -> Result<ClusterStatus> {
-    let (db, sql) = (db.into(), Sql::new(outbox));
-    Ok(ClusterStatus {
-        instances: registry::instances(&db, &sql).await?,
-        partitions: ownership::partitions(&db, &sql).await?,
-    })
+    let store = Store::new(db.into(), outbox);
+    Ok(ClusterStatus { instances: store.instances().await?, partitions: store.partitions().await? })
 }

@@ -32,7 +32,7 @@ pub const DEFAULT_BATCH_SIZE: usize = 500;
 pub const DEFAULT_CONCURRENCY: usize = 256;
 /// Records of one key fetched together: delivered one after another (each acknowledged before the
 /// next), completed in one batch. A run checks the assignment before every record, so its length does
-/// not slow a handover; 32 took the 1-instance drain bench from ~19k to ~31k records/s over 8.
+/// not slow a handover, while each fetch and completion round trip serves up to 32 records.
 pub const DEFAULT_KEY_LOOKAHEAD: usize = 32;
 /// Payload bytes a key's run may hold beyond its first record: bounds the lookahead's memory to
 /// `concurrency` × 64 KiB (16 MiB by default) whatever the payload sizes.

@@ -7,7 +7,7 @@ use uuid::Uuid;
 /// Everything that can go wrong in `outbox-core`.
 ///
 /// Match on the variant, never on the message; [`Error::is_transient`] says whether retrying the same
-/// call later may succeed.
+/// call later may succeed, [`Error::is_not_migrated`] whether the schema is missing.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -94,53 +94,32 @@ pub enum Error {
     /// The graceful stop did not finish within its timeout; unfinished records will be redelivered.
     #[error("graceful stop did not finish within {0:?}")]
     ShutdownTimeout(Duration),
+    /// A database URL whose scheme this build cannot connect to.
+    #[error("unsupported database URL scheme {scheme:?}: expected {supported}")]
+    UnsupportedUrl {
+        /// The scheme given.
+        scheme: String,
+        /// The schemes this build supports.
+        supported: &'static str,
+    },
+    /// A database URL that does not parse, or names options its driver does not know.
+    #[error("bad database URL: {0}")]
+    BadUrl(sqlx::Error),
+    /// The database could not be reached (or opened) when connecting.
+    #[error("cannot connect to {database} ({source})")]
+    Connect {
+        /// Which database: backend and address (never the password).
+        database: String,
+        /// Why.
+        source: sqlx::Error,
+    },
     /// A database error.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
 }
 
-impl Error {
-    /// Whether retrying the same operation later may succeed (connection trouble, timeouts, serialisation
-    /// failures, deadlocks). Input and configuration errors are never transient.
-    pub fn is_transient(&self) -> bool {
-        match self {
-            Error::Database(e) => is_transient_db(e),
-            _ => false,
-        }
-    }
-}
-
-fn is_transient_db(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Tls(_) => true,
-        // SQLite: busy (another writer held the lock past the busy timeout, or a read transaction's
-        // snapshot went stale before its first write) and locked.
-        sqlx::Error::Database(db) if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() => {
-            db.code().is_some_and(|code| matches!(code.as_ref(), "5" | "6" | "261" | "262" | "517"))
-        }
-        // SQLSTATE classes: 08 connection exception, 40 transaction rollback (serialization failure,
-        // deadlock), 53 insufficient resources, 57P01..03 admin shutdown / crash / cannot connect now.
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            code.starts_with("08") || code.starts_with("40") || code.starts_with("53") || code.starts_with("57P")
-        }),
-        _ => false,
-    }
-}
+// `Error::is_transient` and `Error::is_not_migrated` are defined in `driver/mod.rs`, which knows each
+// database's error codes.
 
 /// Result alias of `outbox-core`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// Whether a database error says the outbox's tables or schema do not exist (PostgreSQL: SQLSTATE 42P01
-/// undefined table, 3F000 undefined schema; SQLite, which has no code of its own for it: "no such
-/// table"): the database needs `migrate` first.
-pub fn is_not_migrated(e: &sqlx::Error) -> bool {
-    let sqlx::Error::Database(db) = e else { return false };
-    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-        return db.message().starts_with("no such table");
-    }
-    matches!(db.code().as_deref(), Some("42P01" | "3F000"))
-}

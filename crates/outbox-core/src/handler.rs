@@ -182,7 +182,7 @@ impl Route {
 
     /// Uses `policy` instead of the configured default; a policy that does not
     /// [validate](RetryPolicy::validate) (say a jitter above 1) is refused here, with the field named.
-    pub fn retry(mut self, policy: RetryPolicy) -> crate::Result<Self> {
+    pub fn retry(mut self, policy: RetryPolicy) -> crate::error::Result<Self> {
         policy.validate()?;
         self.retry = Some(policy);
         Ok(self)

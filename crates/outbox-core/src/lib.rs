@@ -9,8 +9,9 @@
 //! → [`schedule`](Outbox::schedule) (inside the caller's transaction) → [`processor`] (fetch each key's
 //! head from owned partitions, deliver many keys at once, complete in fenced batches) → [`retry`] /
 //! [`handler`] (retry, fallback, FAILED) → [`operator`] (list, requeue, skip FAILED; stats) → [`purge`].
-//! PostgreSQL's SQL is in `sql.rs`, SQLite's in `sqlite.rs` (the [`db`] module says what differs); the
-//! schemas are in `migrations/postgres/` and `migrations/sqlite/`.
+//! Every database access goes through [`driver`]: one interface stating each operation's contract, and a
+//! module per database with its statements and their execution (`driver/postgres/`, `driver/sqlite/`,
+//! each a Cargo feature); the schemas are in `migrations/postgres/` and `migrations/sqlite/`.
 //!
 //! ```no_run
 //! use outbox_core::{Config, Handlers, HandlerError, NewRecord, Outbox, handler_fn};
@@ -36,8 +37,9 @@
 //! ```
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod assignment;
 pub mod config;
-pub mod db;
+pub mod driver;
 pub mod error;
 pub mod handler;
 pub mod migrate;
@@ -48,20 +50,20 @@ pub mod purge;
 pub mod record;
 pub mod retry;
 mod schedule;
-mod sql;
-mod sqlite;
+mod stored;
 
 use std::sync::Arc;
 
+pub use assignment::{Assignment, Deadline, Epoch, Epochs, InstanceId};
 pub use config::{Completion, Config};
-pub use db::{Conn, Db, Tx};
-pub use error::{Error, Result, is_not_migrated};
+pub use driver::{Conn, ConnectOptions, Db, DbRow, Tx, Value};
+pub use error::{Error, Result};
 pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handlers, Route, fallback_fn, handler_fn};
-pub use operator::{FailedFilter, FailedRecord, PartitionStats};
 pub use partition::{PARTITIONS, Partition, partition_of};
-pub use processor::{Assignment, Deadline, Epochs, MAX_ERROR_BYTES, Processor};
+pub use processor::{MAX_ERROR_BYTES, Processor};
 pub use record::{Headers, MAX_EVENT_TYPE_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled};
 pub use retry::{Backoff, RetryPolicy};
+pub use stored::{FailedFilter, FailedRecord, PartitionStats};
 
 /// The outbox: validated configuration and the statements built for its schema. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -72,8 +74,7 @@ pub struct Outbox {
 #[derive(Debug)]
 struct Inner {
     config: Config,
-    sql: sql::Sql,
-    sqlite: sqlite::Sql,
+    statements: driver::Statements,
 }
 
 impl Outbox {
@@ -81,9 +82,8 @@ impl Outbox {
     pub fn new(config: Config) -> Result<Self> {
         config.validate()?;
         let keep = config.completion == Completion::Keep;
-        let sql = sql::Sql::new(&config.schema, config.stop_on_first_failure, keep);
-        let sqlite = sqlite::Sql::new(&config.schema, config.stop_on_first_failure, keep);
-        Ok(Self { inner: Arc::new(Inner { config, sql, sqlite }) })
+        let statements = driver::Statements::new(&config.schema, config.stop_on_first_failure, keep);
+        Ok(Self { inner: Arc::new(Inner { config, statements }) })
     }
 
     /// The configuration.
@@ -93,34 +93,21 @@ impl Outbox {
 
     /// Applies missing migrations to the configured schema (see [`migrate`]).
     pub async fn migrate(&self, db: impl Into<Db>) -> Result<()> {
-        match db.into() {
-            Db::Postgres(pool) => migrate::postgres(&pool, &self.inner.sql).await,
-            Db::Sqlite(pool) => sqlite::migrate(&pool, &self.inner.sqlite).await,
-        }
+        db.into().migrate(self.statements()).await.map_err(|e| self.not_migrated(e))
     }
 
-    pub(crate) fn sql(&self) -> &sql::Sql {
-        &self.inner.sql
+    /// The name of outbox table `table` on `db` (`outbox.records` on PostgreSQL, `outbox_records` on
+    /// SQLite), for statements of one's own over the outbox tables.
+    pub fn table(&self, db: &Db, table: &str) -> String {
+        db.table(&self.config().schema, table)
     }
 
-    pub(crate) fn sqlite(&self) -> &sqlite::Sql {
-        &self.inner.sqlite
+    pub(crate) fn statements(&self) -> &driver::Statements {
+        &self.inner.statements
     }
 
     /// Maps "relation/schema does not exist" to [`Error::NotMigrated`], which says what to do.
-    pub(crate) fn db_error(&self, e: sqlx::Error) -> Error {
-        if is_not_migrated(&e) {
-            Error::NotMigrated { schema: self.config().schema.clone() }
-        } else {
-            Error::Database(e)
-        }
-    }
-
-    /// [`Outbox::db_error`] for an error already wrapped.
     pub(crate) fn not_migrated(&self, e: Error) -> Error {
-        match e {
-            Error::Database(e) => self.db_error(e),
-            other => other,
-        }
+        if e.is_not_migrated() { Error::NotMigrated { schema: self.config().schema.clone() } } else { e }
     }
 }

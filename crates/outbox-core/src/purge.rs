@@ -6,10 +6,9 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, instrument, warn};
 
-use crate::db::Db;
+use crate::Outbox;
+use crate::driver::Db;
 use crate::error::Result;
-use crate::sql::stmt;
-use crate::{Outbox, sqlite};
 
 impl Outbox {
     /// Deletes completed records older than `retention`, `batch_size` per statement, until none are
@@ -17,19 +16,9 @@ impl Outbox {
     #[instrument(skip(self, db))]
     pub async fn purge_completed(&self, db: impl Into<Db>, retention: Duration, batch_size: usize) -> Result<u64> {
         let db = db.into();
-        let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
-        let limit = i64::try_from(batch_size).unwrap_or(i64::MAX);
         let mut total = 0;
         loop {
-            let done = match &db {
-                Db::Postgres(pool) => {
-                    let query = sqlx::query(stmt(&self.sql().purge)).bind(retention_ms).bind(limit);
-                    query.execute(pool).await.map_err(|e| self.db_error(e))?.rows_affected()
-                }
-                Db::Sqlite(pool) => {
-                    sqlite::purge(pool, self.sqlite(), retention, limit).await.map_err(|e| self.not_migrated(e))?
-                }
-            };
+            let done = db.purge(self.statements(), retention, batch_size).await.map_err(|e| self.not_migrated(e))?;
             total += done;
             if done < batch_size as u64 {
                 return Ok(total);
@@ -39,16 +28,13 @@ impl Outbox {
 
     /// Deletes the per-key lock rows of keys with no record left, `batch_size` per statement, until none
     /// are left; returns how many. A key's row is written again by its next `schedule`, and its sequence
-    /// numbers go on growing: they come from one database-wide sequence, not from the row. (SQLite keeps
-    /// no per-key rows.)
+    /// numbers go on growing: they come from one database-wide sequence, not from the row.
     #[instrument(skip(self, db))]
     pub async fn prune_keys(&self, db: impl Into<Db>, batch_size: usize) -> Result<u64> {
-        let Db::Postgres(pool) = db.into() else { return Ok(0) };
-        let limit = i64::try_from(batch_size).unwrap_or(i64::MAX);
+        let db = db.into();
         let mut total = 0;
         loop {
-            let query = sqlx::query(stmt(&self.sql().prune_keys)).bind(limit);
-            let done = query.execute(&pool).await.map_err(|e| self.db_error(e))?.rows_affected();
+            let done = db.prune_keys(self.statements(), batch_size).await.map_err(|e| self.not_migrated(e))?;
             total += done;
             if done < batch_size as u64 {
                 return Ok(total);

@@ -6,6 +6,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use uuid::Uuid;
 
+use crate::assignment::Epoch;
 use crate::error::{Error, Result};
 use crate::partition::{Partition, partition_of};
 
@@ -122,7 +123,7 @@ pub struct Record {
     pub created_at: chrono::DateTime<chrono::Utc>,
     /// The partition's ownership epoch this delivery runs under: a fencing token that grows with every
     /// change of owner, for targets that want to reject deliveries from a superseded owner.
-    pub epoch: i64,
+    pub epoch: Epoch,
 }
 
 /// Where a scheduled record landed.

@@ -1,14 +1,16 @@
 //! Scheduling: records are written with the caller's connection, inside the caller's transaction, so
 //! they exist if and only if that transaction commits.
 
+use std::collections::HashMap;
+
 use tracing::instrument;
 use uuid::Uuid;
 
-use crate::db::Conn;
+use crate::Outbox;
+use crate::driver::Conn;
 use crate::error::{Error, Result};
 use crate::record::{NewRecord, Scheduled};
-use crate::sql::stmt;
-use crate::{Outbox, sqlite};
+use crate::stored::NewRow;
 
 impl Outbox {
     /// Schedules one record in the caller's transaction.
@@ -40,58 +42,32 @@ impl Outbox {
     /// consecutive sequence numbers in slice order. Either all are validated and written, or none.
     #[instrument(skip_all, fields(records = records.len()))]
     pub async fn schedule_batch<'c>(&self, conn: impl Into<Conn<'c>>, records: &[NewRecord]) -> Result<Vec<Scheduled>> {
-        let conn = conn.into();
         let max_payload = self.config().max_payload_bytes;
-        let n = records.len();
-        let (mut ids, mut partitions, mut keys, mut types, mut payloads, mut headers) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
+        let mut rows = Vec::with_capacity(records.len());
         for record in records {
             record.validate(max_payload)?;
-            ids.push(Uuid::now_v7());
-            partitions.push(i16::from(record.partition()));
-            keys.push(record.key.as_str());
-            types.push(record.event_type.as_str());
-            payloads.push(record.payload.as_ref());
-            headers.push(
-                serde_json::to_string(&record.headers)
-                    .map_err(|source| Error::Json { key: record.key.clone(), source })?,
-            );
+            let headers = serde_json::to_string(&record.headers)
+                .map_err(|source| Error::Json { key: record.key.clone(), source })?;
+            rows.push(NewRow {
+                id: Uuid::now_v7(),
+                partition: record.partition(),
+                key: &record.key,
+                event_type: &record.event_type,
+                payload: &record.payload,
+                headers,
+            });
         }
         if records.is_empty() {
             return Ok(Vec::new());
         }
-        let rows: Vec<(Uuid, i64)> = match conn {
-            Conn::Postgres(conn) => sqlx::query_as(stmt(&self.sql().schedule))
-                .bind(&ids)
-                .bind(&partitions)
-                .bind(&keys)
-                .bind(&types)
-                .bind(&payloads)
-                .bind(&headers)
-                .fetch_all(conn)
-                .await
-                .map_err(|e| self.db_error(e))?,
-            Conn::Sqlite(conn) => {
-                let input = ids.iter().zip(&partitions).zip(&keys).zip(&types).zip(&payloads).zip(headers.iter());
-                let rows = input.map(|(((((&id, &p), &k), &t), &b), h)| (id, p, k, t, b, h.clone())).collect();
-                let seqs = sqlite::schedule(conn, self.sqlite(), rows).await.map_err(|e| self.db_error(e))?;
-                ids.iter().copied().zip(seqs).collect()
-            }
-        };
+        let written = conn.into().schedule(self.statements(), &rows).await.map_err(|e| self.not_migrated(e))?;
         // Counted when written; a transaction rolled back later still counts here.
-        metrics::counter!("outbox_records_scheduled_total").increment(rows.len() as u64);
-        let seq_of: std::collections::HashMap<Uuid, i64> = rows.into_iter().collect();
-        ids.iter()
-            .zip(records)
-            .map(|(id, record)| {
-                let seq = seq_of.get(id).copied().ok_or(Error::Database(sqlx::Error::RowNotFound))?;
-                Ok(Scheduled { id: *id, partition: record.partition(), seq })
+        metrics::counter!("outbox_records_scheduled_total").increment(written.len() as u64);
+        let seq_of: HashMap<Uuid, i64> = written.into_iter().collect();
+        rows.iter()
+            .map(|row| {
+                let seq = seq_of.get(&row.id).copied().ok_or(Error::Database(sqlx::Error::RowNotFound))?;
+                Ok(Scheduled { id: row.id, partition: row.partition, seq })
             })
             .collect()
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::Db;
+use outbox_core::InstanceId;
 use uuid::Uuid;
 
 use crate::orders::{self, OrderEvent, ProduceArgs};
@@ -77,14 +77,12 @@ impl Checker {
 
 pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
     operator::migrate(ctx).await?;
-    let (records, completed) = (ctx.outbox_table("records"), ctx.outbox_table("completed"));
+    let table = |name| ctx.outbox.table(&ctx.db, name);
+    let (records, completed) = (table("records"), table("completed"));
     let reset = format!(
         "DELETE FROM demo_orders; DELETE FROM demo_order_events; DELETE FROM {records}; DELETE FROM {completed}"
     );
-    match &ctx.db {
-        Db::Postgres(pool) => sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(pool).await.map(drop)?,
-        Db::Sqlite(pool) => sqlx::raw_sql(sqlx::AssertSqlSafe(reset)).execute(pool).await.map(drop)?,
-    }
+    ctx.db.execute_script(sqlx::AssertSqlSafe(reset)).await?;
     let mut stream = Sink::open(ctx, true).await?;
     // A fresh story: the verification compares this run's stream with this run's orders.
     stream.purge().await?;
@@ -193,7 +191,7 @@ pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
 /// "w1:86 w3:85 w4:85" from the database's ownership.
 async fn partition_map(ctx: &Context) -> Result<String, Failure> {
     let status = outbox_cluster::status(&ctx.db, &ctx.outbox).await?;
-    let names: BTreeMap<Uuid, &str> = status.instances.iter().map(|i| (i.id, i.name.as_str())).collect();
+    let names: BTreeMap<InstanceId, &str> = status.instances.iter().map(|i| (i.id, i.name.as_str())).collect();
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     for p in &status.partitions {
         let owner = p.owner.and_then(|o| names.get(&o).copied()).unwrap_or("free");

@@ -6,6 +6,7 @@
 //! Subcommands: `run` (the default: the whole story live in one process), `worker`, `produce`,
 //! `verify`, `status`, `failed list|requeue|skip`, `purge`, `migrate`. See `--help`.
 
+#[cfg(feature = "postgres")]
 mod bench;
 mod config;
 mod live;
@@ -20,9 +21,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use outbox_core::{Db, Outbox};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::sqlite::SqlitePoolOptions;
+use outbox_core::{ConnectOptions, Db, Outbox};
 
 use crate::config::DemoConfig;
 
@@ -88,6 +87,7 @@ enum Command {
     /// Applies the outbox schema and the demo's tables.
     Migrate,
     /// Throughput, latency and cost, with yardsticks measured in the same run (build with --release).
+    #[cfg(feature = "postgres")]
     Bench(bench::BenchArgs),
 }
 
@@ -102,6 +102,10 @@ impl From<outbox_core::Error> for Failure {
             outbox_core::Error::NotMigrated { schema } => {
                 Failure(format!("the outbox schema {schema:?} is missing: run `outbox-demo migrate` first"))
             }
+            e @ outbox_core::Error::Connect { .. } => {
+                Failure(format!("{e}: check that it runs and DATABASE_URL, or run ./scripts/demo.sh"))
+            }
+            e if e.is_not_migrated() => Failure(format!("{e}: run `outbox-demo migrate` first")),
             other => Failure(other.to_string()),
         }
     }
@@ -111,7 +115,6 @@ impl From<outbox_cluster::Error> for Failure {
     fn from(e: outbox_cluster::Error) -> Self {
         match e {
             outbox_cluster::Error::Core(core) => core.into(),
-            outbox_cluster::Error::Database(db) => db.into(),
             other => Failure(other.to_string()),
         }
     }
@@ -128,17 +131,6 @@ impl From<outbox_nats::Error> for Failure {
     }
 }
 
-impl From<sqlx::Error> for Failure {
-    fn from(e: sqlx::Error) -> Self {
-        match &e {
-            sqlx::Error::Database(db) if outbox_core::is_not_migrated(&e) => {
-                Failure(format!("{}: run `outbox-demo migrate` first", db.message()))
-            }
-            _ => Failure(format!("database error: {e}")),
-        }
-    }
-}
-
 /// What every command needs: the configuration, the database, the outbox and the delivery target.
 struct Context {
     config: DemoConfig,
@@ -150,43 +142,12 @@ struct Context {
 impl Context {
     async fn connect(global: &Global) -> Result<Context, Failure> {
         let config = DemoConfig::load(global.config.as_deref(), global.nats_url.as_deref()).map_err(Failure)?;
-        let url = global.database_url.as_str();
-        let db = if url.starts_with("sqlite:") {
-            let options =
-                outbox_core::db::sqlite_options(url).map_err(|e| Failure(format!("bad DATABASE_URL: {e}")))?;
-            let pool = SqlitePoolOptions::new()
-                .max_connections(8)
-                .connect_with(options)
-                .await
-                .map_err(|e| Failure(format!("cannot open the SQLite database {url} ({e})")))?;
-            Db::Sqlite(pool)
-        } else {
-            let options: PgConnectOptions = url.parse().map_err(|e| Failure(format!("bad DATABASE_URL: {e}")))?;
-            let (host, port) = (options.get_host().to_string(), options.get_port());
-            let pool = PgPoolOptions::new()
-                .max_connections(16)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_with(options)
-                .await
-                .map_err(|e| {
-                    Failure(format!(
-                        "cannot connect to PostgreSQL at {host}:{port} ({e}): start it, or run ./scripts/demo.sh"
-                    ))
-                })?;
-            Db::Postgres(pool)
-        };
+        // Fails within seconds when the database is down, rather than waiting for it to come up.
+        let options = ConnectOptions { max_connections: 16, acquire_timeout: Duration::from_secs(5) };
+        let db = Db::connect_with(&global.database_url, &options).await?;
         let outbox = Outbox::new(config.outbox.clone())?;
         let target = if config.use_nats { sink::Target::JetStream } else { sink::Target::Local(global.sink.clone()) };
         Ok(Context { config, db, outbox, target })
-    }
-
-    /// A table of the outbox: `outbox.records` on PostgreSQL, `outbox_records` on SQLite.
-    fn outbox_table(&self, table: &str) -> String {
-        let schema = &self.config.outbox.schema;
-        match self.db {
-            Db::Postgres(_) => format!("{schema}.{table}"),
-            Db::Sqlite(_) => format!("{schema}_{table}"),
-        }
     }
 }
 
@@ -219,6 +180,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Failed(command) => operator::failed(&ctx, command).await.map(|()| ExitCode::SUCCESS),
         Command::Purge { older_than } => operator::purge(&ctx, older_than).await.map(|()| ExitCode::SUCCESS),
         Command::Migrate => operator::migrate(&ctx).await.map(|()| ExitCode::SUCCESS),
+        #[cfg(feature = "postgres")]
         Command::Bench(args) => bench::run(&ctx, args, &cli.global.database_url).await,
     }
 }

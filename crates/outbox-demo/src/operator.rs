@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use clap::Subcommand;
 use outbox_core::operator::FailedFilter;
+use outbox_core::{Epoch, InstanceId};
 use uuid::Uuid;
 
 use crate::{Context, Failure};
@@ -51,7 +52,7 @@ pub async fn status(ctx: &Context) -> Result<(), Failure> {
     let cluster = outbox_cluster::status(&ctx.db, &ctx.outbox).await?;
     let stats = ctx.outbox.stats(&ctx.db).await?;
     println!("instances");
-    let mut names: BTreeMap<Uuid, String> = BTreeMap::new();
+    let mut names: BTreeMap<InstanceId, String> = BTreeMap::new();
     for i in &cluster.instances {
         names.insert(i.id, i.name.clone());
         let age = (chrono::Utc::now() - i.heartbeat_at).to_std().unwrap_or_default();
@@ -68,14 +69,14 @@ pub async fn status(ctx: &Context) -> Result<(), Failure> {
         println!("  (none)");
     }
     println!("partitions per owner (epochs)");
-    let mut by_owner: BTreeMap<String, Vec<(u8, i64)>> = BTreeMap::new();
+    let mut by_owner: BTreeMap<String, Vec<(u8, Epoch)>> = BTreeMap::new();
     for p in &cluster.partitions {
         let owner =
             p.owner.map_or("(free)".to_string(), |id| names.get(&id).cloned().unwrap_or_else(|| id.to_string()));
         by_owner.entry(owner).or_default().push((p.partition, p.epoch));
     }
     for (owner, parts) in &by_owner {
-        let (lo, hi) = parts.iter().fold((i64::MAX, i64::MIN), |(lo, hi), &(_, e)| (lo.min(e), hi.max(e)));
+        let (lo, hi) = parts.iter().fold((i64::MAX, i64::MIN), |(lo, hi), &(_, e)| (lo.min(e.0), hi.max(e.0)));
         let first: Vec<String> = parts.iter().take(8).map(|(p, _)| p.to_string()).collect();
         let more = if parts.len() > 8 { ", …" } else { "" };
         println!("  {owner:<16} {:>3} partitions  epochs {lo}..={hi}  [{}{more}]", parts.len(), first.join(", "));

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use clap::Args;
-use outbox_core::{Db, NewRecord, Outbox, Tx};
+use outbox_core::{Db, NewRecord, Outbox};
 use rand::RngExt;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -32,20 +32,16 @@ CREATE TABLE IF NOT EXISTS demo_order_events (
     UNIQUE (order_id, seq)
 )";
 
-/// Databases from the first demo version lack this column (PostgreSQL only; SQLite came later).
-const UPGRADE_POSTGRES: &str =
-    "ALTER TABLE demo_orders ADD COLUMN IF NOT EXISTS updated_at timestamptz NOT NULL DEFAULT now()";
+/// Databases from the first demo version (PostgreSQL only) lack this column.
+const HAS_UPDATED_AT: &str = "SELECT updated_at FROM demo_orders LIMIT 0";
+const ADD_UPDATED_AT: &str =
+    "ALTER TABLE demo_orders ADD COLUMN updated_at timestamptz NOT NULL DEFAULT CURRENT_TIMESTAMP";
 
 /// Creates the demo's tables if they do not exist.
 pub async fn create_tables(db: &Db) -> Result<(), Failure> {
-    match db {
-        Db::Postgres(pool) => {
-            sqlx::raw_sql(TABLES).execute(pool).await?;
-            sqlx::raw_sql(UPGRADE_POSTGRES).execute(pool).await?;
-        }
-        Db::Sqlite(pool) => {
-            sqlx::raw_sql(TABLES).execute(pool).await?;
-        }
+    db.execute_script(TABLES).await?;
+    if db.execute(HAS_UPDATED_AT, &[]).await.is_err() {
+        db.execute(ADD_UPDATED_AT, &[]).await?;
     }
     Ok(())
 }
@@ -164,20 +160,15 @@ pub async fn produce(outbox: &Outbox, db: &Db, args: &ProduceArgs) -> Result<Pro
 async fn place(outbox: &Outbox, db: &Db, order: &str, seq: u32, rollback: bool) -> Result<(), Failure> {
     let event = OrderEvent { event_id: Uuid::now_v7(), key: order.to_string(), seq, step: step(seq) };
     let record = NewRecord::json(order, format!("order.{}", event.step), &event)?;
-    // The same statements on either backend's transaction.
-    macro_rules! transaction {
-        ($tx:expr) => {{
-            let mut tx = $tx;
-            sqlx::query(UPSERT_ORDER).bind(order).bind(&event.step).execute(&mut *tx).await?;
-            let query = sqlx::query(INSERT_EVENT).bind(event.event_id).bind(order);
-            query.bind(seq as i32).bind(&event.step).execute(&mut *tx).await?;
-            outbox.schedule(&mut tx, record).await?;
-            if rollback { tx.rollback().await? } else { tx.commit().await? }
-        }};
-    }
-    match db.begin().await? {
-        Tx::Postgres(tx) => transaction!(tx),
-        Tx::Sqlite(tx) => transaction!(tx),
+    let mut tx = db.begin().await?;
+    tx.execute(UPSERT_ORDER, &[order.into(), event.step.as_str().into()]).await?;
+    let step = event.step.as_str();
+    tx.execute(INSERT_EVENT, &[event.event_id.into(), order.into(), i64::from(seq).into(), step.into()]).await?;
+    outbox.schedule(&mut tx, record).await?;
+    if rollback {
+        tx.rollback().await?
+    } else {
+        tx.commit().await?
     }
     Ok(())
 }

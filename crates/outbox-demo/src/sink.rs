@@ -5,10 +5,9 @@
 use std::path::PathBuf;
 
 use futures::{StreamExt, TryStreamExt};
+use outbox_core::{ConnectOptions, Db};
 use outbox_core::{HandlerError, Handlers, Record, Route};
 use outbox_nats::JetStreamHandler;
-use sqlx::SqlitePool;
-use sqlx::sqlite::SqlitePoolOptions;
 
 use crate::orders::OrderEvent;
 use crate::{Context, Failure};
@@ -83,7 +82,7 @@ impl Sink {
                 stream.purge().await.map_err(|e| Failure(format!("purging the demo stream: {e}")))?;
             }
             Sink::Local(sink) => {
-                sqlx::query("DELETE FROM messages").execute(&sink.pool).await.map_err(local)?;
+                sink.db.execute("DELETE FROM messages", &[]).await.map_err(local)?;
             }
         }
         Ok(())
@@ -96,10 +95,8 @@ impl Sink {
                 Ok(stream.info().await.map_err(|e| Failure(format!("stream info: {e}")))?.state.last_sequence)
             }
             Sink::Local(sink) => {
-                let last: i64 = sqlx::query_scalar("SELECT coalesce(max(seq), 0) FROM messages")
-                    .fetch_one(&sink.pool)
-                    .await
-                    .map_err(local)?;
+                let (last,): (i64,) =
+                    sink.db.fetch_one("SELECT coalesce(max(seq), 0) FROM messages", &[]).await.map_err(local)?;
                 Ok(u64::try_from(last).unwrap_or_default())
             }
         }
@@ -137,13 +134,12 @@ impl Sink {
                     .await?
             }
             Sink::Local(sink) => {
-                let rows: Vec<(Vec<u8>,)> =
-                    sqlx::query_as("SELECT payload FROM messages WHERE seq BETWEEN $1 AND $2 ORDER BY seq")
-                        .bind(i64::try_from(from).unwrap_or(i64::MAX))
-                        .bind(i64::try_from(to).unwrap_or(i64::MAX))
-                        .fetch_all(&sink.pool)
-                        .await
-                        .map_err(local)?;
+                let range = [from, to].map(|seq| i64::try_from(seq).unwrap_or(i64::MAX).into());
+                let rows: Vec<(Vec<u8>,)> = sink
+                    .db
+                    .fetch_all("SELECT payload FROM messages WHERE seq BETWEEN $1 AND $2 ORDER BY seq", &range)
+                    .await
+                    .map_err(local)?;
                 rows.into_iter().map(|(payload,)| Some(payload)).collect()
             }
         };
@@ -154,35 +150,34 @@ impl Sink {
 /// The local sink: a handler that stores each event once, by record id.
 #[derive(Clone)]
 pub struct LocalSink {
-    pool: SqlitePool,
+    db: Db,
 }
 
 impl LocalSink {
     /// Opens (creating if needed) the sink file.
     pub async fn open(path: &std::path::Path) -> Result<LocalSink, Failure> {
         let url = format!("sqlite://{}", path.display());
-        let options = outbox_core::db::sqlite_options(&url).map_err(|e| Failure(format!("local sink {url}: {e}")))?;
-        let pool = SqlitePoolOptions::new().max_connections(4).connect_with(options).await.map_err(local)?;
-        sqlx::query(MESSAGES).execute(&pool).await.map_err(local)?;
-        Ok(LocalSink { pool })
+        let options = ConnectOptions { max_connections: 4, ..ConnectOptions::default() };
+        let db = Db::connect_with(&url, &options).await.map_err(local)?;
+        db.execute(MESSAGES, &[]).await.map_err(local)?;
+        Ok(LocalSink { db })
     }
 }
 
 impl outbox_core::Handler for LocalSink {
     async fn handle(&self, record: &Record) -> Result<(), HandlerError> {
-        sqlx::query(
-            "INSERT INTO messages (record_id, subject, payload) VALUES ($1, $2, $3) ON CONFLICT (record_id) DO NOTHING",
-        )
-        .bind(record.id)
-        .bind(format!("outbox.{}", record.event_type))
-        .bind(record.payload.to_vec())
-        .execute(&self.pool)
-        .await
-        .map_err(|e| HandlerError::retryable(format!("local sink: {e}")))?;
+        let subject = format!("outbox.{}", record.event_type);
+        self.db
+            .execute(
+                "INSERT INTO messages (record_id, subject, payload) VALUES ($1, $2, $3) ON CONFLICT (record_id) DO NOTHING",
+                &[record.id.into(), subject.as_str().into(), record.payload.as_ref().into()],
+            )
+            .await
+            .map_err(|e| HandlerError::retryable(format!("local sink: {e}")))?;
         Ok(())
     }
 }
 
-fn local(e: sqlx::Error) -> Failure {
+fn local(e: outbox_core::Error) -> Failure {
     Failure(format!("local sink: {e}"))
 }

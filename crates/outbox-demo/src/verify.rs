@@ -5,7 +5,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
 
-use outbox_core::Db;
 use uuid::Uuid;
 
 use crate::orders::OrderEvent;
@@ -64,10 +63,7 @@ pub async fn command(ctx: &Context) -> Result<ExitCode, Failure> {
 /// Compares the stream (or the local sink) with `demo_order_events`.
 pub async fn verify(ctx: &Context) -> Result<Report, Failure> {
     const COMMITTED: &str = "SELECT event_id, order_id, seq FROM demo_order_events";
-    let rows: Vec<(Uuid, String, i32)> = match &ctx.db {
-        Db::Postgres(pool) => sqlx::query_as(COMMITTED).fetch_all(pool).await?,
-        Db::Sqlite(pool) => sqlx::query_as(COMMITTED).fetch_all(pool).await?,
-    };
+    let rows: Vec<(Uuid, String, i32)> = ctx.db.fetch_all(COMMITTED, &[]).await?;
     let committed: BTreeMap<Uuid, (String, u32)> =
         rows.into_iter().map(|(id, order, seq)| (id, (order, seq as u32))).collect();
     let events = Sink::open(ctx, false).await?.read_all().await?;

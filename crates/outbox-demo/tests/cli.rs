@@ -334,14 +334,13 @@ async fn sqlite_workers_in_separate_processes_share_the_partitions() {
     };
     let (w1, w2) = (spawn("w1"), spawn("w2"));
     let url = format!("sqlite://{}", path.join("outbox-demo.db").display());
-    let pool = sqlx::SqlitePool::connect_with(outbox_core::db::sqlite_options(&url).unwrap()).await.unwrap();
+    let db = outbox_core::Db::connect(&url).await.unwrap();
     let sharing = tokio::time::timeout(Duration::from_secs(60), async {
         loop {
-            let owners: i64 =
-                sqlx::query_scalar("SELECT count(DISTINCT owner) FROM outbox_partitions WHERE owner IS NOT NULL")
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap();
+            let (owners,): (i64,) = db
+                .fetch_one("SELECT count(DISTINCT owner) FROM outbox_partitions WHERE owner IS NOT NULL", &[])
+                .await
+                .unwrap();
             if owners == 2 {
                 return;
             }
@@ -349,18 +348,17 @@ async fn sqlite_workers_in_separate_processes_share_the_partitions() {
         }
     });
     if sharing.await.is_err() {
-        let owners: Vec<(Option<uuid::Uuid>, Option<uuid::Uuid>, i64)> =
-            sqlx::query_as("SELECT owner, target_owner, count(*) FROM outbox_partitions GROUP BY owner, target_owner")
-                .fetch_all(&pool)
-                .await
-                .unwrap();
+        let owners: Vec<(Option<uuid::Uuid>, Option<uuid::Uuid>, i64)> = db
+            .fetch_all("SELECT owner, target_owner, count(*) FROM outbox_partitions GROUP BY owner, target_owner", &[])
+            .await
+            .unwrap();
         let logs = ["w1", "w2"].map(|w| std::fs::read_to_string(path.join(format!("{w}.log"))).unwrap_or_default());
         panic!("two workers did not come to share the partitions: {owners:?}\nw1:\n{}\nw2:\n{}", logs[0], logs[1]);
     }
     let produced = embedded_ok(path, &["produce", "--orders", "60", "--events-per-order", "4"]);
     assert!(produced.contains("produced 240 events for 60 orders"), "{produced}");
     wait_for("backlog drained", || async {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_records").fetch_one(&pool).await.unwrap();
+        let (n,): (i64,) = db.fetch_one("SELECT count(*) FROM outbox_records", &[]).await.unwrap();
         n == 0
     })
     .await;
@@ -371,6 +369,6 @@ async fn sqlite_workers_in_separate_processes_share_the_partitions() {
     assert!(status.contains("w1") && status.contains("w2") && status.contains("128 partitions"), "{status}");
     terminate(w1);
     terminate(w2);
-    let instances: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_instances").fetch_one(&pool).await.unwrap();
+    let (instances,): (i64,) = db.fetch_one("SELECT count(*) FROM outbox_instances", &[]).await.unwrap();
     assert_eq!(instances, 0, "graceful stops deregister");
 }

@@ -126,7 +126,7 @@ mod tests {
             headers: Default::default(),
             attempts: 0,
             created_at: chrono::Utc::now(),
-            epoch: 1,
+            epoch: outbox_core::Epoch(1),
         }
     }
 

@@ -5,11 +5,10 @@
 //!
 //! Environment: `DATABASE_URL` (`postgres://…`, or `sqlite://path` for a SQLite file shared with the
 //! test and the other workers), `WORKER_NAME`, and optional `HEARTBEAT`, `STALE`, `REBALANCE`, `POLL`
-//! (humantime durations). On PostgreSQL its connections carry `application_name = outbox-<WORKER_NAME>`,
-//! so a test can terminate them.
+//! (humantime durations). A test that wants to terminate a worker's PostgreSQL connections starts it
+//! with `PGAPPNAME`, which names them.
 
 use std::path::Path;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +16,6 @@ use outbox_cluster::{ClusterConfig, Node};
 use outbox_core::{Config, Db, HandlerError, Handlers, Outbox, Route, handler_fn};
 use outbox_tests::calls::{Call, CallLog};
 use rand::RngExt;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::signal::unix::{SignalKind, signal};
 
 fn duration(var: &str, default: Duration) -> Result<Duration, String> {
@@ -38,12 +36,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let name = std::env::var("WORKER_NAME")?;
     let url = std::env::var("DATABASE_URL")?;
-    let db = if url.starts_with("sqlite:") {
-        Db::connect(&url).await?
-    } else {
-        let options = PgConnectOptions::from_str(&url)?.application_name(&format!("outbox-{name}"));
-        Db::Postgres(PgPoolOptions::new().max_connections(8).connect_with(options).await?)
-    };
+    let db = Db::connect(&url).await?;
     let outbox =
         Outbox::new(Config { poll_interval: duration("POLL", Duration::from_millis(50))?, ..Config::default() })?;
     let cluster = ClusterConfig {
@@ -74,7 +67,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     record_id: r.id,
                     key: r.key.clone(),
                     seq: r.seq,
-                    partition: i16::from(r.partition),
+                    partition: r.partition,
                     epoch: r.epoch,
                     started_us: started,
                     ended_us: ended,

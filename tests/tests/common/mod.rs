@@ -4,6 +4,7 @@
 #![allow(dead_code, unused_macros, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod conformance;
+mod driver;
 #[allow(unused_imports)]
 pub use outbox_tests::nats;
 
@@ -12,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Config, Db, Handlers, NewRecord, Outbox, Record, Tx};
-use sqlx::PgPool;
+use outbox_core::{Config, Db, DbRow, Epoch, Handlers, InstanceId, NewRecord, Outbox, Record, Tx, Value};
+use sqlx::AssertSqlSafe;
 use tokio::time::Instant;
 
 /// Runs each named `async fn name(db: TestDb)` twice: `name::postgres` on a fresh PostgreSQL database
@@ -36,37 +37,16 @@ macro_rules! both {
 
 /// Runs a statement written for both backends (see [`TestDb::sql`]) with its binds; rows affected.
 macro_rules! exec {
-    ($db:expr, $sql:expr $(, $arg:expr)* $(,)?) => {{
-        let text = sqlx::AssertSqlSafe($db.sql(&$sql));
-        match &$db.db {
-            outbox_core::Db::Postgres(pool) => sqlx::query(text)$(.bind($arg))*.execute(pool).await.unwrap().rows_affected(),
-            outbox_core::Db::Sqlite(pool) => sqlx::query(text)$(.bind($arg))*.execute(pool).await.unwrap().rows_affected(),
-        }
-    }};
+    ($db:expr, $sql:expr $(, $arg:expr)* $(,)?) => {
+        $db.exec(&$sql, &[$(outbox_core::Value::from($arg)),*]).await
+    };
 }
 
 /// Fetches every row of a statement written for both backends as tuples of `$t`.
 macro_rules! rows {
-    ($db:expr, $t:ty, $sql:expr $(, $arg:expr)* $(,)?) => {{
-        let text = sqlx::AssertSqlSafe($db.sql(&$sql));
-        let rows: Vec<$t> = match &$db.db {
-            outbox_core::Db::Postgres(pool) => sqlx::query_as(text)$(.bind($arg))*.fetch_all(pool).await.unwrap(),
-            outbox_core::Db::Sqlite(pool) => sqlx::query_as(text)$(.bind($arg))*.fetch_all(pool).await.unwrap(),
-        };
-        rows
-    }};
-}
-
-/// Fetches one value of a statement written for both backends.
-macro_rules! scalar {
-    ($db:expr, $t:ty, $sql:expr $(, $arg:expr)* $(,)?) => {{
-        let text = sqlx::AssertSqlSafe($db.sql(&$sql));
-        let value: $t = match &$db.db {
-            outbox_core::Db::Postgres(pool) => sqlx::query_scalar(text)$(.bind($arg))*.fetch_one(pool).await.unwrap(),
-            outbox_core::Db::Sqlite(pool) => sqlx::query_scalar(text)$(.bind($arg))*.fetch_one(pool).await.unwrap(),
-        };
-        value
-    }};
+    ($db:expr, $t:ty, $sql:expr $(, $arg:expr)* $(,)?) => {
+        $db.rows::<$t>(&$sql, &[$(outbox_core::Value::from($arg)),*]).await
+    };
 }
 
 /// The test's database: a fresh PostgreSQL database or a fresh SQLite file (deleted with the last clone).
@@ -79,58 +59,23 @@ pub struct TestDb {
 }
 
 impl TestDb {
-    pub fn postgres(pool: PgPool) -> Self {
-        Self { db: Db::Postgres(pool), sqlite_url: None, _dir: None }
+    /// Runs a statement written for both backends (see [`TestDb::sql`]); returns the rows affected.
+    pub async fn exec(&self, sql: &str, args: &[Value<'_>]) -> u64 {
+        self.db.execute(AssertSqlSafe(self.sql(sql)), args).await.unwrap()
     }
 
-    pub async fn sqlite() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
-        Self { db: Db::connect(&url).await.unwrap(), sqlite_url: Some(url), _dir: Some(Arc::new(dir)) }
+    /// Every row of a query written for both backends.
+    pub async fn rows<T: DbRow>(&self, sql: &str, args: &[Value<'_>]) -> Vec<T> {
+        self.db.fetch_all(AssertSqlSafe(self.sql(sql)), args).await.unwrap()
     }
 
-    /// The connection string of this test's own database, for other processes: the SQLite file's URL,
-    /// or on PostgreSQL the `DATABASE_URL` server with this test's database (`current_database()`).
-    pub async fn url(&self) -> String {
-        match &self.db {
-            Db::Sqlite(_) => self.sqlite_url.clone().unwrap(),
-            Db::Postgres(pool) => {
-                let db: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
-                let base = std::env::var("DATABASE_URL").unwrap();
-                let (server, _) = base.rsplit_once('/').unwrap();
-                format!("{server}/{db}")
-            }
-        }
-    }
-
-    pub fn is_sqlite(&self) -> bool {
-        matches!(self.db, Db::Sqlite(_))
-    }
-
-    /// Renders a statement written for both backends: `{s}` is the outbox's table qualifier (`outbox.` on
-    /// PostgreSQL, `outbox_` on SQLite, so `{s}records`), `{now}` the database clock as the tables store
-    /// it, `{ago:N}` N seconds before it. Binds are `$1`, `$2`, … on both.
-    pub fn sql(&self, text: &str) -> String {
-        let (qualifier, now) = match self.db {
-            Db::Sqlite(_) => ("outbox_", outbox_core::db::sqlite_statement("{now}", "")),
-            _ => ("outbox.", "now()".into()),
-        };
-        let mut text = text.replace("{s}", qualifier).replace("{now}", &now);
-        while let Some(start) = text.find("{ago:") {
-            let end = start + text[start..].find('}').unwrap();
-            let secs: i64 = text[start + 5..end].parse().unwrap();
-            let ago = match self.db {
-                Db::Sqlite(_) => format!("({now} - {})", secs * 1000),
-                _ => format!("(now() - interval '{secs} seconds')"),
-            };
-            text.replace_range(start..=end, &ago);
-        }
-        text
-    }
-
-    /// A table of the outbox in another schema: `events.partitions` / `events_partitions`.
-    pub fn table(&self, schema: &str, table: &str) -> String {
-        if self.is_sqlite() { format!("{schema}_{table}") } else { format!("{schema}.{table}") }
+    /// The one value of a query written for both backends.
+    pub async fn scalar<T>(&self, sql: &str, args: &[Value<'_>]) -> T
+    where
+        (T,): DbRow,
+    {
+        let (value,) = self.db.fetch_one::<(T,)>(AssertSqlSafe(self.sql(sql)), args).await.unwrap();
+        value
     }
 
     /// A transaction of either backend, for `schedule` (on SQLite `BEGIN IMMEDIATE`).
@@ -178,7 +123,7 @@ pub async fn start(outbox: &Outbox, db: &TestDb, handlers: Handlers) -> Node {
 #[derive(Debug, Clone)]
 pub struct Delivery {
     pub id: uuid::Uuid,
-    pub epoch: i64,
+    pub epoch: Epoch,
     pub key: String,
     pub seq: i64,
     pub attempts: i32,
@@ -252,7 +197,7 @@ where
 
 /// A count written for both backends (see [`TestDb::sql`]).
 pub async fn count(db: &TestDb, sql: &str) -> i64 {
-    scalar!(db, i64, sql)
+    db.scalar(sql, &[]).await
 }
 
 pub async fn pending(db: &TestDb) -> i64 {
@@ -268,8 +213,8 @@ pub async fn commit(outbox: &Outbox, db: &TestDb, records: Vec<NewRecord>) -> Ve
 }
 
 /// Registers an instance with a lease a day long, as the cluster's registry would; returns its id.
-pub async fn register_instance(db: &TestDb) -> uuid::Uuid {
-    let me = uuid::Uuid::now_v7();
+pub async fn register_instance(db: &TestDb) -> InstanceId {
+    let me = InstanceId::new();
     exec!(db, "INSERT INTO {s}instances (id, name, expires_at) VALUES ($1, 'test', {ago:-86400})", me);
     me
 }

@@ -13,59 +13,17 @@ use futures::future::BoxFuture;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
-use uuid::Uuid;
 
-use super::{Assignment, Fetched};
+use crate::assignment::Assignment;
 use crate::config::Config;
 use crate::handler::{FailureKind, HandlerError, Handlers, Route};
-use crate::partition::Partition;
 use crate::record::Record;
+use crate::stored::{Fetched, Outcome, Verdict};
 
 /// Longest error text stored with a record (`last_error`), in bytes. A longer text is cut at a
 /// character boundary and ends with "…"; NUL and other control characters (but newline and tab) are
 /// replaced with U+FFFD, so any handler error can be stored on every backend.
 pub const MAX_ERROR_BYTES: usize = 4096;
-
-/// What happened to one delivery.
-#[derive(Debug, Clone)]
-pub(crate) enum Verdict {
-    Delivered,
-    Fallback,
-    /// Deliver again after `delay`; `error` is storable ([`storable_error`]).
-    Retry {
-        delay: Duration,
-        error: String,
-    },
-    /// FAILED; `error` is storable.
-    Failed {
-        error: String,
-    },
-}
-
-impl Verdict {
-    /// Delivered or handled by the fallback: the record leaves the queue.
-    pub(crate) fn completes(&self) -> bool {
-        matches!(self, Verdict::Delivered | Verdict::Fallback)
-    }
-}
-
-/// The outcome of one delivery, with what its completion is fenced by.
-#[derive(Debug, Clone)]
-pub(crate) struct Outcome {
-    pub(crate) id: Uuid,
-    pub(crate) partition: Partition,
-    /// The instance (lease) and epoch the record was delivered under.
-    pub(crate) instance: Uuid,
-    pub(crate) epoch: i64,
-    pub(crate) key: String,
-    /// Failed deliveries including this one (unchanged on success).
-    pub(crate) attempts: i32,
-    /// Operator requeues of the record when it was fetched: a failure is written only if the record
-    /// has not been requeued since (a late retry of a FAILED write must not undo a requeue).
-    pub(crate) requeues: i32,
-    pub(crate) created_at: chrono::DateTime<chrono::Utc>,
-    pub(crate) verdict: Verdict,
-}
 
 /// What a run needs besides its records.
 pub(super) struct Context {
@@ -99,7 +57,7 @@ pub(super) async fn deliver_run(
             biased;
             () = fenced.cancelled() => {
                 info!(record = %record.id, key = %record.key, partition = record.partition, instance = %fetched.instance,
-                    epoch = record.epoch, "handler call cancelled: the partition was fenced or the lease ran out; the record will be delivered again");
+                    epoch = %record.epoch, "handler call cancelled: the partition was fenced or the lease ran out; the record will be delivered again");
                 break;
             }
             outcome = deliver(&ctx.handlers, &ctx.config, &fetched) => outcome,

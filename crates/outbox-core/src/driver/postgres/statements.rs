@@ -1,11 +1,7 @@
-//! Every SQL statement of `outbox-core`, in one place.
-//!
-//! Statements are written with a `{s}` placeholder for the configured schema and built once per
+//! PostgreSQL's statements, written with a `{s}` placeholder for the configured schema and built once per
 //! [`Outbox`](crate::Outbox) (the schema name is validated as a plain identifier, so splicing it is safe).
 
 use std::sync::Arc;
-
-use sqlx::AssertSqlSafe;
 
 /// The fence: lock the partition rows this worker believes it owns, under the instance ids and at the
 /// epochs it believes it holds them, `FOR SHARE`. An epoch bump (release, steal) waits for the share
@@ -25,8 +21,7 @@ UNION ALL
 SELECT NULL, partition, owner, epoch FROM fence";
 
 /// A record's partition is in the fence: a filter on rows found by id. The cast keeps the planner off
-/// the (partition, key, seq) index, which it would otherwise pick for a batch of many ids and then
-/// read every record of the fenced partitions.
+/// the (partition, key, seq) index, which for many ids it would pick to read the fenced partitions whole.
 const FENCED: &str = "r.partition::int = ANY(ARRAY(SELECT partition::int FROM fence))";
 
 /// Schedules records inside the caller's transaction. Upserting each key's lock row takes its row lock
@@ -62,21 +57,10 @@ const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.p
 
 const DUE: &str = "r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())";
 
-/// Fetches up to `$6` head records, one per key, skipping keys `$5` (in flight), each followed by up to
-/// `$7` further records of its key in sequence order (the lookahead) as long as the run's payloads
-/// total at most `$8` bytes (the head always comes), each with a `due` flag: the processor delivers a
-/// key's run one record at a time and stops before the first record that is not due.
-///
-/// Fenced: only partitions `$1` whose row still shows owner `$4` at epoch `$2`, and only while `$4`'s
-/// lease is live by database time. Partitions are served in the order given; within partition `$1[i]`
-/// the walk starts after key `$3[i]` (NULL: from the lowest) and then wraps around to the keys up to it,
-/// so keys that sort low cannot starve the others; `walk` numbers the heads in the order served.
-///
-/// Heads come from a loose index scan: walk the partition's keys in index order, one probe per key,
-/// taking the key's first row. The cost grows with the number of keys, not records, and the walk stops
-/// as soon as the batch is full. With stop-on-first-failure the head is the key's lowest sequence, and a
-/// key whose head is FAILED or backing off is passed over (so blocked keys never fill a batch); without
-/// it, the walk takes each key's first *due* record.
+/// The fetch (see `Db::fetch`): `$1` partitions, `$2` epochs, `$3` start keys, `$4` instance, `$5` keys
+/// in flight, `$6` heads at most, `$7` followers per head, `$8` bytes per run. Heads come from a loose
+/// index scan (one probe per key, so the cost grows with keys, not records; it stops when the batch is
+/// full), walking each partition from its start key and then wrapping around.
 const FETCH: &str = "WITH served AS MATERIALIZED (
     SELECT a.partition, coalesce(a.after, '') AS after, a.after IS NOT NULL AS wraps
     FROM unnest($1::smallint[], $2::bigint[], $3::text[]) WITH ORDINALITY AS a(partition, epoch, after, ord)
@@ -127,11 +111,9 @@ FROM numbered heads CROSS JOIN LATERAL (
     ORDER BY r.seq LIMIT $7) f
 WHERE octet_length(heads.payload) + f.run_bytes <= $8";
 
-/// Completes delivered records (fenced): delete, and copy to `completed` when keeping them.
-/// `$4` ids, `$5` outcomes, `$6` attempts.
-///
-/// Rows are found by `id = ANY($4)` with the fence as a filter: joining the ids through `unnest` lets
-/// the planner read every record of the fenced partitions instead.
+/// Completes delivered records (fenced): delete, and copy to `completed` when keeping them. `$4` ids,
+/// `$5` outcomes, `$6` attempts. Rows are found by `id = ANY($4)`, the fence only a filter: joined
+/// through `unnest`, the planner read every record of the fenced partitions instead.
 const COMPLETE_KEEP: &str = "WITH {fence}, done AS (
     DELETE FROM {s}.records r
     WHERE r.id = ANY($4::uuid[]) AND {fenced}
@@ -216,12 +198,9 @@ const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}.schema_migrations
     checksum   bigint      NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now())";
 
-/// A statement ready to hand to `sqlx::query` without copying.
-pub(crate) type Stmt = AssertSqlSafe<Arc<str>>;
-
-/// The statements, built for one schema.
+/// PostgreSQL's statements, built for one schema and mode.
 #[derive(Debug)]
-pub(crate) struct Sql {
+pub struct PgStatements {
     schema: String,
     pub(crate) schedule: Arc<str>,
     pub(crate) prune_keys: Arc<str>,
@@ -236,7 +215,7 @@ pub(crate) struct Sql {
     pub(crate) migrations_table: Arc<str>,
 }
 
-impl Sql {
+impl PgStatements {
     /// `schema` must already be validated as an identifier.
     pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
         let build = |text: &str| -> Arc<str> {
@@ -273,11 +252,6 @@ impl Sql {
     pub(crate) fn schema(&self) -> &str {
         &self.schema
     }
-}
-
-/// Wraps a prebuilt statement for sqlx.
-pub(crate) fn stmt(text: &Arc<str>) -> Stmt {
-    AssertSqlSafe(Arc::clone(text))
 }
 
 #[cfg(test)]
@@ -320,7 +294,7 @@ mod tests {
         .unwrap();
         sqlx::query("ANALYZE outbox.records").execute(&pool).await.unwrap();
         for stop_on_first_failure in [true, false] {
-            let sql = super::Sql::new("outbox", stop_on_first_failure, true);
+            let sql = super::PgStatements::new("outbox", stop_on_first_failure, true);
             let plan = plan(&pool, &sql.fetch, &[0, 1, 2]).await;
             assert!(plan.contains("Index Scan using records_partition_key_seq"), "{plan}");
             assert!(!plan.contains("Seq Scan on records"), "{plan}");
@@ -337,7 +311,7 @@ mod tests {
         let partitions: Vec<i16> = (0..256).collect();
         let n = ids.len();
         for keep_completed in [true, false] {
-            let sql = super::Sql::new("outbox", true, keep_completed);
+            let sql = super::PgStatements::new("outbox", true, keep_completed);
             for (name, text) in [("complete", &sql.complete), ("fail", &sql.fail)] {
                 let mut conn = pool.acquire().await.unwrap();
                 sqlx::query("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await.unwrap();

@@ -1,0 +1,202 @@
+//! The PostgreSQL driver of `outbox-cluster`: its statements (`{s}` is the outbox schema) and their
+//! execution.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::driver::{millis, statement};
+use outbox_core::{Epochs, InstanceId, Partition};
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::error::Result;
+use crate::rebalance::Targets;
+use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, PartitionRow, Taken, remaining};
+
+/// The lease's remaining time in milliseconds, by database time.
+const REMAINING: &str = "(extract(epoch FROM expires_at - now()) * 1000)::bigint";
+
+/// Registers an instance, live for `$3` ms, heartbeating every `$4` ms. Returns the lease's remaining
+/// time.
+const REGISTER: &str = "INSERT INTO {s}.instances (id, name, expires_at, heartbeat_ms)
+VALUES ($1, $2, now() + $3 * interval '1 millisecond', $4)
+RETURNING {remaining}";
+
+/// Renews a lease that has not expired by database time, for `$2` ms; returns its remaining time. No
+/// row: the lease had expired (or the instance was reaped), so the instance was declared dead and may
+/// have lost its partitions: it must stop and register again.
+const HEARTBEAT: &str = "UPDATE {s}.instances
+SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond'
+WHERE id = $1 AND expires_at > now()
+RETURNING {remaining}";
+
+const DEREGISTER: &str = "DELETE FROM {s}.instances WHERE id = $1";
+
+/// Removes instances whose lease expired more than `$1` ms ago.
+const REAP: &str = "DELETE FROM {s}.instances WHERE expires_at < now() - $1 * interval '1 millisecond'";
+
+/// Acquires the partitions targeted at this instance that are free or whose owner has no live lease by
+/// database time. Each acquisition bumps the epoch, fencing out whatever the previous owner still tries
+/// to write. Rows being written under a fence are skipped and retried next round.
+/// Returns (partition, epoch, previous owner, the previous owner's heartbeat interval in ms if its row
+/// is still there).
+const ACQUIRE: &str = "WITH taken AS (
+    SELECT p.partition, p.owner,
+           (SELECT i.heartbeat_ms FROM {s}.instances i WHERE i.id = p.owner) AS heartbeat_ms
+    FROM {s}.partitions p
+    WHERE p.target_owner = $1 AND p.owner IS DISTINCT FROM $1
+      AND (p.owner IS NULL OR NOT EXISTS (
+          SELECT 1 FROM {s}.instances i WHERE i.id = p.owner AND i.expires_at > now()))
+    FOR UPDATE OF p SKIP LOCKED
+)
+UPDATE {s}.partitions p SET owner = $1, epoch = p.epoch + 1, changed_at = now()
+FROM taken WHERE p.partition = taken.partition
+RETURNING p.partition, p.epoch, taken.owner AS previous, taken.heartbeat_ms AS previous_heartbeat_ms";
+
+/// Live instances that take part in the assignment (lease valid by database time, not draining).
+const LIVE: &str = "SELECT id FROM {s}.instances WHERE expires_at > now() AND NOT draining ORDER BY id";
+
+/// Every partition's owner, epoch and target.
+const PARTITIONS: &str = "SELECT partition, owner, epoch, target_owner FROM {s}.partitions ORDER BY partition";
+
+/// Writes the targets that changed. `$1` partitions, `$2` target owners.
+const SET_TARGETS: &str = "UPDATE {s}.partitions p SET target_owner = t.owner
+FROM unnest($1::smallint[], $2::uuid[]) AS t(partition, owner)
+WHERE p.partition = t.partition AND p.target_owner IS DISTINCT FROM t.owner
+RETURNING p.partition";
+
+/// Marks an instance as leaving: the assignment no longer counts it.
+const DRAIN: &str = "UPDATE {s}.instances SET draining = true WHERE id = $1";
+
+/// What this instance owns according to the database.
+const OWNED: &str = "SELECT partition, epoch FROM {s}.partitions WHERE owner = $1 ORDER BY partition";
+
+/// Releases partitions held at the given epochs (`$2`, `$3`); bumps the epoch so the next owner is fenced
+/// apart from this one.
+const RELEASE: &str = "UPDATE {s}.partitions p SET owner = NULL, epoch = p.epoch + 1, changed_at = now()
+FROM unnest($2::smallint[], $3::bigint[]) AS r(partition, epoch)
+WHERE p.partition = r.partition AND p.epoch = r.epoch AND p.owner = $1
+RETURNING p.partition";
+
+/// Instances with their lease state and partition counts, for status.
+const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > now() AS live,
+    (SELECT count(*) FROM {s}.partitions p WHERE p.owner = i.id) AS partitions
+FROM {s}.instances i ORDER BY i.started_at";
+
+/// The statements, built for one schema.
+#[derive(Debug)]
+pub(super) struct PgStatements {
+    register: Arc<str>,
+    heartbeat: Arc<str>,
+    deregister: Arc<str>,
+    reap: Arc<str>,
+    acquire: Arc<str>,
+    owned: Arc<str>,
+    release: Arc<str>,
+    instances: Arc<str>,
+    live: Arc<str>,
+    partitions: Arc<str>,
+    set_targets: Arc<str>,
+    drain: Arc<str>,
+}
+
+impl PgStatements {
+    /// `schema` is validated by the outbox's config.
+    pub(super) fn new(schema: &str) -> Self {
+        let build = |text: &str| -> Arc<str> { text.replace("{remaining}", REMAINING).replace("{s}", schema).into() };
+        Self {
+            register: build(REGISTER),
+            heartbeat: build(HEARTBEAT),
+            deregister: build(DEREGISTER),
+            reap: build(REAP),
+            acquire: build(ACQUIRE),
+            owned: build(OWNED),
+            release: build(RELEASE),
+            instances: build(INSTANCES),
+            live: build(LIVE),
+            partitions: build(PARTITIONS),
+            set_targets: build(SET_TARGETS),
+            drain: build(DRAIN),
+        }
+    }
+
+    pub(super) async fn register(&self, pool: &PgPool, id: InstanceId, name: &str, lease: Lease) -> Result<Duration> {
+        let ms: i64 = sqlx::query_scalar(statement(&self.register))
+            .bind(id)
+            .bind(name)
+            .bind(millis(lease.live))
+            .bind(millis(lease.heartbeat))
+            .fetch_one(pool)
+            .await?;
+        Ok(remaining(ms))
+    }
+
+    /// Renews on `own` (connected to `pool`'s database on first use).
+    pub(super) async fn heartbeat(
+        &self,
+        pool: &PgPool,
+        own: &mut Option<PgConnection>,
+        id: InstanceId,
+        lease: Lease,
+    ) -> Result<Option<Duration>> {
+        let conn = match own {
+            Some(conn) => conn,
+            None => own.insert(PgConnection::connect_with(&pool.connect_options()).await?),
+        };
+        let ms: Option<i64> = sqlx::query_scalar(statement(&self.heartbeat))
+            .bind(id)
+            .bind(millis(lease.live))
+            .fetch_optional(conn)
+            .await?;
+        Ok(ms.map(remaining))
+    }
+
+    pub(super) async fn deregister(&self, pool: &PgPool, id: InstanceId) -> Result<()> {
+        sqlx::query(statement(&self.deregister)).bind(id).execute(pool).await?;
+        Ok(())
+    }
+
+    pub(super) async fn reap(&self, pool: &PgPool, grace: Duration) -> Result<u64> {
+        Ok(sqlx::query(statement(&self.reap)).bind(millis(grace)).execute(pool).await?.rows_affected())
+    }
+
+    pub(super) async fn acquire(&self, pool: &PgPool, me: InstanceId) -> Result<Vec<Taken>> {
+        Ok(sqlx::query_as(statement(&self.acquire)).bind(me).fetch_all(pool).await?)
+    }
+
+    pub(super) async fn owned(&self, pool: &PgPool, me: InstanceId) -> Result<Epochs> {
+        let rows: Vec<Held> = sqlx::query_as(statement(&self.owned)).bind(me).fetch_all(pool).await?;
+        Ok(rows.into_iter().map(|h| (h.partition, h.epoch)).collect())
+    }
+
+    pub(super) async fn release(&self, pool: &PgPool, me: InstanceId, held: &Epochs) -> Result<Vec<Partition>> {
+        let (partitions, epochs): (Vec<i16>, Vec<i64>) = held.iter().map(|(&p, e)| (i16::from(p), e.0)).unzip();
+        let rows: Vec<PartitionOnly> =
+            sqlx::query_as(statement(&self.release)).bind(me).bind(&partitions).bind(&epochs).fetch_all(pool).await?;
+        Ok(rows.into_iter().map(|r| r.partition).collect())
+    }
+
+    pub(super) async fn partitions(&self, pool: &PgPool) -> Result<Vec<PartitionRow>> {
+        Ok(sqlx::query_as(statement(&self.partitions)).fetch_all(pool).await?)
+    }
+
+    pub(super) async fn live(&self, pool: &PgPool) -> Result<Vec<InstanceId>> {
+        Ok(sqlx::query_scalar(statement(&self.live)).fetch_all(pool).await?)
+    }
+
+    pub(super) async fn set_targets(&self, pool: &PgPool, targets: &Targets) -> Result<Vec<Partition>> {
+        let (partitions, owners): (Vec<i16>, Vec<InstanceId>) =
+            targets.iter().map(|(&p, &owner)| (i16::from(p), owner)).unzip();
+        let rows: Vec<PartitionOnly> =
+            sqlx::query_as(statement(&self.set_targets)).bind(&partitions).bind(&owners).fetch_all(pool).await?;
+        Ok(rows.into_iter().map(|r| r.partition).collect())
+    }
+
+    pub(super) async fn drain(&self, pool: &PgPool, me: InstanceId) -> Result<()> {
+        sqlx::query(statement(&self.drain)).bind(me).execute(pool).await?;
+        Ok(())
+    }
+
+    pub(super) async fn instances(&self, pool: &PgPool) -> Result<Vec<InstanceInfo>> {
+        Ok(sqlx::query_as(statement(&self.instances)).fetch_all(pool).await?)
+    }
+}

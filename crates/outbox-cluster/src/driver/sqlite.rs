@@ -1,0 +1,241 @@
+//! The SQLite driver of `outbox-cluster`: its statements (`{s}_` prefixes the tables) and their
+//! execution.
+//!
+//! Every write runs in a [`write()`] (`BEGIN IMMEDIATE`, in this process's turn, so heartbeats never
+//! starve behind a busy worker). For the compare-and-set steps (acquire, release, targets) SQLite's
+//! single writer makes the check and the epoch bump one atomic step, as `FOR UPDATE` does on PostgreSQL.
+//! Liveness compares against SQLite's clock (the host's; all instances of a database file share it).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::driver::sqlite::{render, write, write_on};
+use outbox_core::driver::{millis, statement};
+use outbox_core::{Epochs, InstanceId, Partition};
+use sqlx::{Connection, SqliteConnection, SqlitePool};
+
+use crate::error::Result;
+use crate::rebalance::Targets;
+use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, PartitionRow, Taken, remaining};
+
+const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbeat_ms)
+VALUES ($1, $2, {now} + $3, $4) RETURNING expires_at - {now}";
+
+/// Renews a lease that has not expired (see the PostgreSQL statement); returns its remaining ms.
+const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2
+WHERE id = $1 AND expires_at > {now} RETURNING expires_at - {now}";
+
+const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = $1";
+
+const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - $1";
+
+/// Partitions targeted at `$1` that are free or whose owner has no live lease, with that owner and its
+/// heartbeat interval (if its row is still there).
+const ACQUIRABLE: &str = "SELECT p.partition, p.owner,
+    (SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner) AS heartbeat_ms
+FROM {s}_partitions p
+WHERE p.target_owner = $1 AND p.owner IS NOT $1
+  AND (p.owner IS NULL OR NOT EXISTS (
+      SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))";
+
+const TAKE: &str = "UPDATE {s}_partitions SET owner = $1, epoch = epoch + 1, changed_at = {now}
+WHERE partition = $2 RETURNING epoch";
+
+const LIVE: &str = "SELECT id FROM {s}_instances WHERE expires_at > {now} AND NOT draining ORDER BY id";
+
+const PARTITIONS: &str = "SELECT partition, owner, epoch, target_owner FROM {s}_partitions ORDER BY partition";
+
+const SET_TARGET: &str = "UPDATE {s}_partitions SET target_owner = $2
+WHERE partition = $1 AND target_owner IS NOT $2 RETURNING partition";
+
+const DRAIN: &str = "UPDATE {s}_instances SET draining = 1 WHERE id = $1";
+
+const OWNED: &str = "SELECT partition, epoch FROM {s}_partitions WHERE owner = $1 ORDER BY partition";
+
+const RELEASE: &str = "UPDATE {s}_partitions SET owner = NULL, epoch = epoch + 1, changed_at = {now}
+WHERE partition = $2 AND epoch = $3 AND owner = $1 RETURNING partition";
+
+const INSTANCES: &str = "SELECT i.id, i.name, {time:i.started_at} AS started_at,
+    {time:i.heartbeat_at} AS heartbeat_at, i.expires_at > {now} AS live,
+    (SELECT count(*) FROM {s}_partitions p WHERE p.owner = i.id) AS partitions
+FROM {s}_instances i ORDER BY i.started_at";
+
+/// The statements, built for one table prefix.
+#[derive(Debug)]
+pub(super) struct SqliteStatements {
+    register: Arc<str>,
+    heartbeat: Arc<str>,
+    deregister: Arc<str>,
+    reap: Arc<str>,
+    acquirable: Arc<str>,
+    take: Arc<str>,
+    live: Arc<str>,
+    partitions: Arc<str>,
+    set_target: Arc<str>,
+    drain: Arc<str>,
+    owned: Arc<str>,
+    release: Arc<str>,
+    instances: Arc<str>,
+}
+
+/// A partition [`SqliteStatements::acquire`] may take.
+#[derive(sqlx::FromRow)]
+struct Acquirable {
+    #[sqlx(try_from = "i16")]
+    partition: Partition,
+    owner: Option<InstanceId>,
+    heartbeat_ms: Option<i64>,
+}
+
+impl SqliteStatements {
+    /// `schema` is validated by the outbox's config.
+    pub(super) fn new(schema: &str) -> Self {
+        let build = |text: &str| render(text, schema);
+        Self {
+            register: build(REGISTER),
+            heartbeat: build(HEARTBEAT),
+            deregister: build(DEREGISTER),
+            reap: build(REAP),
+            acquirable: build(ACQUIRABLE),
+            take: build(TAKE),
+            live: build(LIVE),
+            partitions: build(PARTITIONS),
+            set_target: build(SET_TARGET),
+            drain: build(DRAIN),
+            owned: build(OWNED),
+            release: build(RELEASE),
+            instances: build(INSTANCES),
+        }
+    }
+
+    pub(super) async fn register(
+        &self,
+        pool: &SqlitePool,
+        id: InstanceId,
+        name: &str,
+        lease: Lease,
+    ) -> Result<Duration> {
+        let mut tx = write(pool).await?;
+        let ms: i64 = sqlx::query_scalar(statement(&self.register))
+            .bind(id)
+            .bind(name)
+            .bind(millis(lease.live))
+            .bind(millis(lease.heartbeat))
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(remaining(ms))
+    }
+
+    /// Renews on `own` (opened to `pool`'s file on first use).
+    pub(super) async fn heartbeat(
+        &self,
+        pool: &SqlitePool,
+        own: &mut Option<SqliteConnection>,
+        id: InstanceId,
+        lease: Lease,
+    ) -> Result<Option<Duration>> {
+        let conn = match own {
+            Some(conn) => conn,
+            None => own.insert(SqliteConnection::connect_with(&pool.connect_options()).await?),
+        };
+        let mut tx = write_on(pool, conn).await?;
+        let ms: Option<i64> = sqlx::query_scalar(statement(&self.heartbeat))
+            .bind(id)
+            .bind(millis(lease.live))
+            .fetch_optional(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(ms.map(remaining))
+    }
+
+    pub(super) async fn deregister(&self, pool: &SqlitePool, id: InstanceId) -> Result<()> {
+        let mut tx = write(pool).await?;
+        sqlx::query(statement(&self.deregister)).bind(id).execute(&mut *tx).await?;
+        Ok(tx.commit().await?)
+    }
+
+    pub(super) async fn reap(&self, pool: &SqlitePool, grace: Duration) -> Result<u64> {
+        let mut tx = write(pool).await?;
+        let reaped = sqlx::query(statement(&self.reap)).bind(millis(grace)).execute(&mut *tx).await?.rows_affected();
+        tx.commit().await?;
+        Ok(reaped)
+    }
+
+    /// The single writer makes finding and taking one atomic step, as `FOR UPDATE` does on PostgreSQL.
+    pub(super) async fn acquire(&self, pool: &SqlitePool, me: InstanceId) -> Result<Vec<Taken>> {
+        let mut tx = write(pool).await?;
+        let candidates: Vec<Acquirable> =
+            sqlx::query_as(statement(&self.acquirable)).bind(me).fetch_all(&mut *tx).await?;
+        let mut taken = Vec::with_capacity(candidates.len());
+        for candidate in candidates {
+            let epoch = sqlx::query_scalar(statement(&self.take))
+                .bind(me)
+                .bind(i16::from(candidate.partition))
+                .fetch_one(&mut *tx)
+                .await?;
+            taken.push(Taken {
+                partition: candidate.partition,
+                epoch,
+                previous: candidate.owner,
+                previous_heartbeat_ms: candidate.heartbeat_ms,
+            });
+        }
+        tx.commit().await?;
+        Ok(taken)
+    }
+
+    pub(super) async fn live(&self, pool: &SqlitePool) -> Result<Vec<InstanceId>> {
+        Ok(sqlx::query_scalar(statement(&self.live)).fetch_all(pool).await?)
+    }
+
+    pub(super) async fn partitions(&self, pool: &SqlitePool) -> Result<Vec<PartitionRow>> {
+        Ok(sqlx::query_as(statement(&self.partitions)).fetch_all(pool).await?)
+    }
+
+    pub(super) async fn set_targets(&self, pool: &SqlitePool, targets: &Targets) -> Result<Vec<Partition>> {
+        let mut tx = write(pool).await?;
+        let mut changed = Vec::new();
+        for (&partition, &owner) in targets {
+            let row: Option<PartitionOnly> = sqlx::query_as(statement(&self.set_target))
+                .bind(i16::from(partition))
+                .bind(owner)
+                .fetch_optional(&mut *tx)
+                .await?;
+            changed.extend(row.map(|r| r.partition));
+        }
+        tx.commit().await?;
+        Ok(changed)
+    }
+
+    pub(super) async fn drain(&self, pool: &SqlitePool, me: InstanceId) -> Result<()> {
+        let mut tx = write(pool).await?;
+        sqlx::query(statement(&self.drain)).bind(me).execute(&mut *tx).await?;
+        Ok(tx.commit().await?)
+    }
+
+    pub(super) async fn owned(&self, pool: &SqlitePool, me: InstanceId) -> Result<Epochs> {
+        let rows: Vec<Held> = sqlx::query_as(statement(&self.owned)).bind(me).fetch_all(pool).await?;
+        Ok(rows.into_iter().map(|h| (h.partition, h.epoch)).collect())
+    }
+
+    pub(super) async fn release(&self, pool: &SqlitePool, me: InstanceId, held: &Epochs) -> Result<Vec<Partition>> {
+        let mut tx = write(pool).await?;
+        let mut released = Vec::new();
+        for (&partition, &epoch) in held {
+            let row: Option<PartitionOnly> = sqlx::query_as(statement(&self.release))
+                .bind(me)
+                .bind(i16::from(partition))
+                .bind(epoch)
+                .fetch_optional(&mut *tx)
+                .await?;
+            released.extend(row.map(|r| r.partition));
+        }
+        tx.commit().await?;
+        Ok(released)
+    }
+
+    pub(super) async fn instances(&self, pool: &SqlitePool) -> Result<Vec<InstanceInfo>> {
+        Ok(sqlx::query_as(statement(&self.instances)).fetch_all(pool).await?)
+    }
+}

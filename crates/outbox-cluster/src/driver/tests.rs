@@ -1,0 +1,155 @@
+//! The cluster driver conformance suite: each operation's contract (see its method on [`Store`]) checked
+//! against every backend, a fresh PostgreSQL database per test and a private in-memory SQLite database.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use outbox_core::{Config, Db, Epoch, Epochs, InstanceId, Outbox, Partition};
+use sqlx::PgPool;
+
+use super::Store;
+use crate::stored::Lease;
+
+/// A migrated outbox on every backend: `pool`'s PostgreSQL database and an in-memory SQLite one.
+async fn stores(pool: PgPool) -> Vec<Store> {
+    let options = outbox_core::driver::sqlite::options("sqlite::memory:").unwrap();
+    let sqlite = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
+    let outbox = Outbox::new(Config::default()).unwrap();
+    let mut stores = Vec::new();
+    for db in [Db::from(pool), Db::from(sqlite)] {
+        outbox.migrate(&db).await.unwrap();
+        stores.push(Store::new(db, &outbox));
+    }
+    stores
+}
+
+const DAY: Lease = Lease { live: Duration::from_secs(86_400), heartbeat: Duration::from_millis(700) };
+/// A lease that has expired by the time the next statement runs.
+const GONE: Lease = Lease { live: Duration::from_millis(1), heartbeat: Duration::from_millis(300) };
+
+async fn registered(store: &Store, lease: Lease) -> InstanceId {
+    let id = InstanceId::new();
+    store.register(id, "test", lease).await.unwrap();
+    if lease.live == GONE.live {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    id
+}
+
+async fn target(store: &Store, partitions: impl IntoIterator<Item = Partition>, to: InstanceId) {
+    store.set_targets(&partitions.into_iter().map(|p| (p, to)).collect()).await.unwrap();
+}
+
+fn epochs_of(store_rows: &[crate::stored::PartitionRow], partitions: &[Partition]) -> Epochs {
+    store_rows.iter().filter(|r| partitions.contains(&r.partition)).map(|r| (r.partition, r.epoch)).collect()
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_lease_is_renewed_only_until_it_expires(pool: PgPool) {
+    for store in stores(pool).await {
+        let backend = store.db().backend();
+        let id = InstanceId::new();
+        let remaining = store.register(id, "test", DAY).await.unwrap();
+        assert!(remaining > Duration::from_secs(86_000) && remaining <= DAY.live, "{backend}: {remaining:?}");
+        let mut conn = super::HeartbeatConnection::default();
+        let renewed = conn.renew(&store, id, DAY).await.unwrap();
+        assert!(renewed.is_some_and(|r| r > Duration::from_secs(86_000)), "{backend}: {renewed:?}");
+
+        let dead = registered(&store, GONE).await;
+        assert_eq!(conn.renew(&store, dead, DAY).await.unwrap(), None, "{backend}: an expired lease stays expired");
+        assert_eq!(conn.renew(&store, InstanceId::new(), DAY).await.unwrap(), None, "{backend}: unknown instance");
+
+        let live: BTreeSet<InstanceId> = store.live().await.unwrap().into_iter().collect();
+        assert_eq!(live, BTreeSet::from([id]), "{backend}");
+        let instances = store.instances().await.unwrap();
+        assert_eq!(
+            instances.iter().map(|i| (i.id, i.live)).collect::<Vec<_>>(),
+            [(id, true), (dead, false)],
+            "{backend}"
+        );
+
+        assert_eq!(store.reap(Duration::from_secs(3600)).await.unwrap(), 0, "{backend}: within the grace");
+        assert_eq!(store.reap(Duration::ZERO).await.unwrap(), 1, "{backend}: only the expired one");
+        store.drain(id).await.unwrap();
+        assert!(store.live().await.unwrap().is_empty(), "{backend}: a draining instance takes no part");
+        store.deregister(id).await.unwrap();
+        assert!(store.instances().await.unwrap().is_empty(), "{backend}");
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn acquire_takes_free_and_dead_owners_partitions_only_and_bumps_epochs(pool: PgPool) {
+    for store in stores(pool).await {
+        let backend = store.db().backend();
+        let (me, alive, dead) = (
+            registered(&store, DAY).await,
+            registered(&store, DAY).await,
+            registered(&store, Lease { heartbeat: Duration::from_millis(1234), ..GONE }).await,
+        );
+        target(&store, [1, 2], alive).await;
+        target(&store, [3, 4], dead).await;
+        assert_eq!(store.acquire(alive).await.unwrap().len(), 2, "{backend}");
+        let taken = store.acquire(dead).await.unwrap();
+        assert_eq!(taken.len(), 2, "{backend}: acquiring needs no live lease of one's own");
+
+        // Targets: only those that differ are written and reported.
+        let mut targets: crate::rebalance::Targets = (1..=5).map(|p| (p, me)).collect();
+        targets.insert(6, alive);
+        let mut changed = store.set_targets(&targets).await.unwrap();
+        changed.sort_unstable();
+        assert_eq!(changed, [1, 2, 3, 4, 5, 6], "{backend}");
+        assert!(store.set_targets(&targets).await.unwrap().is_empty(), "{backend}: nothing changed");
+
+        let before = store.partitions().await.unwrap();
+        let mut taken = store.acquire(me).await.unwrap();
+        taken.sort_by_key(|t| t.partition);
+        let got: Vec<_> = taken.iter().map(|t| (t.partition, t.previous, t.previous_heartbeat_ms)).collect();
+        // 1 and 2 belong to a live owner; 3 and 4 to a dead one; 5 is free; 6 is targeted elsewhere.
+        assert_eq!(got, [(3, Some(dead), Some(1234)), (4, Some(dead), Some(1234)), (5, None, None)], "{backend}");
+        for t in &taken {
+            let old = before.iter().find(|r| r.partition == t.partition).unwrap().epoch;
+            assert_eq!(t.epoch, Epoch(old.0 + 1), "{backend}: partition {}", t.partition);
+        }
+        assert!(store.acquire(me).await.unwrap().is_empty(), "{backend}: nothing left to take");
+        let owned = store.owned(me).await.unwrap();
+        assert_eq!(owned, taken.iter().map(|t| (t.partition, t.epoch)).collect(), "{backend}");
+
+        // A dead owner's row reaped: its partitions are still taken, without its heartbeat interval.
+        target(&store, [1], dead).await;
+        store.deregister(alive).await.unwrap();
+        let taken = store.acquire(dead).await.unwrap();
+        assert_eq!(
+            taken.iter().map(|t| (t.partition, t.previous_heartbeat_ms)).collect::<Vec<_>>(),
+            [(1, None)],
+            "{backend}"
+        );
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn release_frees_only_what_is_still_held_at_its_epoch(pool: PgPool) {
+    for store in stores(pool).await {
+        let backend = store.db().backend();
+        let (me, other) = (registered(&store, DAY).await, registered(&store, DAY).await);
+        target(&store, [7, 8, 9], me).await;
+        store.acquire(me).await.unwrap();
+        let rows = store.partitions().await.unwrap();
+        let mut held = epochs_of(&rows, &[7, 8, 9]);
+        held.insert(8, Epoch(held[&8].0 - 1)); // a stale epoch
+        held.insert(10, Epoch(0)); // never ours
+        let mut released = store.release(me, &held).await.unwrap();
+        released.sort_unstable();
+        assert_eq!(released, [7, 9], "{backend}");
+        assert!(store.release(other, &epochs_of(&rows, &[8])).await.unwrap().is_empty(), "{backend}: not the owner");
+
+        let after = store.partitions().await.unwrap();
+        for p in [7u8, 9] {
+            let (old, new) = (&rows[usize::from(p)], &after[usize::from(p)]);
+            assert_eq!((new.owner, new.epoch), (None, Epoch(old.epoch.0 + 1)), "{backend}: partition {p}");
+        }
+        assert_eq!(store.owned(me).await.unwrap().into_keys().collect::<Vec<_>>(), [8], "{backend}");
+        assert_eq!(after.len(), 256, "{backend}");
+        let instance = store.instances().await.unwrap().into_iter().find(|i| i.id == me).unwrap();
+        assert_eq!(instance.partitions, 1, "{backend}");
+    }
+}

@@ -1,0 +1,79 @@
+//! The cluster's rows as every driver returns them, and what a registration declares: shared by the
+//! drivers and the domain modules, so no import runs back up.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox_core::{Epoch, InstanceId, Partition};
+
+/// One registered instance, as status shows it.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct InstanceInfo {
+    /// Instance id (new on every start, and on registering again after its lease expired).
+    pub id: InstanceId,
+    /// Name given in its config.
+    pub name: String,
+    /// When it registered.
+    pub started_at: DateTime<Utc>,
+    /// Its last heartbeat.
+    pub heartbeat_at: DateTime<Utc>,
+    /// Whether its lease is still valid by database time.
+    pub live: bool,
+    /// Partitions it owns.
+    pub partitions: i64,
+}
+
+/// One partition's ownership row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+pub struct PartitionRow {
+    /// Partition.
+    #[sqlx(try_from = "i16")]
+    pub partition: Partition,
+    /// Current owner, if any.
+    pub owner: Option<InstanceId>,
+    /// Fencing epoch.
+    pub epoch: Epoch,
+    /// Where the rebalancer wants it.
+    #[sqlx(rename = "target_owner")]
+    pub target: Option<InstanceId>,
+}
+
+/// A partition just taken by an acquisition, as the driver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+pub(crate) struct Taken {
+    #[sqlx(try_from = "i16")]
+    pub(crate) partition: Partition,
+    /// The epoch after the bump.
+    pub(crate) epoch: Epoch,
+    /// The owner it was taken from (`None`: it was free).
+    pub(crate) previous: Option<InstanceId>,
+    /// That owner's heartbeat interval in ms, if its row is still there.
+    pub(crate) previous_heartbeat_ms: Option<i64>,
+}
+
+/// A partition number as a statement returns it.
+#[derive(sqlx::FromRow)]
+pub(crate) struct PartitionOnly {
+    #[sqlx(try_from = "i16")]
+    pub(crate) partition: Partition,
+}
+
+/// A (partition, epoch) pair as a statement returns it.
+#[derive(sqlx::FromRow)]
+pub(crate) struct Held {
+    #[sqlx(try_from = "i16")]
+    pub(crate) partition: Partition,
+    pub(crate) epoch: Epoch,
+}
+
+/// What a registration or renewal declares: live for `live`, renewed every `heartbeat`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lease {
+    pub(crate) live: Duration,
+    pub(crate) heartbeat: Duration,
+}
+
+/// A lease's remaining time as the statements return it (ms, negative once expired).
+pub(crate) fn remaining(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}

@@ -1,0 +1,723 @@
+//! The storage drivers: one module per database, each holding that database's statements and their
+//! execution, behind the one interface below. This is the only module of the crate that names a
+//! database. To add one: a `driver/<name>/` module, a variant of [`Db`], [`Conn`] and [`Tx`], and its
+//! arm in `dispatch!`.
+//!
+//! The contract of every operation is written once, on its method here; the conformance suite
+//! (`driver/tests.rs`) checks it against every backend.
+
+#[cfg(not(any(feature = "postgres", feature = "sqlite")))]
+compile_error!(
+    "outbox-core needs a database driver: enable its feature `postgres`, `sqlite` or both (a crate that \
+     needs none, like outbox-nats, builds once the application enables one)"
+);
+
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+// The conformance suite compares the backends, so it needs both.
+#[cfg(all(test, feature = "postgres", feature = "sqlite"))]
+mod tests;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::{AssertSqlSafe, SqlSafeStr};
+use uuid::Uuid;
+
+use crate::assignment::{Epoch, InstanceId};
+use crate::error::{Error, Result};
+use crate::migrate::Migration;
+use crate::stored::{FailedFilter, FailedRecord, Found, NewRow, Outcome, PartitionStats, Request, Written};
+
+/// Runs `$body` with `$pool` bound to the backend's pool (or connection) and `$s` to its statements.
+macro_rules! dispatch {
+    ($value:expr, $statements:expr, |$pool:ident, $s:ident| $body:expr) => {
+        match $value {
+            #[cfg(feature = "postgres")]
+            Db::Postgres($pool) => {
+                let $s = &$statements.postgres;
+                $body
+            }
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite($pool) => {
+                let $s = &$statements.sqlite;
+                $body
+            }
+        }
+    };
+}
+
+/// A connection pool of either backend. Cheap to clone (pools are shared handles).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Db {
+    /// PostgreSQL.
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::PgPool),
+    /// SQLite (WAL mode).
+    #[cfg(feature = "sqlite")]
+    Sqlite(sqlx::SqlitePool),
+}
+
+/// How [`Db::connect_with`] sizes and waits for its pool.
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    /// Connections in the pool.
+    pub max_connections: u32,
+    /// How long to wait for a pooled connection (and, at connect, for the first one).
+    pub acquire_timeout: Duration,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        Self { max_connections: 8, acquire_timeout: Duration::from_secs(30) }
+    }
+}
+
+impl Db {
+    /// Connects by URL: `postgres://…` / `postgresql://…`, or `sqlite://path` / `sqlite::memory:`
+    /// (created if missing, with `driver::sqlite::options`), with [`ConnectOptions::default`].
+    pub async fn connect(url: &str) -> Result<Db> {
+        Db::connect_with(url, &ConnectOptions::default()).await
+    }
+
+    /// [`Db::connect`] with the pool's size and wait of `options`. A URL of another scheme, or of a
+    /// backend this build leaves out, is refused with [`Error::UnsupportedUrl`].
+    pub async fn connect_with(url: &str, options: &ConnectOptions) -> Result<Db> {
+        let scheme = url.split(':').next().unwrap_or_default();
+        match scheme {
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => postgres::connect(url, options).await.map(Db::Postgres),
+            #[cfg(feature = "sqlite")]
+            "sqlite" => sqlite::connect(url, options).await.map(Db::Sqlite),
+            _ => Err(Error::UnsupportedUrl { scheme: scheme.to_string(), supported: SUPPORTED_URLS }),
+        }
+    }
+
+    /// `"postgres"` or `"sqlite"`.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(_) => "postgres",
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(_) => "sqlite",
+        }
+    }
+
+    /// The name of the outbox table `table` of `schema` as statements write it: `schema.table` on
+    /// PostgreSQL (a schema), `schema_table` on SQLite (a prefix).
+    pub fn table(&self, schema: &str, table: &str) -> String {
+        match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(_) => format!("{schema}.{table}"),
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(_) => format!("{schema}_{table}"),
+        }
+    }
+
+    /// Begins a transaction for business writes and [`Outbox::schedule`](crate::Outbox::schedule), on
+    /// either backend; on SQLite with `BEGIN IMMEDIATE` (the write lock from the start, so a transaction
+    /// that reads before it writes cannot meet a busy error at its first write).
+    pub async fn begin(&self) -> Result<Tx> {
+        Ok(match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => Tx::Postgres(pool.begin().await?),
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => Tx::Sqlite(pool.begin_with("BEGIN IMMEDIATE").await?),
+        })
+    }
+
+    /// A new pool to the same database with the same connection settings (on SQLite its journal and
+    /// synchronous modes too), sized by `options`: for work that must not share connections.
+    pub async fn new_pool(&self, options: &ConnectOptions) -> Result<Db> {
+        Ok(match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(p) => Db::Postgres(sized(options).connect_with(p.connect_options().as_ref().clone()).await?),
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(p) => Db::Sqlite(sized(options).connect_with(p.connect_options().as_ref().clone()).await?),
+        })
+    }
+
+    /// Closes the pool.
+    pub async fn close(&self) {
+        match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => pool.close().await,
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => pool.close().await,
+        }
+    }
+
+    /// Runs one statement of the application's (its own tables) with `args` bound to `$1`, `$2`, …;
+    /// returns the rows affected. Write it in SQL both backends accept.
+    pub async fn execute(&self, sql: impl SqlSafeStr, args: &[Value<'_>]) -> Result<u64> {
+        Ok(match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => {
+                sqlx::query_with(sql, arguments::<sqlx::Postgres>(args)?).execute(pool).await?.rows_affected()
+            }
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => {
+                sqlx::query_with(sql, arguments::<sqlx::Sqlite>(args)?).execute(pool).await?.rows_affected()
+            }
+        })
+    }
+
+    /// Runs several statements without arguments (a script: the application's own schema).
+    pub async fn execute_script(&self, sql: impl SqlSafeStr) -> Result<()> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => {
+                sqlx::raw_sql(sql).execute(pool).await?;
+            }
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => {
+                sqlx::raw_sql(sql).execute(pool).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one query of the application's with `args` bound; returns every row as a `T` (a tuple, or a
+    /// struct deriving `sqlx::FromRow`).
+    pub async fn fetch_all<T: DbRow>(&self, sql: impl SqlSafeStr, args: &[Value<'_>]) -> Result<Vec<T>> {
+        Ok(match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => sqlx::query_as_with(sql, arguments::<sqlx::Postgres>(args)?).fetch_all(pool).await?,
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => sqlx::query_as_with(sql, arguments::<sqlx::Sqlite>(args)?).fetch_all(pool).await?,
+        })
+    }
+
+    /// [`Db::fetch_all`] for a query of exactly one row.
+    pub async fn fetch_one<T: DbRow>(&self, sql: impl SqlSafeStr, args: &[Value<'_>]) -> Result<T> {
+        Ok(match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => sqlx::query_as_with(sql, arguments::<sqlx::Postgres>(args)?).fetch_one(pool).await?,
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => sqlx::query_as_with(sql, arguments::<sqlx::Sqlite>(args)?).fetch_one(pool).await?,
+        })
+    }
+
+    /// Applies the missing migrations of `statements`' schema, once however many instances run it.
+    pub(crate) async fn migrate(&self, statements: &Statements) -> Result<()> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).migrate().await)
+    }
+
+    /// The migrations this library applies on this backend, in order.
+    pub fn migrations(&self) -> &'static [Migration] {
+        match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(_) => postgres::MIGRATIONS,
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(_) => sqlite::MIGRATIONS,
+        }
+    }
+
+    /// Fetches what `request` asks for, in one snapshot: per key not excluded, of the requested
+    /// partitions in the order given (within a partition starting after its start key, then wrapping
+    /// around), the head (with stop-on-first-failure the key's lowest sequence, passed over unless due;
+    /// without, its lowest due one) and up to `followers` records after it, gapless, as long as the
+    /// run's payloads stay within `budget` (the head always comes); at most `limit` heads. Only of
+    /// partitions whose row still shows `request.instance` as owner at the requested epoch, and only
+    /// while that instance's lease is live by database time. `Found::last_served` names each partition's
+    /// last head in walk order.
+    pub(crate) async fn fetch(&self, statements: &Statements, request: &Request) -> Result<Found> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).fetch(request).await)
+    }
+
+    /// Writes a batch of outcomes in one transaction, each only if its partition's row still shows its
+    /// instance at its epoch (locked against change until commit): a completion deletes the record
+    /// (keeping a copy in `completed` unless completion is `delete`); a retry sets its attempts, error
+    /// and next attempt (database time + delay); FAILED sets attempts, error and the failure time. A
+    /// failure is written only to a pending record not requeued since it was fetched. Says which
+    /// outcomes were written and which (partition, instance, epoch) held.
+    pub(crate) async fn complete(&self, statements: &Statements, outcomes: &[Outcome]) -> Result<Written> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).complete(outcomes).await)
+    }
+
+    /// FAILED records matching `filter`, in (partition, key, seq) order.
+    pub(crate) async fn failed(&self, statements: &Statements, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).failed(filter).await)
+    }
+
+    /// Requeues FAILED records (one id, or all of a key) with a fresh retry budget, counting the
+    /// requeue; returns how many.
+    pub(crate) async fn requeue(&self, statements: &Statements, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).requeue(id, key).await)
+    }
+
+    /// Removes a FAILED record, kept in `completed` as `skipped`; `false` if there is no such record.
+    pub(crate) async fn skip(&self, statements: &Statements, id: Uuid) -> Result<bool> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).skip(id).await)
+    }
+
+    /// Pending and FAILED counts per partition holding records, with the oldest pending record's age.
+    pub(crate) async fn stats(&self, statements: &Statements) -> Result<Vec<PartitionStats>> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).stats().await)
+    }
+
+    /// Deletes at most `limit` completed records older than `retention` (database time).
+    pub(crate) async fn purge(&self, statements: &Statements, retention: Duration, limit: usize) -> Result<u64> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).purge(retention, limit).await)
+    }
+
+    /// Deletes at most `limit` per-key lock rows of keys with no record left, skipping rows a writer
+    /// holds (a backend that keeps no such rows deletes nothing).
+    pub(crate) async fn prune_keys(&self, statements: &Statements, limit: usize) -> Result<u64> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).prune_keys(limit).await)
+    }
+}
+
+/// A pool of `options`' size and wait, for any backend.
+fn sized<DB: sqlx::Database>(options: &ConnectOptions) -> sqlx::pool::PoolOptions<DB> {
+    sqlx::pool::PoolOptions::new().max_connections(options.max_connections).acquire_timeout(options.acquire_timeout)
+}
+
+/// The application's values as a backend's arguments.
+fn arguments<DB: sqlx::Database>(values: &[Value<'_>]) -> Result<DB::Arguments>
+where
+    Option<String>: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    bool: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    i64: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    f64: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    String: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    Vec<u8>: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    Uuid: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    use sqlx::Arguments;
+    let mut args = DB::Arguments::default();
+    for value in values {
+        match *value {
+            Value::Null => args.add(None::<String>),
+            Value::Bool(v) => args.add(v),
+            Value::Int(v) => args.add(v),
+            Value::Float(v) => args.add(v),
+            Value::Text(v) => args.add(v.to_string()),
+            Value::Bytes(v) => args.add(v.to_vec()),
+            Value::Uuid(v) => args.add(v),
+        }
+        .map_err(sqlx::Error::Encode)?;
+    }
+    Ok(args)
+}
+
+/// A pool of a backend with the statements built for it: what each driver's operations run on.
+fn pool_of<'a, P, S>(pool: &'a P, statements: &'a S) -> Driver<'a, P, S> {
+    Driver { pool, statements }
+}
+
+/// A backend's pool and statements, on which each driver implements the operations of [`Db`].
+pub(crate) struct Driver<'a, P, S> {
+    pub(crate) pool: &'a P,
+    pub(crate) statements: &'a S,
+}
+
+/// The URL schemes this build connects to.
+const SUPPORTED_URLS: &str = {
+    #[cfg(all(feature = "postgres", feature = "sqlite"))]
+    {
+        "postgres://…, postgresql://… or sqlite://…"
+    }
+    #[cfg(all(feature = "postgres", not(feature = "sqlite")))]
+    {
+        "postgres://… or postgresql://… (SQLite is not built in)"
+    }
+    #[cfg(all(feature = "sqlite", not(feature = "postgres")))]
+    {
+        "sqlite://… (PostgreSQL is not built in)"
+    }
+};
+
+/// The caller's connection (inside its transaction) for [`Outbox::schedule`](crate::Outbox::schedule).
+/// Built from `&mut *tx` or `&mut tx`; there is deliberately no conversion from a pool.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Conn<'c> {
+    /// A PostgreSQL connection.
+    #[cfg(feature = "postgres")]
+    Postgres(&'c mut sqlx::PgConnection),
+    /// A SQLite connection.
+    #[cfg(feature = "sqlite")]
+    Sqlite(&'c mut sqlx::SqliteConnection),
+}
+
+impl Conn<'_> {
+    /// Inserts `rows` in the caller's transaction, numbering each key's records after its earlier ones
+    /// in commit order (writers of one key wait for each other until commit); all or nothing, and a
+    /// dropped future leaves the connection as it found it. Returns each row's (id, sequence number).
+    pub(crate) async fn schedule(self, statements: &Statements, rows: &[NewRow<'_>]) -> Result<Vec<(Uuid, i64)>> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Conn::Postgres(conn) => postgres::schedule(conn, &statements.postgres, rows).await,
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(conn) => sqlite::schedule(conn, &statements.sqlite, rows).await,
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl<'c> From<&'c mut sqlx::PgConnection> for Conn<'c> {
+    fn from(conn: &'c mut sqlx::PgConnection) -> Self {
+        Conn::Postgres(conn)
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl<'c> From<&'c mut sqlx::SqliteConnection> for Conn<'c> {
+    fn from(conn: &'c mut sqlx::SqliteConnection) -> Self {
+        Conn::Sqlite(conn)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl<'c, 't> From<&'c mut sqlx::Transaction<'t, sqlx::Postgres>> for Conn<'c> {
+    fn from(tx: &'c mut sqlx::Transaction<'t, sqlx::Postgres>) -> Self {
+        Conn::Postgres(tx)
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl<'c, 't> From<&'c mut sqlx::Transaction<'t, sqlx::Sqlite>> for Conn<'c> {
+    fn from(tx: &'c mut sqlx::Transaction<'t, sqlx::Sqlite>) -> Self {
+        Conn::Sqlite(tx)
+    }
+}
+
+/// A transaction of either backend ([`Db::begin`]). `&mut tx` is a [`Conn`] for `schedule`; the
+/// application's own statements run in it with [`Tx::execute`] and [`Tx::fetch_all`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Tx {
+    /// A PostgreSQL transaction.
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
+    /// A SQLite transaction.
+    #[cfg(feature = "sqlite")]
+    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
+}
+
+impl Tx {
+    /// Commits.
+    pub async fn commit(self) -> Result<()> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Tx::Postgres(tx) => tx.commit().await?,
+            #[cfg(feature = "sqlite")]
+            Tx::Sqlite(tx) => tx.commit().await?,
+        }
+        Ok(())
+    }
+
+    /// Rolls back.
+    pub async fn rollback(self) -> Result<()> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Tx::Postgres(tx) => tx.rollback().await?,
+            #[cfg(feature = "sqlite")]
+            Tx::Sqlite(tx) => tx.rollback().await?,
+        }
+        Ok(())
+    }
+
+    /// [`Db::execute`] inside this transaction.
+    pub async fn execute(&mut self, sql: impl SqlSafeStr, args: &[Value<'_>]) -> Result<u64> {
+        Ok(match self {
+            #[cfg(feature = "postgres")]
+            Tx::Postgres(tx) => {
+                sqlx::query_with(sql, arguments::<sqlx::Postgres>(args)?).execute(&mut **tx).await?.rows_affected()
+            }
+            #[cfg(feature = "sqlite")]
+            Tx::Sqlite(tx) => {
+                sqlx::query_with(sql, arguments::<sqlx::Sqlite>(args)?).execute(&mut **tx).await?.rows_affected()
+            }
+        })
+    }
+
+    /// [`Db::fetch_all`] inside this transaction.
+    pub async fn fetch_all<T: DbRow>(&mut self, sql: impl SqlSafeStr, args: &[Value<'_>]) -> Result<Vec<T>> {
+        Ok(match self {
+            #[cfg(feature = "postgres")]
+            Tx::Postgres(tx) => {
+                sqlx::query_as_with(sql, arguments::<sqlx::Postgres>(args)?).fetch_all(&mut **tx).await?
+            }
+            #[cfg(feature = "sqlite")]
+            Tx::Sqlite(tx) => sqlx::query_as_with(sql, arguments::<sqlx::Sqlite>(args)?).fetch_all(&mut **tx).await?,
+        })
+    }
+}
+
+impl<'c> From<&'c mut Tx> for Conn<'c> {
+    fn from(tx: &'c mut Tx) -> Self {
+        match tx {
+            #[cfg(feature = "postgres")]
+            Tx::Postgres(tx) => Conn::Postgres(tx),
+            #[cfg(feature = "sqlite")]
+            Tx::Sqlite(tx) => Conn::Sqlite(tx),
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl From<sqlx::PgPool> for Db {
+    fn from(pool: sqlx::PgPool) -> Self {
+        Db::Postgres(pool)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl From<&sqlx::PgPool> for Db {
+    fn from(pool: &sqlx::PgPool) -> Self {
+        Db::Postgres(pool.clone())
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl From<sqlx::SqlitePool> for Db {
+    fn from(pool: sqlx::SqlitePool) -> Self {
+        Db::Sqlite(pool)
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl From<&sqlx::SqlitePool> for Db {
+    fn from(pool: &sqlx::SqlitePool) -> Self {
+        Db::Sqlite(pool.clone())
+    }
+}
+
+impl From<&Db> for Db {
+    fn from(db: &Db) -> Self {
+        db.clone()
+    }
+}
+
+/// A value bound to an application statement run on either backend ([`Db::execute`], [`Tx::execute`],
+/// [`Db::fetch_all`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum Value<'a> {
+    /// SQL `NULL` (of a text column).
+    Null,
+    /// A boolean.
+    Bool(bool),
+    /// An integer (any width: the database converts).
+    Int(i64),
+    /// A floating-point number.
+    Float(f64),
+    /// Text.
+    Text(&'a str),
+    /// Bytes.
+    Bytes(&'a [u8]),
+    /// A UUID (PostgreSQL `uuid`, SQLite a 16-byte blob).
+    Uuid(Uuid),
+}
+
+impl From<bool> for Value<'_> {
+    fn from(v: bool) -> Self {
+        Value::Bool(v)
+    }
+}
+
+impl From<i64> for Value<'_> {
+    fn from(v: i64) -> Self {
+        Value::Int(v)
+    }
+}
+
+impl From<i32> for Value<'_> {
+    fn from(v: i32) -> Self {
+        Value::Int(v.into())
+    }
+}
+
+impl From<i16> for Value<'_> {
+    fn from(v: i16) -> Self {
+        Value::Int(v.into())
+    }
+}
+
+impl From<u8> for Value<'_> {
+    fn from(v: u8) -> Self {
+        Value::Int(v.into())
+    }
+}
+
+impl From<f64> for Value<'_> {
+    fn from(v: f64) -> Self {
+        Value::Float(v)
+    }
+}
+
+impl<'a> From<&'a str> for Value<'a> {
+    fn from(v: &'a str) -> Self {
+        Value::Text(v)
+    }
+}
+
+impl<'a> From<&'a String> for Value<'a> {
+    fn from(v: &'a String) -> Self {
+        Value::Text(v)
+    }
+}
+
+impl<'a> From<&'a [u8]> for Value<'a> {
+    fn from(v: &'a [u8]) -> Self {
+        Value::Bytes(v)
+    }
+}
+
+impl<'a> From<&'a Vec<u8>> for Value<'a> {
+    fn from(v: &'a Vec<u8>) -> Self {
+        Value::Bytes(v)
+    }
+}
+
+impl From<Uuid> for Value<'_> {
+    fn from(v: Uuid) -> Self {
+        Value::Uuid(v)
+    }
+}
+
+impl From<InstanceId> for Value<'_> {
+    fn from(v: InstanceId) -> Self {
+        Value::Uuid(v.0)
+    }
+}
+
+impl From<Epoch> for Value<'_> {
+    fn from(v: Epoch) -> Self {
+        Value::Int(v.0)
+    }
+}
+
+impl<'a, T: Into<Value<'a>>> From<Option<T>> for Value<'a> {
+    fn from(v: Option<T>) -> Self {
+        v.map_or(Value::Null, Into::into)
+    }
+}
+
+/// A row type every backend of this build decodes: a tuple, or a struct deriving `sqlx::FromRow`, of
+/// types both databases know.
+#[cfg(all(feature = "postgres", feature = "sqlite"))]
+pub trait DbRow:
+    for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + for<'r> sqlx::FromRow<'r, sqlx::sqlite::SqliteRow> + Send + Unpin
+{
+}
+#[cfg(all(feature = "postgres", feature = "sqlite"))]
+impl<T> DbRow for T where
+    T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>
+        + for<'r> sqlx::FromRow<'r, sqlx::sqlite::SqliteRow>
+        + Send
+        + Unpin
+{
+}
+
+/// A row type every backend of this build decodes.
+#[cfg(all(feature = "postgres", not(feature = "sqlite")))]
+pub trait DbRow: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin {}
+#[cfg(all(feature = "postgres", not(feature = "sqlite")))]
+impl<T> DbRow for T where T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin {}
+
+/// A row type every backend of this build decodes.
+#[cfg(all(feature = "sqlite", not(feature = "postgres")))]
+pub trait DbRow: for<'r> sqlx::FromRow<'r, sqlx::sqlite::SqliteRow> + Send + Unpin {}
+#[cfg(all(feature = "sqlite", not(feature = "postgres")))]
+impl<T> DbRow for T where T: for<'r> sqlx::FromRow<'r, sqlx::sqlite::SqliteRow> + Send + Unpin {}
+
+/// Every backend's statements, built once for one schema and mode by [`Outbox::new`](crate::Outbox::new).
+#[derive(Debug)]
+pub(crate) struct Statements {
+    #[cfg(feature = "postgres")]
+    pub(crate) postgres: postgres::PgStatements,
+    #[cfg(feature = "sqlite")]
+    pub(crate) sqlite: sqlite::SqliteStatements,
+}
+
+impl Statements {
+    /// `schema` must already be validated as an identifier.
+    pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
+        Self {
+            #[cfg(feature = "postgres")]
+            postgres: postgres::PgStatements::new(schema, stop_on_first_failure, keep_completed),
+            #[cfg(feature = "sqlite")]
+            sqlite: sqlite::SqliteStatements::new(schema, stop_on_first_failure, keep_completed),
+        }
+    }
+}
+
+/// A prebuilt statement, ready for sqlx without copying. For crates that add statements over the outbox
+/// tables (`outbox-cluster`).
+pub fn statement(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
+    AssertSqlSafe(Arc::clone(text))
+}
+
+/// A duration as the statements take it: whole milliseconds.
+pub fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A count or limit as the statements take it.
+pub(crate) fn count(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl Error {
+    /// Whether retrying the same operation later may succeed (connection trouble, timeouts, serialisation
+    /// failures, deadlocks, a busy database). Input and configuration errors are never transient.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Database(e) | Error::Connect { source: e, .. } => is_transient(e),
+            _ => false,
+        }
+    }
+
+    /// Whether the outbox's tables or schema are missing: the database needs `migrate` first.
+    pub fn is_not_migrated(&self) -> bool {
+        match self {
+            Error::NotMigrated { .. } => true,
+            Error::Database(e) => is_not_migrated(e),
+            _ => false,
+        }
+    }
+}
+
+/// Whether a database error may go away if the same operation is tried again later (connection trouble,
+/// serialisation failures, deadlocks, a busy database).
+fn is_transient(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Database(db) => {
+            #[cfg(feature = "sqlite")]
+            if let Some(transient) = sqlite::is_transient(db.as_ref()) {
+                return transient;
+            }
+            #[cfg(feature = "postgres")]
+            if let Some(transient) = postgres::is_transient(db.as_ref()) {
+                return transient;
+            }
+            false
+        }
+        _ => false,
+    }
+}
+
+/// Whether a database error says the outbox's tables or schema do not exist: `migrate` first.
+fn is_not_migrated(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else { return false };
+    #[cfg(feature = "sqlite")]
+    if let Some(missing) = sqlite::is_not_migrated(db.as_ref()) {
+        return missing;
+    }
+    #[cfg(feature = "postgres")]
+    if let Some(missing) = postgres::is_not_migrated(db.as_ref()) {
+        return missing;
+    }
+    false
+}

@@ -1,0 +1,388 @@
+//! The PostgreSQL driver: its statements (`statements.rs`) and how they run. Each key's writers
+//! serialise on the key's lock row, every worker write locks its partitions' rows `FOR SHARE` at the
+//! (owner, epoch) it holds, and the processor's statements run with JIT compilation off.
+
+mod statements;
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
+use tracing::info;
+use uuid::Uuid;
+
+pub use self::statements::PgStatements;
+use super::{ConnectOptions, Driver, count, millis, statement};
+use crate::assignment::{Epoch, InstanceId};
+use crate::error::{Error, Result};
+use crate::migrate::{Migration, check_applied, checksum};
+use crate::stored::{
+    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, StatsRow, Verdict, Written,
+};
+
+/// The migrations of the PostgreSQL schema, in order.
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "initial", sql: include_str!("../../../../../migrations/postgres/0001_initial.sql") },
+    Migration {
+        version: 2,
+        name: "leases_requeues_sequences",
+        sql: include_str!("../../../../../migrations/postgres/0002_leases_requeues_sequences.sql"),
+    },
+];
+
+/// Arbitrary constant namespacing the migrators' advisory lock (ASCII "outbox").
+const LOCK_NAMESPACE: i32 = 0x6f75_7462;
+
+pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<PgPool> {
+    let server = PgConnectOptions::from_str(url).map_err(Error::BadUrl)?;
+    let database = format!("PostgreSQL at {}:{}", server.get_host(), server.get_port());
+    super::sized(options).connect_with(server).await.map_err(|source| Error::Connect { database, source })
+}
+
+/// SQLSTATE classes 08 (connection), 40 (serialisation failure, deadlock), 53 (insufficient
+/// resources) and 57P01..03 (shutdown, crash, cannot connect now) are worth retrying. `None`: not a
+/// PostgreSQL error.
+pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
+    let db = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
+    let code = db.code();
+    Some(code.starts_with("08") || code.starts_with("40") || code.starts_with("53") || code.starts_with("57P"))
+}
+
+/// 42P01 undefined table, 3F000 undefined schema. `None`: not a PostgreSQL error.
+pub(super) fn is_not_migrated(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
+    let db = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
+    Some(matches!(db.code(), "42P01" | "3F000"))
+}
+
+/// Schedules in one statement on the caller's connection (see `Conn::schedule`).
+pub(super) async fn schedule(
+    conn: &mut PgConnection,
+    s: &PgStatements,
+    rows: &[NewRow<'_>],
+) -> Result<Vec<(Uuid, i64)>> {
+    let n = rows.len();
+    let (mut ids, mut partitions, mut keys, mut types, mut payloads, mut headers) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for row in rows {
+        ids.push(row.id);
+        partitions.push(i16::from(row.partition));
+        keys.push(row.key);
+        types.push(row.event_type);
+        payloads.push(row.payload);
+        headers.push(row.headers.as_str());
+    }
+    Ok(sqlx::query_as(statement(&s.schedule))
+        .bind(&ids)
+        .bind(&partitions)
+        .bind(&keys)
+        .bind(&types)
+        .bind(&payloads)
+        .bind(&headers)
+        .fetch_all(conn)
+        .await?)
+}
+
+/// Starts a transaction for the processor's statements, with JIT compilation off: the planner prices the
+/// fetch's loose index scan far above `jit_above_cost`, and compiling it cost many times the query.
+///
+/// Cancel-safe: the `BEGIN` runs on a task of its own. sqlx 0.9's `begin` is not (a future dropped while
+/// `BEGIN` is in flight leaves its connection inside a transaction: transact-rs/sqlx#4393).
+async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>> {
+    let pool = pool.clone();
+    let begun = tokio::spawn(async move { pool.begin_with("BEGIN; SET LOCAL jit = off").await });
+    // The task is never aborted; it can only end without an answer if it panicked inside sqlx.
+    Ok(begun.await.unwrap_or(Err(sqlx::Error::WorkerCrashed))?)
+}
+
+impl Driver<'_, PgPool, PgStatements> {
+    pub(crate) async fn migrate(&self) -> Result<()> {
+        let schema = self.statements.schema();
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        // Serialise migrators of this schema across the cluster; released at commit.
+        sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
+            .bind(LOCK_NAMESPACE)
+            .bind(schema)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {schema}"))).execute(&mut *tx).await?;
+        sqlx::query(statement(&self.statements.migrations_table)).execute(&mut *tx).await?;
+        let applied: Vec<(i64, i64)> =
+            sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT version, checksum FROM {schema}.schema_migrations")))
+                .fetch_all(&mut *tx)
+                .await?;
+        check_applied(schema, &applied, MIGRATIONS)?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("SET LOCAL search_path TO {schema}"))).execute(&mut *tx).await?;
+        for m in MIGRATIONS.iter().filter(|m| !applied.iter().any(|&(v, _)| v == m.version)) {
+            sqlx::raw_sql(m.sql).execute(&mut *tx).await?;
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {schema}.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)"
+            )))
+            .bind(m.version)
+            .bind(m.name)
+            .bind(checksum(m.sql))
+            .execute(&mut *tx)
+            .await?;
+            info!(schema, version = m.version, name = m.name, "applied outbox migration");
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub(crate) async fn fetch(&self, request: &Request) -> Result<Found> {
+        let partitions: Vec<i16> = request.partitions.iter().map(|p| i16::from(p.0)).collect();
+        let epochs: Vec<Epoch> = request.partitions.iter().map(|p| p.1).collect();
+        let cursors: Vec<Option<&str>> = request.partitions.iter().map(|p| p.2.as_deref()).collect();
+        let mut tx = begin(self.pool).await?;
+        let rows: Vec<FetchedRow> = sqlx::query_as(statement(&self.statements.fetch))
+            .bind(&partitions)
+            .bind(&epochs)
+            .bind(&cursors)
+            .bind(request.instance)
+            .bind(&request.exclude)
+            .bind(count(request.limit))
+            .bind(count(request.followers))
+            .bind(count(request.budget))
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        // The statement already cut each run to the byte budget; group them by key.
+        let mut runs: HashMap<String, Vec<FetchedRow>> = HashMap::new();
+        for row in rows {
+            runs.entry(row.key.clone()).or_default().push(row);
+        }
+        Found::from_runs(runs.into_values(), request)
+    }
+
+    /// Completions in one fenced statement, failures in another, one transaction.
+    pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
+        let (done, failures): (Vec<&Outcome>, Vec<&Outcome>) = outcomes.iter().partition(|o| o.verdict.completes());
+        let mut written = Written::default();
+        let mut tx = begin(self.pool).await?;
+        if !done.is_empty() {
+            let (partitions, instances, epochs) = fence_arguments(&done);
+            let ids: Vec<Uuid> = done.iter().map(|o| o.id).collect();
+            let completed_as: Vec<&str> = done.iter().map(|o| o.verdict.completed_as()).collect();
+            let attempts: Vec<i32> = done.iter().map(|o| o.attempts).collect();
+            let rows: Vec<FencedRow> = sqlx::query_as(statement(&self.statements.complete))
+                .bind(&partitions)
+                .bind(&instances)
+                .bind(&epochs)
+                .bind(&ids)
+                .bind(&completed_as)
+                .bind(&attempts)
+                .fetch_all(&mut *tx)
+                .await?;
+            written.merge(FencedRow::collect(rows));
+        }
+        if !failures.is_empty() {
+            let (partitions, instances, epochs) = fence_arguments(&failures);
+            let (mut ids, mut attempts, mut requeues, mut errors, mut delays, mut is_failed) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for o in &failures {
+                let (error, delay, failed) = match &o.verdict {
+                    Verdict::Retry { delay, error } => (error.as_str(), *delay, false),
+                    Verdict::Failed { error } => (error.as_str(), Duration::ZERO, true),
+                    Verdict::Delivered | Verdict::Fallback => continue,
+                };
+                ids.push(o.id);
+                attempts.push(o.attempts);
+                requeues.push(o.requeues);
+                errors.push(error);
+                delays.push(millis(delay));
+                is_failed.push(failed);
+            }
+            let rows: Vec<FencedRow> = sqlx::query_as(statement(&self.statements.fail))
+                .bind(&partitions)
+                .bind(&instances)
+                .bind(&epochs)
+                .bind(&ids)
+                .bind(&attempts)
+                .bind(&requeues)
+                .bind(&errors)
+                .bind(&delays)
+                .bind(&is_failed)
+                .fetch_all(&mut *tx)
+                .await?;
+            written.merge(FencedRow::collect(rows));
+        }
+        tx.commit().await?;
+        Ok(written)
+    }
+
+    pub(crate) async fn failed(&self, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
+        Ok(sqlx::query_as(statement(&self.statements.list_failed))
+            .bind(filter.key.as_deref())
+            .bind(filter.partition.map(i16::from))
+            .bind(filter.limit.unwrap_or(100))
+            .fetch_all(self.pool)
+            .await?)
+    }
+
+    pub(crate) async fn requeue(&self, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
+        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key);
+        Ok(query.execute(self.pool).await?.rows_affected())
+    }
+
+    pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
+        let query = sqlx::query(statement(&self.statements.skip)).bind(id);
+        Ok(query.fetch_optional(self.pool).await?.is_some())
+    }
+
+    pub(crate) async fn stats(&self) -> Result<Vec<PartitionStats>> {
+        let rows: Vec<StatsRow> = sqlx::query_as(statement(&self.statements.stats)).fetch_all(self.pool).await?;
+        Ok(rows.into_iter().map(PartitionStats::from).collect())
+    }
+
+    pub(crate) async fn purge(&self, retention: Duration, limit: usize) -> Result<u64> {
+        let query = sqlx::query(statement(&self.statements.purge)).bind(millis(retention)).bind(count(limit));
+        Ok(query.execute(self.pool).await?.rows_affected())
+    }
+
+    pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
+        let query = sqlx::query(statement(&self.statements.prune_keys)).bind(count(limit));
+        Ok(query.execute(self.pool).await?.rows_affected())
+    }
+}
+
+/// A row of a fenced write's answer: a record it wrote, or a (partition, owner, epoch) its fence held.
+#[derive(sqlx::FromRow)]
+struct FencedRow {
+    id: Option<Uuid>,
+    partition: Option<i16>,
+    owner: Option<InstanceId>,
+    epoch: Option<Epoch>,
+}
+
+impl FencedRow {
+    fn collect(rows: Vec<FencedRow>) -> Written {
+        let mut written = Written::default();
+        for row in rows {
+            match row {
+                FencedRow { id: Some(id), .. } => {
+                    written.ids.insert(id);
+                }
+                FencedRow { partition: Some(p), owner: Some(owner), epoch: Some(epoch), .. } => {
+                    // The fence's own partition numbers, so always in range.
+                    if let Ok(p) = crate::partition::Partition::try_from(p) {
+                        written.held.insert((p, owner, epoch));
+                    }
+                }
+                FencedRow { .. } => {}
+            }
+        }
+        written
+    }
+}
+
+/// The distinct (partition, instance, epoch) of a batch, as the fence's argument arrays.
+fn fence_arguments(outcomes: &[&Outcome]) -> (Vec<i16>, Vec<InstanceId>, Vec<Epoch>) {
+    let grants: std::collections::BTreeSet<_> = outcomes.iter().map(|o| o.grant()).collect();
+    let mut arguments = (Vec::new(), Vec::new(), Vec::new());
+    for (p, instance, epoch) in grants {
+        arguments.0.push(i16::from(p));
+        arguments.1.push(instance);
+        arguments.2.push(epoch);
+    }
+    arguments
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::PgPool;
+
+    use super::MIGRATIONS;
+    use crate::driver::statement;
+    use crate::migrate::checksum;
+    use crate::{Config, NewRecord, Outbox, partition_of};
+
+    /// A database left at version 1 by an older library (per-key counter rows) is upgraded without any
+    /// key's sequence going backwards: the new sequence starts above every number given out.
+    #[sqlx::test(migrations = false)]
+    async fn upgrading_from_version_1_keeps_every_keys_sequence_growing(pool: PgPool) {
+        let outbox = Outbox::new(Config::default()).unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("CREATE SCHEMA outbox").execute(&mut *tx).await.unwrap();
+        sqlx::query(statement(&outbox.statements().postgres.migrations_table)).execute(&mut *tx).await.unwrap();
+        sqlx::query("SET LOCAL search_path TO outbox").execute(&mut *tx).await.unwrap();
+        sqlx::raw_sql(MIGRATIONS[0].sql).execute(&mut *tx).await.unwrap();
+        sqlx::query("INSERT INTO outbox.schema_migrations (version, name, checksum) VALUES (1, 'initial', $1)")
+            .bind(checksum(MIGRATIONS[0].sql))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO outbox.keys (key, last_seq) VALUES ('old', 41), ('drained', 7)")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO outbox.records (id, partition, key, seq, event_type, payload) VALUES ($1, $2, 'old', 41, 't', '')")
+            .bind(uuid::Uuid::now_v7())
+            .bind(i16::from(partition_of("old")))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+
+        outbox.migrate(&pool).await.unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        let old = outbox.schedule(&mut *tx, NewRecord::new("old", "t", "")).await.unwrap();
+        let drained = outbox.schedule(&mut *tx, NewRecord::new("drained", "t", "")).await.unwrap();
+        tx.commit().await.unwrap();
+        assert!(old.seq > 41 && drained.seq > 41, "{} {}", old.seq, drained.seq);
+        let kept: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outbox.records WHERE seq = 41").fetch_one(&pool).await.unwrap();
+        assert_eq!(kept, 1, "pending records are kept");
+    }
+
+    /// The processor's statements run with JIT off, and the pooled connection gets its setting back.
+    #[sqlx::test(migrations = false)]
+    async fn processor_transactions_run_without_jit(pool: PgPool) {
+        let mut tx = super::begin(&pool).await.unwrap();
+        let inside: String = sqlx::query_scalar("SHOW jit").fetch_one(&mut *tx).await.unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(inside, "off");
+        let after: String = sqlx::query_scalar("SHOW jit").fetch_one(&pool).await.unwrap();
+        let default: String =
+            sqlx::query_scalar("SELECT reset_val FROM pg_settings WHERE name = 'jit'").fetch_one(&pool).await.unwrap();
+        assert_eq!(after, default);
+        let _ = Outbox::new(Config::default()).unwrap();
+    }
+
+    /// A fetch or completion dropped at any point, even while its `BEGIN` is in flight, leaves no
+    /// transaction open on the pooled connection (sqlx's own `begin` does: transact-rs/sqlx#4393).
+    #[sqlx::test(migrations = false)]
+    async fn a_dropped_begin_leaves_no_transaction_open(pool: PgPool) {
+        let options = pool.connect_options().as_ref().clone();
+        let single = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
+        // Sweep the drop point across the BEGIN round trip (tens of microseconds on loopback).
+        for step in 0..300_u64 {
+            let dropped = tokio::time::timeout(std::time::Duration::from_micros(step * 2), super::begin(&single));
+            if let Ok(tx) = dropped.await {
+                drop(tx.unwrap());
+            }
+            // The task of a dropped `begin` finishes and rolls back before the connection idles in the pool.
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&single).await.unwrap();
+            let mut state = String::new();
+            for _ in 0..100 {
+                state = sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE pid = $1")
+                    .bind(pid)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                if state != "active" {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+            assert_eq!(state, "idle", "connection state after dropping begin at {} µs", step * 2);
+        }
+    }
+}

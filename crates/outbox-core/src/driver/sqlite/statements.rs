@@ -1,0 +1,197 @@
+//! SQLite's statements, written with `{s}` for the table prefix and `{now}` for SQLite's clock, and built
+//! once per [`Outbox`](crate::Outbox).
+
+use std::sync::Arc;
+
+/// SQLite's clock in milliseconds since the Unix epoch; the same value throughout one statement.
+pub const NOW_MS: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+pub(super) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}_schema_migrations (
+    version    INTEGER PRIMARY KEY,
+    name       TEXT    NOT NULL,
+    checksum   INTEGER NOT NULL,
+    applied_at INTEGER NOT NULL DEFAULT ({now}))";
+
+/// Takes `$1` sequence numbers; returns the last. The write takes the database write lock until commit.
+const TAKE_SEQS: &str = "UPDATE {s}_sequence SET last = last + $1 RETURNING last";
+
+const INSERT: &str = "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers)
+VALUES ($1, $2, $3, $4, $5, $6, $7)";
+
+/// Renders a stored time (milliseconds since the Unix epoch) as RFC 3339 text, which sqlx decodes into
+/// a `DateTime<Utc>` as it does PostgreSQL's `timestamptz`, so both backends share their row types.
+const TEXT_TIME: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', {} / 1000.0, 'unixepoch')";
+
+const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, {time:r.created_at} AS created_at";
+
+const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {now}))";
+
+/// The fetch (see `Db::fetch`): `$1` a JSON array of `[partition, epoch, start key or null]`, `$2` keys
+/// in flight (JSON), `$3` heads at most, `$4` followers per head, `$5` the instance. The heads come from a
+/// loose index scan written as a recursive walk: partition `i` of `served` (those held and holding
+/// records, in order), its keys one index seek apart, first after the start key, then (`wrapped`) from
+/// the lowest up to it; a row with no key moves on. `found` counts the keys served (`{serve}`); the walk
+/// stops at `$3`, so a key costs a few seeks however many records it has.
+const FETCH: &str = "WITH RECURSIVE served(list, n) AS MATERIALIZED (
+    SELECT json_group_array(json_array(a.value ->> 0, a.value ->> 2) ORDER BY a.key), count(*)
+    FROM json_each($1) a
+    JOIN {s}_partitions p ON p.partition = a.value ->> 0 AND p.epoch = a.value ->> 1 AND p.owner = $5
+    WHERE EXISTS (SELECT 1 FROM {s}_records e WHERE e.partition = a.value ->> 0)
+      AND EXISTS (SELECT 1 FROM {s}_instances l WHERE l.id = $5 AND l.expires_at > {now})
+),
+walk(i, partition, after, key, wrapped, found) AS (
+    SELECT -1, NULL, NULL, NULL, 1, 0
+    UNION ALL
+    SELECT CASE WHEN {next} THEN w.i + 1 ELSE w.i END,
+        CASE WHEN {next} THEN {next_partition} ELSE w.partition END,
+        CASE WHEN {next} THEN {next_after} ELSE w.after END,
+        CASE
+            WHEN {next} THEN (SELECT min(k.key) FROM {s}_records k
+                              WHERE k.partition = {next_partition} AND k.key > coalesce({next_after}, ''))
+            WHEN w.key IS NULL THEN (SELECT min(k.key) FROM {s}_records k WHERE k.partition = w.partition AND k.key <= w.after)
+            WHEN w.wrapped THEN (SELECT min(k.key) FROM {s}_records k
+                                 WHERE k.partition = w.partition AND k.key > w.key AND k.key <= w.after)
+            ELSE (SELECT min(k.key) FROM {s}_records k WHERE k.partition = w.partition AND k.key > w.key)
+        END,
+        CASE WHEN {next} THEN 0 WHEN w.key IS NULL THEN 1 ELSE w.wrapped END,
+        w.found + (w.key IS NOT NULL AND {serve})
+    FROM walk w
+    WHERE w.i < (SELECT n FROM served) AND w.found < $3
+),
+heads AS (
+    SELECT w.partition, w.key, w.found AS walk,
+        (SELECT min(h.seq) FROM {s}_records h WHERE h.partition = w.partition AND h.key = w.key {step_due}) AS seq
+    FROM walk w WHERE w.key IS NOT NULL AND {serve}
+    LIMIT $3
+)
+SELECT {cols}, {due} AS due, CASE WHEN r.seq = heads.seq THEN heads.walk END AS walk FROM heads
+JOIN {s}_records r ON r.partition = heads.partition AND r.key = heads.key AND r.seq >= heads.seq
+    AND r.seq <= coalesce((SELECT x.seq FROM {s}_records x WHERE x.partition = heads.partition AND x.key = heads.key
+                           AND x.seq >= heads.seq ORDER BY x.seq LIMIT 1 OFFSET $4), 9223372036854775807)";
+
+/// Whether the walk leaves its partition: it ran off the end of it, after wrapping around (or with no
+/// start key to wrap around to); then the next partition of `served` and its start key.
+const NEXT: &str = "(w.key IS NULL AND (w.wrapped OR w.after IS NULL))";
+const NEXT_PARTITION: &str = "(((SELECT list FROM served) -> (w.i + 1)) ->> 0)";
+const NEXT_AFTER: &str = "(((SELECT list FROM served) -> (w.i + 1)) ->> 1)";
+
+/// Whether the walk serves key `w.key` of `w.partition`, with stop-on-first-failure: not skipped, and
+/// its lowest sequence is due.
+const SERVE_HEAD_DUE: &str = "(w.key NOT IN (SELECT value FROM json_each($2)) AND coalesce((SELECT {due}
+    FROM {s}_records r WHERE r.partition = w.partition AND r.key = w.key ORDER BY r.seq LIMIT 1), 0))";
+
+/// The same without stop-on-first-failure: not skipped, and any of its records is due.
+const SERVE_ANY_DUE: &str = "(w.key NOT IN (SELECT value FROM json_each($2)) AND EXISTS (SELECT 1
+    FROM {s}_records r WHERE r.partition = w.partition AND r.key = w.key AND {due}))";
+
+/// The fence: the instance owns the partition at this epoch.
+const FENCE: &str = "SELECT 1 FROM {s}_partitions WHERE partition = $1 AND owner = $2 AND epoch = $3";
+
+const KEEP: &str =
+    "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
+SELECT id, partition, key, seq, event_type, payload, headers, created_at, $2, $3 FROM {s}_records WHERE id = $1";
+
+const DELETE: &str = "DELETE FROM {s}_records WHERE id = $1 RETURNING id";
+
+/// A retry at now + `$5` ms, or FAILED (`$4`), of a pending record not requeued since it was fetched
+/// (`$6` requeues then): a late retry of this write never undoes an operator's requeue.
+const FAIL: &str = "UPDATE {s}_records SET attempts = $2, last_error = $3,
+    next_attempt_at = CASE WHEN $4 THEN NULL ELSE {now} + $5 END,
+    failed_at = CASE WHEN $4 THEN {now} END
+WHERE id = $1 AND failed_at IS NULL AND requeues = $6 RETURNING id";
+
+const LIST_FAILED: &str = "SELECT id, partition, key, seq, event_type, attempts, requeues, last_error,
+    {time:created_at} AS created_at, {time:failed_at} AS failed_at
+FROM {s}_records
+WHERE failed_at IS NOT NULL AND ($1 IS NULL OR key = $1) AND ($2 IS NULL OR partition = $2)
+ORDER BY partition, key, seq LIMIT $3";
+
+const REQUEUE: &str =
+    "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
+WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)";
+
+const SKIP_KEEP: &str =
+    "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
+SELECT id, partition, key, seq, event_type, payload, headers, created_at, attempts, 'skipped'
+FROM {s}_records WHERE id = $1 AND failed_at IS NOT NULL";
+
+const SKIP_DELETE: &str = "DELETE FROM {s}_records WHERE id = $1 AND failed_at IS NOT NULL RETURNING id";
+
+const STATS: &str = "SELECT partition,
+    count(*) FILTER (WHERE failed_at IS NULL) AS pending,
+    count(*) FILTER (WHERE failed_at IS NOT NULL) AS failed,
+    ({now} - min(created_at) FILTER (WHERE failed_at IS NULL)) / 1000.0 AS oldest_pending_secs
+FROM {s}_records GROUP BY partition ORDER BY partition";
+
+const PURGE: &str = "DELETE FROM {s}_completed WHERE id IN (
+    SELECT id FROM {s}_completed WHERE completed_at < {now} - $1 ORDER BY completed_at LIMIT $2)";
+
+/// SQLite's statements, built for one table prefix and mode.
+#[derive(Debug)]
+pub struct SqliteStatements {
+    pub(super) schema: String,
+    pub(super) take_seqs: Arc<str>,
+    pub(super) insert: Arc<str>,
+    pub(super) fetch: Arc<str>,
+    pub(super) fence: Arc<str>,
+    pub(super) keep: Option<Arc<str>>,
+    pub(super) delete: Arc<str>,
+    pub(super) fail: Arc<str>,
+    pub(super) list_failed: Arc<str>,
+    pub(super) requeue: Arc<str>,
+    pub(super) skip_keep: Arc<str>,
+    pub(super) skip_delete: Arc<str>,
+    pub(super) stats: Arc<str>,
+    pub(super) purge: Arc<str>,
+}
+
+/// Renders a SQLite statement: `{s}` becomes the table prefix (the configured schema name), `{now}`
+/// SQLite's clock in milliseconds since the Unix epoch (as the outbox tables store times), `{time:COLUMN}`
+/// such a stored time as RFC 3339 text (which sqlx decodes into `DateTime<Utc>`), `{cols}` the record
+/// columns, `{due}` / `{h_due}` the due test of `r` / `h`. For crates that add statements over the
+/// outbox tables (`outbox-cluster`).
+pub fn render(text: &str, schema: &str) -> Arc<str> {
+    let mut text = text
+        .replace("{cols}", COLS)
+        .replace("{h_due}", &DUE.replace("r.", "h."))
+        .replace("{due}", DUE)
+        .replace("{now}", NOW_MS)
+        .replace("{s}", schema);
+    while let Some(start) = text.find("{time:") {
+        let Some(end) = text[start..].find('}').map(|n| start + n) else { break };
+        let column = text[start + 6..end].to_string();
+        text.replace_range(start..=end, &TEXT_TIME.replace("{}", &column));
+    }
+    text.into()
+}
+
+impl SqliteStatements {
+    /// `schema` must already be validated as an identifier.
+    pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
+        let build = |text: &str| render(text, schema);
+        let (step_due, serve) =
+            if stop_on_first_failure { ("", SERVE_HEAD_DUE) } else { ("AND {h_due}", SERVE_ANY_DUE) };
+        let fetch = FETCH
+            .replace("{next_partition}", NEXT_PARTITION)
+            .replace("{next_after}", NEXT_AFTER)
+            .replace("{next}", NEXT)
+            .replace("{serve}", serve)
+            .replace("{step_due}", step_due);
+        Self {
+            schema: schema.to_string(),
+            take_seqs: build(TAKE_SEQS),
+            insert: build(INSERT),
+            fetch: build(&fetch),
+            fence: build(FENCE),
+            keep: keep_completed.then(|| build(KEEP)),
+            delete: build(DELETE),
+            fail: build(FAIL),
+            list_failed: build(LIST_FAILED),
+            requeue: build(REQUEUE),
+            skip_keep: build(SKIP_KEEP),
+            skip_delete: build(SKIP_DELETE),
+            stats: build(STATS),
+            purge: build(PURGE),
+        }
+    }
+}

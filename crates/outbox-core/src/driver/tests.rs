@@ -1,0 +1,421 @@
+//! The driver conformance suite: each operation's contract (see its method on [`Db`]) checked against
+//! every backend, a fresh PostgreSQL database per test and a private in-memory SQLite database.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+use proptest::test_runner::TestRunner;
+use sqlx::PgPool;
+
+use super::{ConnectOptions, Db};
+use crate::assignment::{Epoch, InstanceId};
+use crate::stored::{Found, Outcome, Request, Verdict};
+use crate::{Config, Error, NewRecord, Outbox};
+
+/// A fresh database of every backend: `pool`'s PostgreSQL database and an in-memory SQLite one.
+pub(crate) async fn backends(pool: PgPool) -> Vec<Db> {
+    vec![Db::Postgres(pool), Db::Sqlite(super::sqlite::memory().await)]
+}
+
+/// Registers an instance with a lease a day long and gives it every partition at epoch 1.
+pub(crate) async fn hold_all(db: &Db) -> InstanceId {
+    let all: Vec<i16> = (0..256).collect();
+    hold(db, &all, Epoch(1)).await
+}
+
+/// Registers an instance with a lease a day long and gives it `partitions` at `epoch`.
+pub(crate) async fn hold(db: &Db, partitions: &[i16], epoch: Epoch) -> InstanceId {
+    let me = InstanceId::new();
+    let (register, own) = match db {
+        Db::Postgres(_) => (
+            "INSERT INTO outbox.instances (id, name, expires_at) VALUES ($1, 'test', now() + interval '1 day')",
+            "UPDATE outbox.partitions SET owner = $1, epoch = $2 WHERE partition = ANY($3)",
+        ),
+        Db::Sqlite(_) => (
+            "INSERT INTO outbox_instances (id, name, expires_at) VALUES ($1, 'test', 4611686018427387903)",
+            "UPDATE outbox_partitions SET owner = $1, epoch = $2 WHERE partition IN (SELECT value FROM json_each($3))",
+        ),
+    };
+    match db {
+        Db::Postgres(pool) => {
+            sqlx::query(register).bind(me).execute(pool).await.unwrap();
+            sqlx::query(own).bind(me).bind(epoch).bind(partitions).execute(pool).await.unwrap();
+        }
+        Db::Sqlite(pool) => {
+            sqlx::query(register).bind(me).execute(pool).await.unwrap();
+            sqlx::query(own).bind(me).bind(epoch).bind(format!("{partitions:?}")).execute(pool).await.unwrap();
+        }
+    }
+    me
+}
+
+async fn migrated(db: &Db, config: Config) -> Outbox {
+    let outbox = Outbox::new(config).unwrap();
+    outbox.migrate(db).await.unwrap();
+    outbox
+}
+
+async fn commit(outbox: &Outbox, db: &Db, records: &[NewRecord]) -> Vec<crate::Scheduled> {
+    let mut tx = db.begin().await.unwrap();
+    let scheduled = outbox.schedule_batch(&mut tx, records).await.unwrap();
+    tx.commit().await.unwrap();
+    scheduled
+}
+
+fn request(instance: InstanceId, limit: usize, followers: usize, budget: usize) -> Request {
+    Request {
+        instance,
+        partitions: crate::partition::all_partitions().map(|p| (p, Epoch(1), None)).collect(),
+        exclude: vec![],
+        limit,
+        followers,
+        budget,
+    }
+}
+
+/// A key's run stops before the record that would take its payloads past the byte budget; a head larger
+/// than the budget still comes, alone.
+#[sqlx::test(migrations = false)]
+async fn fetch_cuts_runs_to_the_byte_budget(pool: PgPool) {
+    for db in backends(pool).await {
+        let outbox = migrated(&db, Config::default()).await;
+        let mut records = Vec::new();
+        for _ in 0..5 {
+            records.push(NewRecord::new("large", "t", vec![0_u8; 30 * 1024]));
+            records.push(NewRecord::new("small", "t", vec![0_u8; 10]));
+        }
+        records.push(NewRecord::new("huge", "t", vec![0_u8; 100 * 1024]));
+        records.push(NewRecord::new("huge", "t", vec![0_u8; 10]));
+        commit(&outbox, &db, &records).await;
+        let instance = hold_all(&db).await;
+        let found = db.fetch(outbox.statements(), &request(instance, 10, 7, 64 * 1024)).await.unwrap();
+        let mut lengths: Vec<(String, usize)> =
+            found.runs.iter().map(|run| (run[0].record.key.clone(), run.len())).collect();
+        lengths.sort();
+        let expected = [("huge".to_string(), 1), ("large".to_string(), 2), ("small".to_string(), 5)];
+        assert_eq!(lengths, expected, "{}", db.backend());
+        for run in &found.runs {
+            assert!(run.windows(2).all(|w| w[1].record.seq > w[0].record.seq), "a run is in order: {run:?}");
+            assert!(run.iter().all(|f| f.record.epoch == Epoch(1) && f.instance == instance));
+        }
+    }
+}
+
+/// A fetch returns nothing once the instance's lease has expired, even of partitions it still owns, and
+/// nothing of a partition held at another epoch.
+#[sqlx::test(migrations = false)]
+async fn fetch_returns_nothing_without_a_live_lease_or_at_another_epoch(pool: PgPool) {
+    for db in backends(pool).await {
+        let outbox = migrated(&db, Config::default()).await;
+        commit(&outbox, &db, &[NewRecord::new("k", "t", "")]).await;
+        let instance = hold_all(&db).await;
+        let fetch = |request: Request| {
+            let (db, outbox) = (db.clone(), outbox.clone());
+            async move { db.fetch(outbox.statements(), &request).await.unwrap().runs.len() }
+        };
+        assert_eq!(fetch(request(instance, 10, 0, usize::MAX)).await, 1, "{}", db.backend());
+        let mut other_epoch = request(instance, 10, 0, usize::MAX);
+        other_epoch.partitions.iter_mut().for_each(|p| p.1 = Epoch(2));
+        assert_eq!(fetch(other_epoch).await, 0, "{}: another epoch", db.backend());
+        let expire = match db {
+            Db::Postgres(_) => "UPDATE outbox.instances SET expires_at = now() - interval '1 second'",
+            Db::Sqlite(_) => "UPDATE outbox_instances SET expires_at = 0",
+        };
+        db.execute(expire, &[]).await.unwrap();
+        assert_eq!(fetch(request(instance, 10, 0, usize::MAX)).await, 0, "{}: lease expired", db.backend());
+    }
+}
+
+/// A FAILED outcome written again after an operator requeued its record (as a completion retried after
+/// an ambiguous commit would) leaves the requeue in place, and is reported held but not written: settled.
+/// An outcome under an epoch that moved on is neither written nor held: fenced.
+#[sqlx::test(migrations = false)]
+async fn complete_says_what_it_wrote_and_what_the_fence_held(pool: PgPool) {
+    for db in backends(pool).await {
+        let outbox = migrated(&db, Config::default()).await;
+        let instance = hold_all(&db).await;
+        let scheduled = commit(&outbox, &db, &[NewRecord::new("k", "t", "")]).await.remove(0);
+        let outcome = Outcome {
+            id: scheduled.id,
+            partition: scheduled.partition,
+            instance,
+            epoch: Epoch(1),
+            key: "k".into(),
+            attempts: 1,
+            requeues: 0,
+            created_at: chrono::Utc::now(),
+            verdict: Verdict::Failed { error: "permanent: no".into() },
+        };
+        let first = db.complete(outbox.statements(), std::slice::from_ref(&outcome)).await.unwrap();
+        assert!(first.ids.contains(&scheduled.id), "{}", db.backend());
+        outbox.requeue(&db, scheduled.id).await.unwrap();
+
+        let late = db.complete(outbox.statements(), std::slice::from_ref(&outcome)).await.unwrap();
+        assert!(!late.ids.contains(&scheduled.id), "{}: the requeued record was failed again", db.backend());
+        assert!(late.held.contains(&outcome.grant()), "{}: settled, not fenced", db.backend());
+        assert!(outbox.failed(&db, &Default::default()).await.unwrap().is_empty());
+
+        let stale = Outcome { epoch: Epoch(0), verdict: Verdict::Delivered, ..outcome };
+        let fenced = db.complete(outbox.statements(), std::slice::from_ref(&stale)).await.unwrap();
+        assert!(fenced.ids.is_empty() && fenced.held.is_empty(), "{}: fenced", db.backend());
+        let stats = outbox.stats(&db).await.unwrap();
+        assert_eq!((stats[0].pending, stats[0].failed), (1, 0), "{}", db.backend());
+    }
+}
+
+/// A record's state in the fetch model.
+#[derive(Debug, Clone, Copy)]
+enum State {
+    Due,
+    BackingOff,
+    Failed,
+}
+
+fn state() -> impl Strategy<Value = State> {
+    prop_oneof![3 => Just(State::Due), 1 => Just(State::BackingOff), 1 => Just(State::Failed)]
+}
+
+/// One key of the model: partition, name, first sequence, step between sequences, record states.
+type Key = (i16, String, i64, i64, Vec<State>);
+
+/// A record of the model: its sequence number and whether it is due.
+type Seq = (i64, bool);
+
+/// A random backlog and fetch request.
+#[derive(Debug, Clone)]
+struct Case {
+    keys: Vec<Key>,
+    order: Vec<i16>,
+    unheld: Vec<i16>,
+    cursors: [Option<String>; 4],
+    exclude: Vec<String>,
+    limit: usize,
+    followers: usize,
+    budget: usize,
+}
+
+fn key_name(partition: i16, n: u8) -> String {
+    // Names sort differently from numbers ("p1-k10" < "p1-k2").
+    format!("p{partition}-k{}", u32::from(n) * 3 % 11)
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        proptest::collection::vec((0i16..4, 0u8..6, 1i64..4, 1i64..4, proptest::collection::vec(state(), 1..8)), 0..14),
+        proptest::sample::subsequence(vec![0i16, 1, 2, 3], 0..=4).prop_shuffle(),
+        proptest::sample::subsequence(vec![0i16, 1, 2, 3], 0..=2),
+        proptest::collection::vec(proptest::option::of(0u8..12), 4),
+        proptest::collection::vec(0u8..6, 0..3),
+        (1usize..6, 0usize..5, prop_oneof![Just(usize::MAX), 0usize..60]),
+    )
+        .prop_map(|(keys, order, unheld, cursors, exclude, (limit, followers, budget))| {
+            // One key per (partition, name).
+            let mut seen = std::collections::BTreeSet::new();
+            let keys = keys
+                .into_iter()
+                .filter(|(p, k, ..)| seen.insert((*p, *k)))
+                .map(|(p, k, first, step, states)| (p, key_name(p, k), first, step, states))
+                .collect();
+            // Cursors fall between, on and around the keys.
+            let cursors = std::array::from_fn(|p| cursors[p].map(|n| format!("p{p}-k{}", u32::from(n) * 3 % 13)));
+            let exclude = exclude.iter().map(|k| key_name(1, *k)).collect();
+            Case { keys, order, unheld, cursors, exclude, limit, followers, budget }
+        })
+}
+
+/// A record's payload size in the fetch test: varied, and known to the model.
+fn size(key: &str, seq: i64) -> usize {
+    ((seq * 7 + key.len() as i64 * 3) % 23) as usize
+}
+
+/// The keys served in order, and each key's records.
+type Expected = (Vec<(i16, String)>, BTreeMap<String, Vec<Seq>>);
+
+/// What the fetch should find, computed the plain way: per served partition in the given order (those
+/// held: not in `unheld`), keys in byte order starting after the partition's cursor and then wrapping
+/// around, each key's head by the mode's rule, the first `limit` keys served, each with the records from
+/// its head to head + `followers`. Returns the keys served in order, and each key's records.
+fn model(case: &Case, followers: usize, stop_on_first_failure: bool) -> Expected {
+    let (mut heads, mut runs) = (Vec::new(), BTreeMap::new());
+    for &partition in case.order.iter().filter(|p| !case.unheld.contains(p)) {
+        let mut in_partition: Vec<&Key> = case.keys.iter().filter(|k| k.0 == partition).collect();
+        in_partition.sort_by(|a, b| a.1.cmp(&b.1));
+        if let Some(after) = &case.cursors[partition as usize] {
+            let (up_to, past): (Vec<&Key>, Vec<&Key>) = in_partition.iter().partition(|k| &k.1 <= after);
+            in_partition = past.into_iter().chain(up_to).collect();
+        }
+        for (_, key, first, step, states) in in_partition {
+            let due = |i: usize| matches!(states[i], State::Due);
+            let head = if stop_on_first_failure { due(0).then_some(0) } else { (0..states.len()).find(|&i| due(i)) };
+            let Some(head) = head else { continue };
+            if case.exclude.contains(key) || heads.len() == case.limit {
+                continue;
+            }
+            heads.push((partition, key.clone()));
+            let run =
+                (head..states.len().min(head + followers + 1)).map(|i| (first + i as i64 * step, due(i))).collect();
+            runs.insert(key.clone(), run);
+        }
+    }
+    (heads, runs)
+}
+
+async fn insert(db: &Db, partition: i16, key: &str, seq: i64, state: State) {
+    let payload = vec![b'x'; size(key, seq)];
+    let (id, failed, backing_off) =
+        (uuid::Uuid::now_v7(), matches!(state, State::Failed), matches!(state, State::BackingOff));
+    let sql = match db {
+        Db::Postgres(_) => {
+            "INSERT INTO outbox.records (id, partition, key, seq, event_type, payload, next_attempt_at, failed_at)
+             VALUES ($1, $2, $3, $4, 't', $5, CASE WHEN $6 THEN now() + interval '1 day' END, CASE WHEN $7 THEN now() END)"
+        }
+        Db::Sqlite(_) => {
+            "INSERT INTO outbox_records (id, partition, key, seq, event_type, payload, next_attempt_at, failed_at)
+             VALUES ($1, $2, $3, $4, 't', $5, CASE WHEN $6 THEN 4611686018427387903 END, CASE WHEN $7 THEN 1 END)"
+        }
+    };
+    let args =
+        [id.into(), partition.into(), key.into(), seq.into(), (&payload).into(), backing_off.into(), failed.into()];
+    db.execute(sql, &args).await.unwrap();
+}
+
+/// Checks one case on `db` in both modes; `Err` describes the first difference.
+async fn check(db: &Db, case: &Case) -> Result<(), String> {
+    let empty = match db {
+        Db::Postgres(_) => "DELETE FROM outbox.records",
+        Db::Sqlite(_) => "DELETE FROM outbox_records",
+    };
+    db.execute(empty, &[]).await.unwrap();
+    for (partition, key, first, step, states) in &case.keys {
+        for (i, state) in states.iter().enumerate() {
+            insert(db, *partition, key, first + i as i64 * step, *state).await;
+        }
+    }
+    let instance = hold(db, &[0, 1, 2, 3], Epoch(1)).await;
+    for stop_on_first_failure in [true, false] {
+        let outbox = Outbox::new(Config { stop_on_first_failure, ..Config::default() }).unwrap();
+        let followers = if stop_on_first_failure { case.followers } else { 0 };
+        let request = Request {
+            instance,
+            partitions: case
+                .order
+                .iter()
+                .map(|&p| {
+                    (
+                        p as u8,
+                        if case.unheld.contains(&p) { Epoch(2) } else { Epoch(1) },
+                        case.cursors[p as usize].clone(),
+                    )
+                })
+                .collect(),
+            exclude: case.exclude.clone(),
+            limit: case.limit,
+            followers,
+            budget: case.budget,
+        };
+        let found: Found = db.fetch(outbox.statements(), &request).await.map_err(|e| e.to_string())?;
+        let (heads, want) = model(case, followers, stop_on_first_failure);
+        let got: BTreeMap<String, Vec<i64>> = found
+            .runs
+            .iter()
+            .map(|run| (run[0].record.key.clone(), run.iter().map(|f| f.record.seq).collect()))
+            .collect();
+        let mode = if stop_on_first_failure { "stop on first failure" } else { "no stop" };
+        if got.keys().ne(want.keys()) {
+            return Err(format!(
+                "{mode}: keys {:?}, want {:?}",
+                got.keys().collect::<Vec<_>>(),
+                want.keys().collect::<Vec<_>>()
+            ));
+        }
+        // Each run: a prefix of the key's due records from the head, holding at least what the byte
+        // budget admits (the head always), and within the budget unless it is the head alone.
+        for (key, all) in &want {
+            let due: Vec<i64> = all.iter().take_while(|r| r.1).map(|r| r.0).collect();
+            let kept = &got[key];
+            let mut sum = 0;
+            let admitted = all
+                .iter()
+                .take_while(|r| {
+                    sum += size(key, r.0);
+                    r.0 == all[0].0 || sum <= case.budget
+                })
+                .count()
+                .min(due.len());
+            let bytes: usize = kept.iter().map(|&seq| size(key, seq)).sum();
+            if !(kept.len() <= due.len() && kept[..] == due[..kept.len()] && kept.len() >= admitted) {
+                return Err(format!("{mode}: {key}: kept {kept:?} of {all:?} ({admitted} admitted)"));
+            }
+            if kept.len() > 1 && bytes > case.budget {
+                return Err(format!("{mode}: {key}: {bytes} bytes kept"));
+            }
+        }
+        // Each partition's last head in walk order.
+        let mut last: BTreeMap<u8, String> = BTreeMap::new();
+        for (partition, key) in &heads {
+            last.insert(*partition as u8, key.clone());
+        }
+        if found.last_served != last {
+            return Err(format!("{mode}: last served {:?}, want {last:?}", found.last_served));
+        }
+    }
+    Ok(())
+}
+
+/// The fetch finds what the model says, on every backend, in both modes, for random backlogs: keys with
+/// FAILED and backing-off records anywhere and gaps between their sequence numbers, keys in flight,
+/// partitions served in a random order (some not at all, some no longer held at the requested epoch),
+/// a start key per partition, limits that cut the walk off, byte budgets that cut runs short.
+#[sqlx::test(migrations = false)]
+async fn fetch_finds_what_the_model_says(pool: PgPool) {
+    for db in backends(pool).await {
+        migrated(&db, Config::default()).await;
+        let cases = if matches!(db, Db::Postgres(_)) { 64 } else { 256 };
+        let mut runner = TestRunner::deterministic();
+        for _ in 0..cases {
+            let case = case().new_tree(&mut runner).unwrap().current();
+            if let Err(difference) = check(&db, &case).await {
+                panic!("{}: {difference}\n{case:#?}", db.backend());
+            }
+        }
+    }
+}
+
+/// Connecting says what went wrong, typed: a scheme this build does not know, a URL that does not parse,
+/// a server that does not answer (naming backend and address, and transient: it may come up).
+#[tokio::test]
+async fn connect_errors_are_typed_and_name_the_database() {
+    let err = Db::connect("mysql://root@127.0.0.1/test").await.unwrap_err();
+    assert!(matches!(&err, Error::UnsupportedUrl { scheme, .. } if scheme == "mysql"), "{err:?}");
+    let err = Db::connect("postgres://root@127.0.0.1:notaport/test").await.unwrap_err();
+    assert!(matches!(err, Error::BadUrl(_)), "{err:?}");
+    let err = Db::connect("sqlite://db?nonsense=1").await.unwrap_err();
+    assert!(matches!(err, Error::BadUrl(_)), "{err:?}");
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let quick = ConnectOptions { max_connections: 1, acquire_timeout: std::time::Duration::from_millis(300) };
+    let err = Db::connect_with(&format!("postgres://root@127.0.0.1:{port}/test"), &quick).await.unwrap_err();
+    assert!(matches!(err, Error::Connect { .. }), "{err:?}");
+    assert!(err.to_string().starts_with(&format!("cannot connect to PostgreSQL at 127.0.0.1:{port} (")), "{err}");
+    assert!(err.is_transient(), "{err:?}");
+    let err = Db::connect("sqlite:///nonexistent-directory/outbox.db").await.unwrap_err();
+    assert!(err.to_string().contains("the SQLite database /nonexistent-directory/outbox.db"), "{err}");
+}
+
+/// A new pool reaches the same database with the same settings: on SQLite the synchronous mode a
+/// caller chose (here `NORMAL`, 1, not the default `FULL`, 2).
+#[tokio::test]
+async fn a_new_pool_keeps_the_connection_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("settings.db").display());
+    let options = super::sqlite::options(&url).unwrap().synchronous(sqlx::sqlite::SqliteSynchronous::Normal);
+    let db = Db::from(sqlx::SqlitePool::connect_with(options).await.unwrap());
+    db.execute("CREATE TABLE marker (id INTEGER)", &[]).await.unwrap();
+    let other = db.new_pool(&ConnectOptions { max_connections: 2, ..ConnectOptions::default() }).await.unwrap();
+    let (synchronous,): (i64,) = other.fetch_one("PRAGMA synchronous", &[]).await.unwrap();
+    assert_eq!(synchronous, 1);
+    let (tables,): (i64,) =
+        other.fetch_one("SELECT count(*) FROM sqlite_master WHERE name = 'marker'", &[]).await.unwrap();
+    assert_eq!(tables, 1, "the same database file");
+}

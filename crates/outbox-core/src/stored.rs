@@ -1,0 +1,263 @@
+//! What the outbox writes to its tables and reads back, as the drivers exchange it with the domain
+//! modules: records to insert, fetch requests and fetched runs, outcomes to complete and what the
+//! database answered, FAILED records and per-partition statistics. No SQL and no database here, so the
+//! drivers can import it without importing the modules that use them.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::assignment::{Epoch, InstanceId};
+use crate::error::Result;
+use crate::partition::Partition;
+use crate::record::{Headers, Record};
+
+/// One record to insert.
+#[derive(Debug, Clone)]
+pub(crate) struct NewRow<'a> {
+    pub(crate) id: Uuid,
+    pub(crate) partition: Partition,
+    pub(crate) key: &'a str,
+    pub(crate) event_type: &'a str,
+    pub(crate) payload: &'a [u8],
+    /// The headers as JSON text.
+    pub(crate) headers: String,
+}
+
+/// What one fetch asks for.
+#[derive(Debug, Clone)]
+pub(crate) struct Request {
+    /// The instance holding the partitions.
+    pub(crate) instance: InstanceId,
+    /// Partitions in the order to serve them, each with the epoch held and the key to start after.
+    pub(crate) partitions: Vec<(Partition, Epoch, Option<String>)>,
+    /// Keys in flight: not fetched.
+    pub(crate) exclude: Vec<String>,
+    /// Heads (keys) at most.
+    pub(crate) limit: usize,
+    /// Records after each head at most.
+    pub(crate) followers: usize,
+    /// Payload bytes a run may hold (its head always comes).
+    pub(crate) budget: usize,
+}
+
+/// A fetched row, as every driver's fetch statement names its columns.
+#[derive(sqlx::FromRow)]
+pub(crate) struct FetchedRow {
+    pub(crate) id: Uuid,
+    #[sqlx(try_from = "i16")]
+    pub(crate) partition: Partition,
+    pub(crate) key: String,
+    pub(crate) seq: i64,
+    pub(crate) event_type: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: sqlx::types::Json<Headers>,
+    pub(crate) attempts: i32,
+    pub(crate) requeues: i32,
+    pub(crate) created_at: DateTime<Utc>,
+    /// Not FAILED and not waiting for a retry.
+    pub(crate) due: bool,
+    /// A head's place in the walk (increasing in the order keys were served); `None` for followers.
+    pub(crate) walk: Option<i64>,
+}
+
+/// A fetched record with what its completion needs.
+#[derive(Debug, Clone)]
+pub(crate) struct Fetched {
+    pub(crate) record: Record,
+    /// The instance whose lease fenced the fetch.
+    pub(crate) instance: InstanceId,
+    /// Operator requeues of the record when it was fetched.
+    pub(crate) requeues: i32,
+}
+
+/// What a fetch found.
+#[derive(Debug, Default)]
+pub(crate) struct Found {
+    /// Per key: its head and the due records after it, in sequence order, within the byte budget.
+    pub(crate) runs: Vec<Vec<Fetched>>,
+    /// Per partition served: the last key the walk served there.
+    pub(crate) last_served: BTreeMap<Partition, String>,
+}
+
+impl Found {
+    /// Builds what a fetch found from its rows, one vector per key, each gapless from the key's head
+    /// and within the byte budget (the drivers see to both): each run ends before its first record
+    /// that is not due, and carries the epoch `request` holds for its partition.
+    pub(crate) fn from_runs(runs: impl IntoIterator<Item = Vec<FetchedRow>>, request: &Request) -> Result<Found> {
+        let mut found = Found::default();
+        let mut last: BTreeMap<Partition, (i64, String)> = BTreeMap::new();
+        for mut rows in runs {
+            rows.sort_by_key(|row| row.seq);
+            let mut run = Vec::with_capacity(rows.len());
+            for row in rows.into_iter().take_while(|row| row.due) {
+                if let Some(walk) = row.walk
+                    && last.get(&row.partition).is_none_or(|(at, _)| *at < walk)
+                {
+                    last.insert(row.partition, (walk, row.key.clone()));
+                }
+                let epoch = request.partitions.iter().find(|p| p.0 == row.partition).map_or(Epoch(0), |p| p.1);
+                let record = Record {
+                    id: row.id,
+                    partition: row.partition,
+                    key: row.key,
+                    seq: row.seq,
+                    event_type: row.event_type,
+                    payload: row.payload.into(),
+                    headers: row.headers.0,
+                    attempts: row.attempts,
+                    created_at: row.created_at,
+                    epoch,
+                };
+                run.push(Fetched { record, instance: request.instance, requeues: row.requeues });
+            }
+            if !run.is_empty() {
+                found.runs.push(run);
+            }
+        }
+        found.last_served = last.into_iter().map(|(p, (_, key))| (p, key)).collect();
+        Ok(found)
+    }
+}
+
+/// What happened to one delivery.
+#[derive(Debug, Clone)]
+pub(crate) enum Verdict {
+    Delivered,
+    Fallback,
+    /// Deliver again after `delay`; `error` is storable (see `MAX_ERROR_BYTES`).
+    Retry {
+        delay: Duration,
+        error: String,
+    },
+    /// FAILED; `error` is storable.
+    Failed {
+        error: String,
+    },
+}
+
+impl Verdict {
+    /// Delivered or handled by the fallback: the record leaves the queue.
+    pub(crate) fn completes(&self) -> bool {
+        matches!(self, Verdict::Delivered | Verdict::Fallback)
+    }
+
+    /// How a completed record is kept in `completed`: `delivered` or `fallback`.
+    pub(crate) fn completed_as(&self) -> &'static str {
+        if matches!(self, Verdict::Fallback) { "fallback" } else { "delivered" }
+    }
+}
+
+/// The outcome of one delivery, with what its completion is fenced by.
+#[derive(Debug, Clone)]
+pub(crate) struct Outcome {
+    pub(crate) id: Uuid,
+    pub(crate) partition: Partition,
+    /// The instance and epoch the record was delivered under.
+    pub(crate) instance: InstanceId,
+    pub(crate) epoch: Epoch,
+    pub(crate) key: String,
+    /// Failed deliveries including this one (unchanged on success).
+    pub(crate) attempts: i32,
+    /// Operator requeues of the record when it was fetched: a failure is written only if the record
+    /// has not been requeued since (a late retry of a FAILED write must not undo a requeue).
+    pub(crate) requeues: i32,
+    pub(crate) created_at: DateTime<Utc>,
+    pub(crate) verdict: Verdict,
+}
+
+impl Outcome {
+    /// What fences its completion.
+    pub(crate) fn grant(&self) -> (Partition, InstanceId, Epoch) {
+        (self.partition, self.instance, self.epoch)
+    }
+}
+
+/// What the database answered for a batch of outcomes.
+#[derive(Debug, Default)]
+pub(crate) struct Written {
+    /// Outcomes written.
+    pub(crate) ids: BTreeSet<Uuid>,
+    /// (partition, instance, epoch) the fence held.
+    pub(crate) held: BTreeSet<(Partition, InstanceId, Epoch)>,
+}
+
+impl Written {
+    pub(crate) fn merge(&mut self, other: Written) {
+        self.ids.extend(other.ids);
+        self.held.extend(other.held);
+    }
+}
+
+/// A FAILED record, without its payload.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct FailedRecord {
+    /// Record id.
+    pub id: Uuid,
+    /// Partition.
+    #[sqlx(try_from = "i16")]
+    pub partition: Partition,
+    /// Key.
+    pub key: String,
+    /// Per-key sequence.
+    pub seq: i64,
+    /// Event type.
+    pub event_type: String,
+    /// Failed deliveries since it was scheduled or last requeued.
+    pub attempts: i32,
+    /// How often an operator requeued it.
+    pub requeues: i32,
+    /// The last error (handler, and fallback if one ran).
+    pub last_error: Option<String>,
+    /// When it was scheduled.
+    pub created_at: DateTime<Utc>,
+    /// When it became FAILED.
+    pub failed_at: DateTime<Utc>,
+}
+
+/// Which FAILED records to list.
+#[derive(Debug, Clone, Default)]
+pub struct FailedFilter {
+    /// Only this key.
+    pub key: Option<String>,
+    /// Only this partition.
+    pub partition: Option<Partition>,
+    /// At most this many (default 100).
+    pub limit: Option<i64>,
+}
+
+/// Backlog of one partition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartitionStats {
+    /// Partition.
+    pub partition: Partition,
+    /// Records waiting for delivery (including those backing off).
+    pub pending: i64,
+    /// FAILED records.
+    pub failed: i64,
+    /// Age of the oldest pending record, by database time.
+    pub oldest_pending: Option<Duration>,
+}
+
+/// A partition's statistics as every driver's statement returns them (the age in seconds).
+#[derive(sqlx::FromRow)]
+pub(crate) struct StatsRow {
+    #[sqlx(try_from = "i16")]
+    partition: Partition,
+    pending: i64,
+    failed: i64,
+    oldest_pending_secs: Option<f64>,
+}
+
+impl From<StatsRow> for PartitionStats {
+    fn from(row: StatsRow) -> Self {
+        PartitionStats {
+            partition: row.partition,
+            pending: row.pending,
+            failed: row.failed,
+            oldest_pending: row.oldest_pending_secs.map(|s| Duration::from_secs_f64(s.max(0.0))),
+        }
+    }
+}
