@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Makes sure PostgreSQL and NATS JetStream run on loopback, installing them with apt if missing.
+# Makes sure PostgreSQL, MariaDB and NATS JetStream run on loopback, installing them with apt if missing.
 # Sourced by demo.sh and test.sh. Needs root (or passwordless sudo) only when something must be
-# installed or started. Exports DATABASE_URL_BASE (no database name) and NATS_URL.
+# installed or started. Exports DATABASE_URL_BASE (no database name), MYSQL_URL (no database name) and
+# NATS_URL.
 set -euo pipefail
 
 PG_PORT=5432
+MYSQL_PORT=3306
 NATS_PORT=4222
 PG_USER=root
 PG_PASSWORD=outbox
@@ -50,6 +52,35 @@ ensure_database() {
   if [ "$(PGPASSWORD=$PG_PASSWORD psql -h 127.0.0.1 -U "$PG_USER" -d postgres -Atqc "SELECT 1 FROM pg_database WHERE datname = '$1'")" != 1 ]; then
     PGPASSWORD=$PG_PASSWORD psql -h 127.0.0.1 -U "$PG_USER" -d postgres -qc "CREATE DATABASE $1"
   fi
+}
+
+# MariaDB with root reachable over TCP without a password (Debian's default authenticates root by the
+# local socket only: the tests connect as root@127.0.0.1, so that is allowed once).
+ensure_mariadb() {
+  if ! command -v mariadb >/dev/null 2>&1 || [ ! -x /usr/sbin/mariadbd ]; then
+    apt_install mariadb-server mariadb-client
+  fi
+  if ! port_open "$MYSQL_PORT"; then
+    echo "outbox: starting MariaDB" >&2
+    as_root mkdir -p /run/mysqld
+    as_root chown mysql:mysql /run/mysqld 2>/dev/null || true
+    as_root start-stop-daemon --start --oknodo --background --chuid mysql --exec /usr/sbin/mariadbd -- \
+      --bind-address=127.0.0.1 --port="$MYSQL_PORT"
+    wait_port "$MYSQL_PORT" MariaDB
+  fi
+  if ! mariadb -h 127.0.0.1 -P "$MYSQL_PORT" -u root -e 'SELECT 1' >/dev/null 2>&1; then
+    echo "outbox: letting MariaDB's root log in from 127.0.0.1 without a password" >&2
+    as_root mariadb -u root -e "ALTER USER 'root'@'localhost' IDENTIFIED VIA mysql_native_password USING PASSWORD('') OR unix_socket"
+  fi
+  export MYSQL_URL="mysql://root@127.0.0.1:$MYSQL_PORT"
+}
+
+# Drops the MySQL databases named like $1 (a LIKE pattern): the test databases of earlier runs.
+drop_mysql_databases() {
+  local db
+  for db in $(mariadb -h 127.0.0.1 -P "$MYSQL_PORT" -u root -N -e "SHOW DATABASES LIKE '$1'"); do
+    mariadb -h 127.0.0.1 -P "$MYSQL_PORT" -u root -e "DROP DATABASE \`$db\`"
+  done
 }
 
 ensure_nats() {

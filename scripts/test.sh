@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Runs the whole test suite against real services: starts (installing if needed) PostgreSQL and NATS on
-# loopback, then `cargo test --workspace`. Each PostgreSQL test gets its own fresh database; the shared
-# behavioural tests run once more on a fresh SQLite file each (no server needed for those).
+# Runs the whole test suite against real services: starts (installing if needed) PostgreSQL, MariaDB and
+# NATS on loopback, then `cargo test --workspace`. Each PostgreSQL and MariaDB test gets its own fresh
+# database; the shared behavioural tests run on a fresh SQLite file each as well.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
 ensure_postgres
+ensure_mariadb
 ensure_nats
 ensure_database outbox_test
+drop_mysql_databases 'outbox\_t\_%'
 export DATABASE_URL="$DATABASE_URL_BASE/outbox_test"
 cargo test --workspace "$@"

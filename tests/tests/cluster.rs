@@ -15,7 +15,7 @@ use outbox_core::{HandlerError, Handlers, InstanceId, NewRecord, Outbox, Partiti
 use rand::RngExt;
 use tokio::time::Instant;
 
-both!(
+every_backend!(
     graceful_scale_up_and_down_delivers_every_record_once_in_order,
     a_crashed_instances_partitions_move_on_after_its_lease,
     a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition,

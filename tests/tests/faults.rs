@@ -30,7 +30,7 @@ use sqlx::PgPool;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-both!(cluster_survives_scaling_crashes_pauses_and_killed_connections);
+every_backend!(cluster_survives_scaling_crashes_pauses_and_killed_connections);
 
 /// SIGSTOP durations, one per timing window of the workers' tunables (heartbeat 200 ms, stale timeout
 /// 1 s, so a 600 ms lease): shorter than the lease; past the takeover by another instance (the lease,

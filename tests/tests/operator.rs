@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::*;
 use outbox_core::{Completion, NewRecord, partition_of};
 
-both!(
+every_backend!(
     stats_count_pending_and_failed_per_partition_with_the_oldest_age,
     purge_deletes_only_expired_completed_records_in_bounded_batches,
     delete_on_complete_keeps_no_completed_rows,

@@ -20,7 +20,7 @@ use rand::RngExt;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
-both!(
+every_backend!(
     many_keys_are_delivered_in_per_key_order_with_random_latency,
     retries_wait_the_policy_delays_then_succeed,
     handler_timeout_counts_as_a_retryable_failure,

@@ -11,7 +11,7 @@ use common::*;
 use outbox_core::{Config, Error, NewRecord, Outbox, Scheduled, partition_of};
 use sqlx::types::Json;
 
-both!(
+every_backend!(
     committed_records_exist_and_rolled_back_ones_do_not,
     batch_numbers_each_keys_records_in_order,
     concurrent_writers_of_one_key_commit_in_sequence_order,

@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::*;
 use outbox_core::{Error, HandlerError, Handlers, NewRecord, Record, RetryPolicy, Route, handler_fn, partition_of};
 
-both!(
+every_backend!(
     a_record_removed_before_its_completion_does_not_stop_its_partition,
     a_handler_that_panics_before_its_first_await_is_retried_then_failed,
     an_error_text_with_nul_is_stored_and_the_rest_of_the_batch_is_completed,

@@ -100,7 +100,7 @@ pub enum Error {
         /// The scheme given.
         scheme: String,
         /// The schemes this build supports.
-        supported: &'static str,
+        supported: String,
     },
     /// A database URL that does not parse, or names options its driver does not know.
     #[error("bad database URL: {0}")]

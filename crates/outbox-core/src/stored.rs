@@ -122,6 +122,48 @@ impl Found {
     }
 }
 
+/// Runs cut to the byte budget while a fetch's rows stream in, for drivers whose statement cannot cut
+/// them itself: a key keeps its head and then its lowest sequences while their payloads fit, so a fetch
+/// never holds more than the budget per key plus one payload.
+#[derive(Default)]
+pub(crate) struct Runs {
+    by_key: std::collections::HashMap<String, Run>,
+}
+
+/// One key's rows while a fetch streams in.
+#[derive(Default)]
+struct Run {
+    rows: Vec<FetchedRow>,
+    bytes: usize,
+    /// The lowest sequence dropped for the budget: nothing from it on is kept.
+    cut: Option<i64>,
+}
+
+impl Runs {
+    /// Takes one row, arriving in any order. Dropping the highest until the run fits, and every later
+    /// arrival at or above a dropped sequence, leaves a gapless run from the head holding all the
+    /// budget admits.
+    pub(crate) fn push(&mut self, row: FetchedRow, budget: usize) {
+        let run = self.by_key.entry(row.key.clone()).or_default();
+        if run.cut.is_some_and(|cut| row.seq >= cut) {
+            return;
+        }
+        run.bytes += row.payload.len();
+        let at = run.rows.partition_point(|r| r.seq < row.seq);
+        run.rows.insert(at, row);
+        while run.bytes > budget && run.rows.len() > 1 {
+            if let Some(last) = run.rows.pop() {
+                run.bytes -= last.payload.len();
+                run.cut = Some(run.cut.map_or(last.seq, |cut| cut.min(last.seq)));
+            }
+        }
+    }
+
+    pub(crate) fn found(self, request: &Request) -> Result<Found> {
+        Found::from_runs(self.by_key.into_values().map(|run| run.rows), request)
+    }
+}
+
 /// What happened to one delivery.
 #[derive(Debug, Clone)]
 pub(crate) enum Verdict {

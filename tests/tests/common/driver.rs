@@ -14,6 +14,10 @@ impl TestDb {
         Self { db: Db::from(pool), sqlite_url: None, _dir: None }
     }
 
+    pub async fn mysql() -> Self {
+        Self { db: outbox_core::driver::mysql::test_database().await, sqlite_url: None, _dir: None }
+    }
+
     pub async fn sqlite() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
@@ -21,51 +25,61 @@ impl TestDb {
     }
 
     /// The connection string of this test's own database, for other processes: the SQLite file's URL,
-    /// or on PostgreSQL the `DATABASE_URL` server with this test's database (`current_database()`).
+    /// or the `DATABASE_URL` (PostgreSQL) or `MYSQL_URL` server with this test's database.
     pub async fn url(&self) -> String {
-        match &self.sqlite_url {
-            Some(url) => url.clone(),
-            None => {
-                let db: String = self.scalar("SELECT current_database()", &[]).await;
-                let base = std::env::var("DATABASE_URL").unwrap();
-                let (server, _) = base.rsplit_once('/').unwrap();
-                format!("{server}/{db}")
-            }
+        if let Some(url) = &self.sqlite_url {
+            return url.clone();
         }
+        if self.is_mysql() {
+            let db: String = self.scalar("SELECT DATABASE()", &[]).await;
+            let server = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".into());
+            return format!("{server}/{db}");
+        }
+        let db: String = self.scalar("SELECT current_database()", &[]).await;
+        let base = std::env::var("DATABASE_URL").unwrap();
+        let (server, _) = base.rsplit_once('/').unwrap();
+        format!("{server}/{db}")
     }
 
-    /// Renders a statement written for both backends: `{s}` is the outbox's table qualifier (`outbox.` on
-    /// PostgreSQL, `outbox_` on SQLite, so `{s}records`), `{now}` the database clock as the tables store
-    /// it, `{ago:N}` N seconds before it. Binds are `$1`, `$2`, … on both.
+    /// Renders a statement written for every backend: `{s}` is the outbox's table qualifier (`outbox.` on
+    /// PostgreSQL, `outbox_` on SQLite and MySQL, so `{s}records`), `{now}` the database clock as the
+    /// tables store it, `{ago:N}` N seconds before it; on MySQL the columns `key` and `partition`
+    /// (reserved words there) are quoted. Binds are `$1`, `$2`, … on every backend.
     pub fn sql(&self, text: &str) -> String {
         let qualifier = self.db.table("outbox", "");
-        let sqlite = self.is_sqlite();
-        let now: String =
-            if sqlite { outbox_core::driver::sqlite::render("{now}", "").to_string() } else { "now()".into() };
+        let now: String = match self.db.backend() {
+            "sqlite" => outbox_core::driver::sqlite::render("{now}", "").to_string(),
+            "mysql" => outbox_core::driver::mysql::NOW.into(),
+            _ => "now()".into(),
+        };
         let mut text = text.replace("{s}", &qualifier).replace("{now}", &now);
         while let Some(start) = text.find("{ago:") {
             let end = start + text[start..].find('}').unwrap();
             let secs: i64 = text[start + 5..end].parse().unwrap();
-            let ago = if sqlite {
-                format!("({now} - {})", secs * 1000)
-            } else {
-                format!("(now() - interval '{secs} seconds')")
+            let ago = match self.db.backend() {
+                "sqlite" => format!("({now} - {})", secs * 1000),
+                "mysql" => format!("({now} - INTERVAL {secs} SECOND)"),
+                _ => format!("(now() - interval '{secs} seconds')"),
             };
             text.replace_range(start..=end, &ago);
         }
-        text
+        if self.is_mysql() { quote_reserved(&text) } else { text }
     }
 
     pub fn is_sqlite(&self) -> bool {
         self.db.backend() == "sqlite"
     }
 
+    pub fn is_mysql(&self) -> bool {
+        self.db.backend() == "mysql"
+    }
+
     /// Whether the database has a table of this name (in any schema).
     pub async fn table_exists(&self, name: &str) -> bool {
-        let sql = if self.is_sqlite() {
-            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = $1"
-        } else {
-            "SELECT count(*) FROM information_schema.tables WHERE table_name = $1"
+        let sql = match self.db.backend() {
+            "sqlite" => "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = $1",
+            "mysql" => "SELECT count(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = $1",
+            _ => "SELECT count(*) FROM information_schema.tables WHERE table_name = $1",
         };
         self.scalar::<i64>(sql, &[name.into()]).await > 0
     }
@@ -77,7 +91,7 @@ impl TestDb {
             assert!(!self.table_exists("outbox_keys").await, "SQLite keeps no per-key rows");
             return None;
         }
-        Some(self.scalar("SELECT count(*) FROM outbox.keys", &[]).await)
+        Some(self.scalar("SELECT count(*) FROM {s}keys", &[]).await)
     }
 
     /// How many sessions wait for a lock on a key's row, or `None` where the backend has no view of
@@ -86,14 +100,21 @@ impl TestDb {
         if self.is_sqlite() {
             return None;
         }
-        let sql = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%outbox.keys%'";
+        let sql = if self.is_mysql() {
+            // A session still inside the key upsert: it takes microseconds unless it waits for the lock
+            // (InnoDB's own view of lock waits, innodb_trx, is refreshed lazily and missed them here).
+            "SELECT count(*) FROM information_schema.processlist
+             WHERE db = DATABASE() AND command = 'Execute' AND info LIKE 'INSERT INTO outbox_keys%'"
+        } else {
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%outbox.keys%'"
+        };
         Some(self.scalar(sql, &[]).await)
     }
 
     /// Terminates the server connections of the processes started with `PGAPPNAME=application`; `None`
     /// where the backend has no server connections (SQLite runs inside each process).
     pub async fn terminate_connections(&self, application: &str) -> Option<i64> {
-        if self.is_sqlite() {
+        if self.is_sqlite() || self.is_mysql() {
             return None;
         }
         let sql = "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
@@ -103,7 +124,13 @@ impl TestDb {
 
     /// Makes every update of the outbox's `instances.draining` fail, as a database that refuses it would.
     pub async fn refuse_draining(&self) {
-        if self.is_sqlite() {
+        if self.is_mysql() {
+            let trigger = "CREATE TRIGGER refuse_drain BEFORE UPDATE ON outbox_instances FOR EACH ROW
+                 BEGIN IF NEW.draining <> OLD.draining THEN
+                     SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'draining refused by the test';
+                 END IF; END";
+            self.db.execute_script(trigger).await.unwrap();
+        } else if self.is_sqlite() {
             self.exec(
                 "CREATE TRIGGER refuse_drain BEFORE UPDATE OF draining ON {s}instances
                  BEGIN SELECT RAISE(ABORT, 'draining refused by the test'); END",
@@ -131,7 +158,43 @@ impl TestDb {
         match &self.db {
             Db::Postgres(pool) => outbox.schedule_batch(&mut *pool.acquire().await.unwrap(), records).await.unwrap(),
             Db::Sqlite(pool) => outbox.schedule_batch(&mut *pool.acquire().await.unwrap(), records).await.unwrap(),
+            Db::MySql(pool) => outbox.schedule_batch(&mut *pool.acquire().await.unwrap(), records).await.unwrap(),
             _ => unreachable!("the tests build every backend"),
         }
     }
+}
+
+/// `sql` with the identifiers `key` and `partition` (outside quotes) in MySQL's quotes.
+fn quote_reserved(sql: &str) -> String {
+    let mut out = String::with_capacity(sql.len() + 16);
+    let mut word = String::new();
+    let mut quote: Option<char> = None;
+    let flush = |word: &mut String, out: &mut String| {
+        if matches!(word.as_str(), "key" | "partition") {
+            out.push('`');
+            out.push_str(word);
+            out.push('`');
+        } else {
+            out.push_str(word);
+        }
+        word.clear();
+    };
+    for c in sql.chars() {
+        if let Some(q) = quote {
+            out.push(c);
+            if c == q {
+                quote = None;
+            }
+        } else if c.is_ascii_alphanumeric() || c == '_' {
+            word.push(c);
+        } else {
+            flush(&mut word, &mut out);
+            if matches!(c, '\'' | '"' | '`') {
+                quote = Some(c);
+            }
+            out.push(c);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
 }

@@ -1,5 +1,5 @@
-//! Shared test harness: one suite, two backends ([`both!`] runs a test on a fresh PostgreSQL database and
-//! on a fresh SQLite file), an outbox on the test's own database, a recording sink, fast cluster
+//! Shared test harness: one suite, three backends ([`every_backend!`] runs a test on a fresh PostgreSQL
+//! database, a fresh SQLite file and a fresh MySQL database), an outbox on the test's own database, a recording sink, fast cluster
 //! tunables, and waiting on conditions (never sleeping for an outcome).
 #![allow(dead_code, unused_macros, clippy::unwrap_used, clippy::expect_used)]
 
@@ -17,9 +17,10 @@ use outbox_core::{Config, Db, DbRow, Epoch, Handlers, InstanceId, NewRecord, Out
 use sqlx::AssertSqlSafe;
 use tokio::time::Instant;
 
-/// Runs each named `async fn name(db: TestDb)` twice: `name::postgres` on a fresh PostgreSQL database
-/// (`#[sqlx::test]`) and `name::sqlite` on a fresh SQLite file.
-macro_rules! both {
+/// Runs each named `async fn name(db: TestDb)` on every backend: `name::postgres` on a fresh PostgreSQL
+/// database (`#[sqlx::test]`), `name::sqlite` on a fresh SQLite file and `name::mysql` on a fresh MySQL
+/// database.
+macro_rules! every_backend {
     ($($name:ident),* $(,)?) => { $(
         mod $name {
             #[sqlx::test(migrations = false)]
@@ -30,6 +31,11 @@ macro_rules! both {
             #[tokio::test]
             async fn sqlite() {
                 super::$name(crate::common::TestDb::sqlite().await).await
+            }
+
+            #[tokio::test]
+            async fn mysql() {
+                super::$name(crate::common::TestDb::mysql().await).await
             }
         }
     )* };
@@ -49,7 +55,8 @@ macro_rules! rows {
     };
 }
 
-/// The test's database: a fresh PostgreSQL database or a fresh SQLite file (deleted with the last clone).
+/// The test's database: a fresh PostgreSQL or MySQL database or a fresh SQLite file (deleted with the last
+/// clone).
 #[derive(Clone)]
 pub struct TestDb {
     pub db: Db,

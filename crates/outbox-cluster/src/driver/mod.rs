@@ -2,12 +2,14 @@
 //! behind [`Store`], whose methods state each operation's contract once. This is the only module of the
 //! crate that names a database; to add one, add `driver/<name>.rs` and its arm in `dispatch!`.
 
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-// The conformance suite compares the backends, so it needs both.
-#[cfg(all(test, feature = "postgres", feature = "sqlite"))]
+// The conformance suite compares the backends, so it needs all of them.
+#[cfg(all(test, feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod tests;
 
 use std::sync::Arc;
@@ -34,6 +36,11 @@ macro_rules! dispatch {
                 let $s = &$store.statements.sqlite;
                 $body
             }
+            #[cfg(feature = "mysql")]
+            Db::MySql($pool) => {
+                let $s = &$store.statements.mysql;
+                $body
+            }
             other => Err(Error::BackendNotBuilt { backend: other.backend() }),
         }
     };
@@ -52,6 +59,8 @@ struct Statements {
     postgres: postgres::PgStatements,
     #[cfg(feature = "sqlite")]
     sqlite: sqlite::SqliteStatements,
+    #[cfg(feature = "mysql")]
+    mysql: mysql::MySqlStatements,
 }
 
 impl Store {
@@ -62,6 +71,8 @@ impl Store {
             postgres: postgres::PgStatements::new(schema),
             #[cfg(feature = "sqlite")]
             sqlite: sqlite::SqliteStatements::new(schema),
+            #[cfg(feature = "mysql")]
+            mysql: mysql::MySqlStatements::new(schema),
         };
         Self { db, statements: Arc::new(statements) }
     }
@@ -137,6 +148,8 @@ pub(crate) struct HeartbeatConnection {
     postgres: Option<sqlx::PgConnection>,
     #[cfg(feature = "sqlite")]
     sqlite: Option<sqlx::SqliteConnection>,
+    #[cfg(feature = "mysql")]
+    mysql: Option<sqlx::MySqlConnection>,
 }
 
 impl HeartbeatConnection {
@@ -150,6 +163,8 @@ impl HeartbeatConnection {
             Db::Postgres(pool) => store.statements.postgres.heartbeat(pool, &mut self.postgres, id, lease).await,
             #[cfg(feature = "sqlite")]
             Db::Sqlite(pool) => store.statements.sqlite.heartbeat(pool, &mut self.sqlite, id, lease).await,
+            #[cfg(feature = "mysql")]
+            Db::MySql(pool) => store.statements.mysql.heartbeat(pool, &mut self.mysql, id, lease).await,
             other => Err(Error::BackendNotBuilt { backend: other.backend() }),
         }
     }

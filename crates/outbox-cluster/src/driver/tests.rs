@@ -1,5 +1,6 @@
 //! The cluster driver conformance suite: each operation's contract (see its method on [`Store`]) checked
-//! against every backend, a fresh PostgreSQL database per test and a private in-memory SQLite database.
+//! against every backend: a fresh PostgreSQL database per test, a private in-memory SQLite database and
+//! a fresh MySQL database.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -10,13 +11,15 @@ use sqlx::PgPool;
 use super::Store;
 use crate::stored::Lease;
 
-/// A migrated outbox on every backend: `pool`'s PostgreSQL database and an in-memory SQLite one.
+/// A migrated outbox on every backend: `pool`'s PostgreSQL database, an in-memory SQLite one and a new
+/// MySQL database.
 async fn stores(pool: PgPool) -> Vec<Store> {
     let options = outbox_core::driver::sqlite::options("sqlite::memory:").unwrap();
     let sqlite = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
     let outbox = Outbox::new(Config::default()).unwrap();
     let mut stores = Vec::new();
-    for db in [Db::from(pool), Db::from(sqlite)] {
+    let mysql = outbox_core::driver::mysql::test_database().await;
+    for db in [Db::from(pool), Db::from(sqlite), mysql] {
         outbox.migrate(&db).await.unwrap();
         stores.push(Store::new(db, &outbox));
     }

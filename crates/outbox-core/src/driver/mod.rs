@@ -6,18 +6,20 @@
 //! The contract of every operation is written once, on its method here; the conformance suite
 //! (`driver/tests.rs`) checks it against every backend.
 
-#[cfg(not(any(feature = "postgres", feature = "sqlite")))]
+#[cfg(not(any(feature = "postgres", feature = "sqlite", feature = "mysql")))]
 compile_error!(
-    "outbox-core needs a database driver: enable its feature `postgres`, `sqlite` or both (a crate that \
-     needs none, like outbox-nats, builds once the application enables one)"
+    "outbox-core needs a database driver: enable one or more of its features `postgres`, `sqlite` and \
+     `mysql` (a crate that needs none, like outbox-nats, builds once the application enables one)"
 );
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
-// The conformance suite compares the backends, so it needs both.
-#[cfg(all(test, feature = "postgres", feature = "sqlite"))]
+// The conformance suite compares the backends, so it needs all of them.
+#[cfg(all(test, feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod tests;
 
 use std::sync::Arc;
@@ -45,6 +47,11 @@ macro_rules! dispatch {
                 let $s = &$statements.sqlite;
                 $body
             }
+            #[cfg(feature = "mysql")]
+            Db::MySql($pool) => {
+                let $s = &$statements.mysql;
+                $body
+            }
         }
     };
 }
@@ -59,6 +66,9 @@ pub enum Db {
     /// SQLite (WAL mode).
     #[cfg(feature = "sqlite")]
     Sqlite(sqlx::SqlitePool),
+    /// MySQL or MariaDB (InnoDB).
+    #[cfg(feature = "mysql")]
+    MySql(sqlx::MySqlPool),
 }
 
 /// How [`Db::connect_with`] sizes and waits for its pool.
@@ -77,8 +87,9 @@ impl Default for ConnectOptions {
 }
 
 impl Db {
-    /// Connects by URL: `postgres://…` / `postgresql://…`, or `sqlite://path` / `sqlite::memory:`
-    /// (created if missing, with `driver::sqlite::options`), with [`ConnectOptions::default`].
+    /// Connects by URL: `postgres://…` / `postgresql://…`, `mysql://…` / `mariadb://…`, or `sqlite://path` /
+    /// `sqlite::memory:` (created if missing, with `driver::sqlite::options`), with
+    /// [`ConnectOptions::default`].
     pub async fn connect(url: &str) -> Result<Db> {
         Db::connect_with(url, &ConnectOptions::default()).await
     }
@@ -92,28 +103,34 @@ impl Db {
             "postgres" | "postgresql" => postgres::connect(url, options).await.map(Db::Postgres),
             #[cfg(feature = "sqlite")]
             "sqlite" => sqlite::connect(url, options).await.map(Db::Sqlite),
-            _ => Err(Error::UnsupportedUrl { scheme: scheme.to_string(), supported: SUPPORTED_URLS }),
+            #[cfg(feature = "mysql")]
+            "mysql" | "mariadb" => mysql::connect(url, options).await.map(Db::MySql),
+            _ => Err(Error::UnsupportedUrl { scheme: scheme.to_string(), supported: SUPPORTED_URLS.join(", ") }),
         }
     }
 
-    /// `"postgres"` or `"sqlite"`.
+    /// `"postgres"`, `"sqlite"` or `"mysql"`.
     pub fn backend(&self) -> &'static str {
         match self {
             #[cfg(feature = "postgres")]
             Db::Postgres(_) => "postgres",
             #[cfg(feature = "sqlite")]
             Db::Sqlite(_) => "sqlite",
+            #[cfg(feature = "mysql")]
+            Db::MySql(_) => "mysql",
         }
     }
 
     /// The name of the outbox table `table` of `schema` as statements write it: `schema.table` on
-    /// PostgreSQL (a schema), `schema_table` on SQLite (a prefix).
+    /// PostgreSQL (a schema), `schema_table` on SQLite and MySQL (a prefix, in the connection's database).
     pub fn table(&self, schema: &str, table: &str) -> String {
         match self {
             #[cfg(feature = "postgres")]
             Db::Postgres(_) => format!("{schema}.{table}"),
             #[cfg(feature = "sqlite")]
             Db::Sqlite(_) => format!("{schema}_{table}"),
+            #[cfg(feature = "mysql")]
+            Db::MySql(_) => format!("{schema}_{table}"),
         }
     }
 
@@ -126,6 +143,8 @@ impl Db {
             Db::Postgres(pool) => Tx::Postgres(pool.begin().await?),
             #[cfg(feature = "sqlite")]
             Db::Sqlite(pool) => Tx::Sqlite(pool.begin_with("BEGIN IMMEDIATE").await?),
+            #[cfg(feature = "mysql")]
+            Db::MySql(pool) => Tx::MySql(pool.begin().await?),
         })
     }
 
@@ -137,6 +156,8 @@ impl Db {
             Db::Postgres(p) => Db::Postgres(sized(options).connect_with(p.connect_options().as_ref().clone()).await?),
             #[cfg(feature = "sqlite")]
             Db::Sqlite(p) => Db::Sqlite(sized(options).connect_with(p.connect_options().as_ref().clone()).await?),
+            #[cfg(feature = "mysql")]
+            Db::MySql(p) => Db::MySql(sized(options).connect_with(p.connect_options().as_ref().clone()).await?),
         })
     }
 
@@ -147,11 +168,14 @@ impl Db {
             Db::Postgres(pool) => pool.close().await,
             #[cfg(feature = "sqlite")]
             Db::Sqlite(pool) => pool.close().await,
+            #[cfg(feature = "mysql")]
+            Db::MySql(pool) => pool.close().await,
         }
     }
 
-    /// Runs one statement of the application's (its own tables) with `args` bound to `$1`, `$2`, …;
-    /// returns the rows affected. Write it in SQL both backends accept.
+    /// Runs one statement of the application's (its own tables) with `args` bound to `$1`, `$2`, … on
+    /// every backend (MySQL's `?` are written for it); returns the rows affected. Write it in SQL every
+    /// backend of the application accepts.
     pub async fn execute(&self, sql: impl SqlSafeStr, args: &[Value<'_>]) -> Result<u64> {
         Ok(match self {
             #[cfg(feature = "postgres")]
@@ -161,6 +185,11 @@ impl Db {
             #[cfg(feature = "sqlite")]
             Db::Sqlite(pool) => {
                 sqlx::query_with(sql, arguments::<sqlx::Sqlite>(args)?).execute(pool).await?.rows_affected()
+            }
+            #[cfg(feature = "mysql")]
+            Db::MySql(pool) => {
+                let (sql, args) = mysql_positional(sql, args)?;
+                sqlx::query_with(sql, arguments::<sqlx::MySql>(&args)?).execute(pool).await?.rows_affected()
             }
         })
     }
@@ -176,6 +205,10 @@ impl Db {
             Db::Sqlite(pool) => {
                 sqlx::raw_sql(sql).execute(pool).await?;
             }
+            #[cfg(feature = "mysql")]
+            Db::MySql(pool) => {
+                sqlx::raw_sql(sql).execute(pool).await?;
+            }
         }
         Ok(())
     }
@@ -188,6 +221,11 @@ impl Db {
             Db::Postgres(pool) => sqlx::query_as_with(sql, arguments::<sqlx::Postgres>(args)?).fetch_all(pool).await?,
             #[cfg(feature = "sqlite")]
             Db::Sqlite(pool) => sqlx::query_as_with(sql, arguments::<sqlx::Sqlite>(args)?).fetch_all(pool).await?,
+            #[cfg(feature = "mysql")]
+            Db::MySql(pool) => {
+                let (sql, args) = mysql_positional(sql, args)?;
+                sqlx::query_as_with(sql, arguments::<sqlx::MySql>(&args)?).fetch_all(pool).await?
+            }
         })
     }
 
@@ -198,6 +236,11 @@ impl Db {
             Db::Postgres(pool) => sqlx::query_as_with(sql, arguments::<sqlx::Postgres>(args)?).fetch_one(pool).await?,
             #[cfg(feature = "sqlite")]
             Db::Sqlite(pool) => sqlx::query_as_with(sql, arguments::<sqlx::Sqlite>(args)?).fetch_one(pool).await?,
+            #[cfg(feature = "mysql")]
+            Db::MySql(pool) => {
+                let (sql, args) = mysql_positional(sql, args)?;
+                sqlx::query_as_with(sql, arguments::<sqlx::MySql>(&args)?).fetch_one(pool).await?
+            }
         })
     }
 
@@ -213,6 +256,8 @@ impl Db {
             Db::Postgres(_) => postgres::MIGRATIONS,
             #[cfg(feature = "sqlite")]
             Db::Sqlite(_) => sqlite::MIGRATIONS,
+            #[cfg(feature = "mysql")]
+            Db::MySql(_) => mysql::MIGRATIONS,
         }
     }
 
@@ -316,20 +361,34 @@ pub(crate) struct Driver<'a, P, S> {
 }
 
 /// The URL schemes this build connects to.
-const SUPPORTED_URLS: &str = {
-    #[cfg(all(feature = "postgres", feature = "sqlite"))]
-    {
-        "postgres://…, postgresql://… or sqlite://…"
-    }
-    #[cfg(all(feature = "postgres", not(feature = "sqlite")))]
-    {
-        "postgres://… or postgresql://… (SQLite is not built in)"
-    }
-    #[cfg(all(feature = "sqlite", not(feature = "postgres")))]
-    {
-        "sqlite://… (PostgreSQL is not built in)"
-    }
-};
+const SUPPORTED_URLS: &[&str] = &[
+    #[cfg(feature = "postgres")]
+    "postgres://…",
+    #[cfg(feature = "postgres")]
+    "postgresql://…",
+    #[cfg(feature = "sqlite")]
+    "sqlite://…",
+    #[cfg(feature = "mysql")]
+    "mysql://…",
+    #[cfg(feature = "mysql")]
+    "mariadb://…",
+];
+
+/// An application statement written with `$1`, `$2`, … as MySQL takes it, with its arguments in the
+/// order of its `?`.
+#[cfg(feature = "mysql")]
+fn mysql_positional<'a>(sql: impl SqlSafeStr, args: &[Value<'a>]) -> Result<(AssertSqlSafe<String>, Vec<Value<'a>>)> {
+    let (text, order) = mysql::positional(sql.into_sql_str().as_str())?;
+    let args = order
+        .into_iter()
+        .map(|i| {
+            args.get(i).copied().ok_or_else(|| {
+                Error::Database(sqlx::Error::Protocol(format!("statement uses ${} but {} were bound", i + 1, args.len())))
+            })
+        })
+        .collect::<Result<_>>()?;
+    Ok((AssertSqlSafe(text), args))
+}
 
 /// The caller's connection (inside its transaction) for [`Outbox::schedule`](crate::Outbox::schedule).
 /// Built from `&mut *tx` or `&mut tx`; there is deliberately no conversion from a pool.
@@ -342,6 +401,9 @@ pub enum Conn<'c> {
     /// A SQLite connection.
     #[cfg(feature = "sqlite")]
     Sqlite(&'c mut sqlx::SqliteConnection),
+    /// A MySQL connection.
+    #[cfg(feature = "mysql")]
+    MySql(&'c mut sqlx::MySqlConnection),
 }
 
 impl Conn<'_> {
@@ -354,6 +416,8 @@ impl Conn<'_> {
             Conn::Postgres(conn) => postgres::schedule(conn, &statements.postgres, rows).await,
             #[cfg(feature = "sqlite")]
             Conn::Sqlite(conn) => sqlite::schedule(conn, &statements.sqlite, rows).await,
+            #[cfg(feature = "mysql")]
+            Conn::MySql(conn) => mysql::schedule(conn, &statements.mysql, rows).await,
         }
     }
 }
@@ -369,6 +433,20 @@ impl<'c> From<&'c mut sqlx::PgConnection> for Conn<'c> {
 impl<'c> From<&'c mut sqlx::SqliteConnection> for Conn<'c> {
     fn from(conn: &'c mut sqlx::SqliteConnection) -> Self {
         Conn::Sqlite(conn)
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl<'c> From<&'c mut sqlx::MySqlConnection> for Conn<'c> {
+    fn from(conn: &'c mut sqlx::MySqlConnection) -> Self {
+        Conn::MySql(conn)
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl<'c, 't> From<&'c mut sqlx::Transaction<'t, sqlx::MySql>> for Conn<'c> {
+    fn from(tx: &'c mut sqlx::Transaction<'t, sqlx::MySql>) -> Self {
+        Conn::MySql(tx)
     }
 }
 
@@ -397,6 +475,9 @@ pub enum Tx {
     /// A SQLite transaction.
     #[cfg(feature = "sqlite")]
     Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
+    /// A MySQL transaction.
+    #[cfg(feature = "mysql")]
+    MySql(sqlx::Transaction<'static, sqlx::MySql>),
 }
 
 impl Tx {
@@ -407,6 +488,8 @@ impl Tx {
             Tx::Postgres(tx) => tx.commit().await?,
             #[cfg(feature = "sqlite")]
             Tx::Sqlite(tx) => tx.commit().await?,
+            #[cfg(feature = "mysql")]
+            Tx::MySql(tx) => tx.commit().await?,
         }
         Ok(())
     }
@@ -418,6 +501,8 @@ impl Tx {
             Tx::Postgres(tx) => tx.rollback().await?,
             #[cfg(feature = "sqlite")]
             Tx::Sqlite(tx) => tx.rollback().await?,
+            #[cfg(feature = "mysql")]
+            Tx::MySql(tx) => tx.rollback().await?,
         }
         Ok(())
     }
@@ -433,6 +518,11 @@ impl Tx {
             Tx::Sqlite(tx) => {
                 sqlx::query_with(sql, arguments::<sqlx::Sqlite>(args)?).execute(&mut **tx).await?.rows_affected()
             }
+            #[cfg(feature = "mysql")]
+            Tx::MySql(tx) => {
+                let (sql, args) = mysql_positional(sql, args)?;
+                sqlx::query_with(sql, arguments::<sqlx::MySql>(&args)?).execute(&mut **tx).await?.rows_affected()
+            }
         })
     }
 
@@ -445,6 +535,11 @@ impl Tx {
             }
             #[cfg(feature = "sqlite")]
             Tx::Sqlite(tx) => sqlx::query_as_with(sql, arguments::<sqlx::Sqlite>(args)?).fetch_all(&mut **tx).await?,
+            #[cfg(feature = "mysql")]
+            Tx::MySql(tx) => {
+                let (sql, args) = mysql_positional(sql, args)?;
+                sqlx::query_as_with(sql, arguments::<sqlx::MySql>(&args)?).fetch_all(&mut **tx).await?
+            }
         })
     }
 }
@@ -456,6 +551,8 @@ impl<'c> From<&'c mut Tx> for Conn<'c> {
             Tx::Postgres(tx) => Conn::Postgres(tx),
             #[cfg(feature = "sqlite")]
             Tx::Sqlite(tx) => Conn::Sqlite(tx),
+            #[cfg(feature = "mysql")]
+            Tx::MySql(tx) => Conn::MySql(tx),
         }
     }
 }
@@ -485,6 +582,20 @@ impl From<sqlx::SqlitePool> for Db {
 impl From<&sqlx::SqlitePool> for Db {
     fn from(pool: &sqlx::SqlitePool) -> Self {
         Db::Sqlite(pool.clone())
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl From<sqlx::MySqlPool> for Db {
+    fn from(pool: sqlx::MySqlPool) -> Self {
+        Db::MySql(pool)
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl From<&sqlx::MySqlPool> for Db {
+    fn from(pool: &sqlx::MySqlPool) -> Self {
+        Db::MySql(pool.clone())
     }
 }
 
@@ -600,32 +711,45 @@ impl<'a, T: Into<Value<'a>>> From<Option<T>> for Value<'a> {
 }
 
 /// A row type every backend of this build decodes: a tuple, or a struct deriving `sqlx::FromRow`, of
-/// types both databases know.
-#[cfg(all(feature = "postgres", feature = "sqlite"))]
-pub trait DbRow:
-    for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + for<'r> sqlx::FromRow<'r, sqlx::sqlite::SqliteRow> + Send + Unpin
-{
-}
-#[cfg(all(feature = "postgres", feature = "sqlite"))]
-impl<T> DbRow for T where
-    T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>
-        + for<'r> sqlx::FromRow<'r, sqlx::sqlite::SqliteRow>
-        + Send
-        + Unpin
-{
-}
+/// types every database knows.
+pub trait DbRow: rows::FromPg + rows::FromSqlite + rows::FromMySql + Send + Unpin {}
+impl<T> DbRow for T where T: rows::FromPg + rows::FromSqlite + rows::FromMySql + Send + Unpin {}
 
-/// A row type every backend of this build decodes.
-#[cfg(all(feature = "postgres", not(feature = "sqlite")))]
-pub trait DbRow: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin {}
-#[cfg(all(feature = "postgres", not(feature = "sqlite")))]
-impl<T> DbRow for T where T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin {}
+/// Per backend, "decodes from its rows", or nothing when the backend is not built.
+mod rows {
+    /// Decodes from a PostgreSQL row.
+    #[cfg(feature = "postgres")]
+    pub trait FromPg: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> {}
+    #[cfg(feature = "postgres")]
+    impl<T> FromPg for T where T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> {}
+    /// PostgreSQL is not built.
+    #[cfg(not(feature = "postgres"))]
+    pub trait FromPg {}
+    #[cfg(not(feature = "postgres"))]
+    impl<T> FromPg for T {}
 
-/// A row type every backend of this build decodes.
-#[cfg(all(feature = "sqlite", not(feature = "postgres")))]
-pub trait DbRow: for<'r> sqlx::FromRow<'r, sqlx::sqlite::SqliteRow> + Send + Unpin {}
-#[cfg(all(feature = "sqlite", not(feature = "postgres")))]
-impl<T> DbRow for T where T: for<'r> sqlx::FromRow<'r, sqlx::sqlite::SqliteRow> + Send + Unpin {}
+    /// Decodes from a SQLite row.
+    #[cfg(feature = "sqlite")]
+    pub trait FromSqlite: for<'r> sqlx::FromRow<'r, sqlx::sqlite::SqliteRow> {}
+    #[cfg(feature = "sqlite")]
+    impl<T> FromSqlite for T where T: for<'r> sqlx::FromRow<'r, sqlx::sqlite::SqliteRow> {}
+    /// SQLite is not built.
+    #[cfg(not(feature = "sqlite"))]
+    pub trait FromSqlite {}
+    #[cfg(not(feature = "sqlite"))]
+    impl<T> FromSqlite for T {}
+
+    /// Decodes from a MySQL row.
+    #[cfg(feature = "mysql")]
+    pub trait FromMySql: for<'r> sqlx::FromRow<'r, sqlx::mysql::MySqlRow> {}
+    #[cfg(feature = "mysql")]
+    impl<T> FromMySql for T where T: for<'r> sqlx::FromRow<'r, sqlx::mysql::MySqlRow> {}
+    /// MySQL is not built.
+    #[cfg(not(feature = "mysql"))]
+    pub trait FromMySql {}
+    #[cfg(not(feature = "mysql"))]
+    impl<T> FromMySql for T {}
+}
 
 /// Every backend's statements, built once for one schema and mode by [`Outbox::new`](crate::Outbox::new).
 #[derive(Debug)]
@@ -634,6 +758,8 @@ pub(crate) struct Statements {
     pub(crate) postgres: postgres::PgStatements,
     #[cfg(feature = "sqlite")]
     pub(crate) sqlite: sqlite::SqliteStatements,
+    #[cfg(feature = "mysql")]
+    pub(crate) mysql: mysql::MySqlStatements,
 }
 
 impl Statements {
@@ -644,6 +770,8 @@ impl Statements {
             postgres: postgres::PgStatements::new(schema, stop_on_first_failure, keep_completed),
             #[cfg(feature = "sqlite")]
             sqlite: sqlite::SqliteStatements::new(schema, stop_on_first_failure, keep_completed),
+            #[cfg(feature = "mysql")]
+            mysql: mysql::MySqlStatements::new(schema, stop_on_first_failure, keep_completed),
         }
     }
 }
@@ -702,6 +830,10 @@ fn is_transient(e: &sqlx::Error) -> bool {
             if let Some(transient) = postgres::is_transient(db.as_ref()) {
                 return transient;
             }
+            #[cfg(feature = "mysql")]
+            if let Some(transient) = mysql::is_transient(db.as_ref()) {
+                return transient;
+            }
             false
         }
         _ => false,
@@ -717,6 +849,10 @@ fn is_not_migrated(e: &sqlx::Error) -> bool {
     }
     #[cfg(feature = "postgres")]
     if let Some(missing) = postgres::is_not_migrated(db.as_ref()) {
+        return missing;
+    }
+    #[cfg(feature = "mysql")]
+    if let Some(missing) = mysql::is_not_migrated(db.as_ref()) {
         return missing;
     }
     false

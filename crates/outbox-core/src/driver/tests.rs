@@ -13,9 +13,10 @@ use crate::assignment::{Epoch, InstanceId};
 use crate::stored::{Found, Outcome, Request, Verdict};
 use crate::{Config, Error, NewRecord, Outbox};
 
-/// A fresh database of every backend: `pool`'s PostgreSQL database and an in-memory SQLite one.
+/// A fresh database of every backend: `pool`'s PostgreSQL database, an in-memory SQLite one and a new
+/// MySQL database.
 pub(crate) async fn backends(pool: PgPool) -> Vec<Db> {
-    vec![Db::Postgres(pool), Db::Sqlite(super::sqlite::memory().await)]
+    vec![Db::Postgres(pool), Db::Sqlite(super::sqlite::memory().await), super::mysql::test_database().await]
 }
 
 /// Registers an instance with a lease a day long and gives it every partition at epoch 1.
@@ -36,15 +37,20 @@ pub(crate) async fn hold(db: &Db, partitions: &[i16], epoch: Epoch) -> InstanceI
             "INSERT INTO outbox_instances (id, name, expires_at) VALUES ($1, 'test', 4611686018427387903)",
             "UPDATE outbox_partitions SET owner = $1, epoch = $2 WHERE partition IN (SELECT value FROM json_each($3))",
         ),
+        Db::MySql(_) => (
+            "INSERT INTO outbox_instances (id, name, expires_at) VALUES ($1, 'test', UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
+            "UPDATE outbox_partitions SET owner = $1, epoch = $2
+             WHERE `partition` IN (SELECT x.p FROM JSON_TABLE($3, '$[*]' COLUMNS (p INT PATH '$')) x)",
+        ),
     };
     match db {
         Db::Postgres(pool) => {
             sqlx::query(register).bind(me).execute(pool).await.unwrap();
             sqlx::query(own).bind(me).bind(epoch).bind(partitions).execute(pool).await.unwrap();
         }
-        Db::Sqlite(pool) => {
-            sqlx::query(register).bind(me).execute(pool).await.unwrap();
-            sqlx::query(own).bind(me).bind(epoch).bind(format!("{partitions:?}")).execute(pool).await.unwrap();
+        Db::Sqlite(_) | Db::MySql(_) => {
+            db.execute(register, &[me.into()]).await.unwrap();
+            db.execute(own, &[me.into(), epoch.into(), format!("{partitions:?}").as_str().into()]).await.unwrap();
         }
     }
     me
@@ -121,6 +127,7 @@ async fn fetch_returns_nothing_without_a_live_lease_or_at_another_epoch(pool: Pg
         let expire = match db {
             Db::Postgres(_) => "UPDATE outbox.instances SET expires_at = now() - interval '1 second'",
             Db::Sqlite(_) => "UPDATE outbox_instances SET expires_at = 0",
+            Db::MySql(_) => "UPDATE outbox_instances SET expires_at = UTC_TIMESTAMP(6) - INTERVAL 1 SECOND",
         };
         db.execute(expire, &[]).await.unwrap();
         assert_eq!(fetch(request(instance, 10, 0, usize::MAX)).await, 0, "{}: lease expired", db.backend());
@@ -274,6 +281,11 @@ async fn insert(db: &Db, partition: i16, key: &str, seq: i64, state: State) {
             "INSERT INTO outbox_records (id, partition, key, seq, event_type, payload, next_attempt_at, failed_at)
              VALUES ($1, $2, $3, $4, 't', $5, CASE WHEN $6 THEN 4611686018427387903 END, CASE WHEN $7 THEN 1 END)"
         }
+        Db::MySql(_) => {
+            "INSERT INTO outbox_records (id, `partition`, `key`, seq, event_type, payload, headers, next_attempt_at, failed_at)
+             VALUES ($1, $2, $3, $4, 't', $5, '{}', CASE WHEN $6 THEN UTC_TIMESTAMP(6) + INTERVAL 1 DAY END,
+                     CASE WHEN $7 THEN UTC_TIMESTAMP(6) END)"
+        }
     };
     let args =
         [id.into(), partition.into(), key.into(), seq.into(), (&payload).into(), backing_off.into(), failed.into()];
@@ -284,7 +296,7 @@ async fn insert(db: &Db, partition: i16, key: &str, seq: i64, state: State) {
 async fn check(db: &Db, case: &Case) -> Result<(), String> {
     let empty = match db {
         Db::Postgres(_) => "DELETE FROM outbox.records",
-        Db::Sqlite(_) => "DELETE FROM outbox_records",
+        Db::Sqlite(_) | Db::MySql(_) => "DELETE FROM outbox_records",
     };
     db.execute(empty, &[]).await.unwrap();
     for (partition, key, first, step, states) in &case.keys {
@@ -386,8 +398,13 @@ async fn fetch_finds_what_the_model_says(pool: PgPool) {
 /// a server that does not answer (naming backend and address, and transient: it may come up).
 #[tokio::test]
 async fn connect_errors_are_typed_and_name_the_database() {
-    let err = Db::connect("mysql://root@127.0.0.1/test").await.unwrap_err();
-    assert!(matches!(&err, Error::UnsupportedUrl { scheme, .. } if scheme == "mysql"), "{err:?}");
+    let err = Db::connect("oracle://root@127.0.0.1/test").await.unwrap_err();
+    assert!(matches!(&err, Error::UnsupportedUrl { scheme, .. } if scheme == "oracle"), "{err:?}");
+    for scheme in ["postgres://", "sqlite://", "mysql://", "mariadb://"] {
+        assert!(err.to_string().contains(scheme), "{err}");
+    }
+    let err = Db::connect("mysql://root@127.0.0.1:notaport/test").await.unwrap_err();
+    assert!(matches!(err, Error::BadUrl(_)), "{err:?}");
     let err = Db::connect("postgres://root@127.0.0.1:notaport/test").await.unwrap_err();
     assert!(matches!(err, Error::BadUrl(_)), "{err:?}");
     let err = Db::connect("sqlite://db?nonsense=1").await.unwrap_err();
@@ -398,6 +415,9 @@ async fn connect_errors_are_typed_and_name_the_database() {
     let err = Db::connect_with(&format!("postgres://root@127.0.0.1:{port}/test"), &quick).await.unwrap_err();
     assert!(matches!(err, Error::Connect { .. }), "{err:?}");
     assert!(err.to_string().starts_with(&format!("cannot connect to PostgreSQL at 127.0.0.1:{port} (")), "{err}");
+    assert!(err.is_transient(), "{err:?}");
+    let err = Db::connect_with(&format!("mysql://root@127.0.0.1:{port}/test"), &quick).await.unwrap_err();
+    assert!(err.to_string().starts_with(&format!("cannot connect to MySQL at 127.0.0.1:{port} (")), "{err}");
     assert!(err.is_transient(), "{err:?}");
     let err = Db::connect("sqlite:///nonexistent-directory/outbox.db").await.unwrap_err();
     assert!(err.to_string().contains("the SQLite database /nonexistent-directory/outbox.db"), "{err}");

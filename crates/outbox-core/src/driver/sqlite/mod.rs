@@ -7,7 +7,6 @@
 mod statements;
 mod write;
 
-use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -24,7 +23,7 @@ use super::{ConnectOptions, Driver, count, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{Migration, check_applied, checksum};
 use crate::stored::{
-    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, StatsRow, Verdict, Written,
+    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Runs, StatsRow, Verdict, Written,
 };
 
 /// The migrations of the SQLite schema, in order (`{s}` is the table prefix).
@@ -113,15 +112,6 @@ fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
     serde_json::to_string(value).map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))
 }
 
-/// One key's rows while a fetch streams in.
-#[derive(Default)]
-struct Run {
-    rows: Vec<FetchedRow>,
-    bytes: usize,
-    /// The lowest sequence dropped for the budget: nothing from it on is kept.
-    cut: Option<i64>,
-}
-
 impl Driver<'_, SqlitePool, SqliteStatements> {
     /// Applies the missing migrations in one write transaction (the write lock serialises migrators).
     pub(crate) async fn migrate(&self) -> Result<()> {
@@ -149,9 +139,7 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
         Ok(())
     }
 
-    /// One statement, one snapshot. The byte budget holds while the rows stream in: a key keeps its head
-    /// and then its lowest sequences while their payloads fit, so a fetch never holds more than the
-    /// budget per key plus one payload.
+    /// One statement, one snapshot; the byte budget holds while the rows stream in ([`Runs`]).
     pub(crate) async fn fetch(&self, request: &Request) -> Result<Found> {
         let partitions: Vec<(i16, i64, Option<&str>)> =
             request.partitions.iter().map(|(p, epoch, after)| (i16::from(*p), epoch.0, after.as_deref())).collect();
@@ -162,25 +150,11 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             .bind(count(request.followers))
             .bind(request.instance)
             .fetch(self.pool);
-        // Rows may arrive in any order; dropping the highest until the run fits, and every later arrival
-        // at or above a dropped sequence, leaves a gapless run from the head holding all the budget admits.
-        let mut runs: HashMap<String, Run> = HashMap::new();
+        let mut runs = Runs::default();
         while let Some(row) = rows.try_next().await? {
-            let run = runs.entry(row.key.clone()).or_default();
-            if run.cut.is_some_and(|cut| row.seq >= cut) {
-                continue;
-            }
-            run.bytes += row.payload.len();
-            let at = run.rows.partition_point(|r| r.seq < row.seq);
-            run.rows.insert(at, row);
-            while run.bytes > request.budget && run.rows.len() > 1 {
-                if let Some(last) = run.rows.pop() {
-                    run.bytes -= last.payload.len();
-                    run.cut = Some(run.cut.map_or(last.seq, |cut| cut.min(last.seq)));
-                }
-            }
+            runs.push(row, request.budget);
         }
-        Found::from_runs(runs.into_values().map(|run| run.rows), request)
+        runs.found(request)
     }
 
     /// One write transaction: each (partition, instance, epoch) checked, then the outcomes of those that

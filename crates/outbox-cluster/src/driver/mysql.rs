@@ -1,0 +1,221 @@
+//! The MySQL driver of `outbox-cluster`: its statements (`{s}_` prefixes the tables, in the connection's
+//! database) and their execution. Liveness compares against the server's UTC clock. The compare-and-set
+//! steps (acquire, release, targets) lock the rows they check `FOR UPDATE` and change them in the same
+//! transaction; lists travel as one JSON argument each.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::driver::mysql::render;
+use outbox_core::driver::{millis, statement};
+use outbox_core::{Epochs, InstanceId, Partition};
+use sqlx::{Connection, MySqlConnection, MySqlPool};
+
+use crate::error::Result;
+use crate::rebalance::Targets;
+use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, PartitionRow, Taken};
+
+/// Binds: id, name, lease ms, heartbeat ms.
+const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbeat_ms)
+VALUES (?, ?, {now} + INTERVAL (? * 1000) MICROSECOND, ?)";
+
+/// Renews a lease that has not expired (see the PostgreSQL statement). Binds: lease ms, id. No row
+/// matched: the lease had expired.
+const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + INTERVAL (? * 1000) MICROSECOND
+WHERE id = ? AND expires_at > {now}";
+
+const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
+
+const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - INTERVAL (? * 1000) MICROSECOND";
+
+/// Partitions targeted at `?` (bound twice) that are free or whose owner has no live lease, with that
+/// owner and its heartbeat interval (if its row is still there); rows a fenced write holds are skipped.
+const ACQUIRABLE: &str = "SELECT p.`partition`, p.owner AS previous,
+    (SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner) AS previous_heartbeat_ms, p.epoch + 1 AS epoch
+FROM {s}_partitions p
+WHERE p.target_owner = ? AND NOT (p.owner <=> ?)
+  AND (p.owner IS NULL OR NOT EXISTS (SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))
+FOR UPDATE SKIP LOCKED";
+
+/// Takes the (locked) partitions of `?` (JSON array) for `?`, bumping their epochs.
+const TAKE: &str = "UPDATE {s}_partitions SET owner = ?, epoch = epoch + 1, changed_at = {now}
+WHERE `partition` IN (SELECT x.p FROM JSON_TABLE(?, '$[*]' COLUMNS (p SMALLINT PATH '$')) x)";
+
+const LIVE: &str = "SELECT id FROM {s}_instances WHERE expires_at > {now} AND NOT draining ORDER BY id";
+
+const PARTITIONS: &str = "SELECT `partition`, owner, epoch, target_owner FROM {s}_partitions ORDER BY `partition`";
+
+/// The targets of `?` (JSON `[[partition, hex owner], …]`) that differ from the stored ones, locked.
+const CHANGED_TARGETS: &str = "SELECT p.`partition` FROM {s}_partitions p
+JOIN JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]')) t ON p.`partition` = t.part
+WHERE NOT (p.target_owner <=> UNHEX(t.owner)) FOR UPDATE";
+
+const SET_TARGETS: &str = "UPDATE {s}_partitions p
+JOIN JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]')) t ON p.`partition` = t.part
+SET p.target_owner = UNHEX(t.owner)";
+
+const DRAIN: &str = "UPDATE {s}_instances SET draining = TRUE WHERE id = ?";
+
+const OWNED: &str = "SELECT `partition`, epoch FROM {s}_partitions WHERE owner = ? ORDER BY `partition`";
+
+/// The partitions of `?` (JSON `[[partition, epoch], …]`) `?` still holds at those epochs, locked.
+const RELEASABLE: &str = "SELECT p.`partition` FROM {s}_partitions p
+JOIN JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', epoch BIGINT PATH '$[1]')) r
+    ON p.`partition` = r.part AND p.epoch = r.epoch
+WHERE p.owner = ? FOR UPDATE";
+
+const RELEASE: &str = "UPDATE {s}_partitions SET owner = NULL, epoch = epoch + 1, changed_at = {now}
+WHERE `partition` IN (SELECT x.p FROM JSON_TABLE(?, '$[*]' COLUMNS (p SMALLINT PATH '$')) x)";
+
+const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > {now} AS live,
+    (SELECT count(*) FROM {s}_partitions p WHERE p.owner = i.id) AS partitions
+FROM {s}_instances i ORDER BY i.started_at";
+
+/// The statements, built for one table prefix.
+#[derive(Debug)]
+pub(super) struct MySqlStatements {
+    register: Arc<str>,
+    heartbeat: Arc<str>,
+    deregister: Arc<str>,
+    reap: Arc<str>,
+    acquirable: Arc<str>,
+    take: Arc<str>,
+    live: Arc<str>,
+    partitions: Arc<str>,
+    changed_targets: Arc<str>,
+    set_targets: Arc<str>,
+    drain: Arc<str>,
+    owned: Arc<str>,
+    releasable: Arc<str>,
+    release: Arc<str>,
+    instances: Arc<str>,
+}
+
+fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
+    serde_json::to_string(value)
+        .map_err(|e| outbox_core::Error::Database(sqlx::Error::Encode(Box::new(e))).into())
+}
+
+impl MySqlStatements {
+    /// `schema` is validated by the outbox's config.
+    pub(super) fn new(schema: &str) -> Self {
+        let build = |text: &str| -> Arc<str> { render(text, schema).into() };
+        Self {
+            register: build(REGISTER),
+            heartbeat: build(HEARTBEAT),
+            deregister: build(DEREGISTER),
+            reap: build(REAP),
+            acquirable: build(ACQUIRABLE),
+            take: build(TAKE),
+            live: build(LIVE),
+            partitions: build(PARTITIONS),
+            changed_targets: build(CHANGED_TARGETS),
+            set_targets: build(SET_TARGETS),
+            drain: build(DRAIN),
+            owned: build(OWNED),
+            releasable: build(RELEASABLE),
+            release: build(RELEASE),
+            instances: build(INSTANCES),
+        }
+    }
+
+    /// The lease runs from the insert's database time, so it has all of `lease.live` left.
+    pub(super) async fn register(&self, pool: &MySqlPool, id: InstanceId, name: &str, lease: Lease) -> Result<Duration> {
+        sqlx::query(statement(&self.register))
+            .bind(id)
+            .bind(name)
+            .bind(millis(lease.live))
+            .bind(millis(lease.heartbeat))
+            .execute(pool)
+            .await?;
+        Ok(lease.live)
+    }
+
+    /// Renews on `own` (connected to `pool`'s database on first use).
+    pub(super) async fn heartbeat(
+        &self,
+        pool: &MySqlPool,
+        own: &mut Option<MySqlConnection>,
+        id: InstanceId,
+        lease: Lease,
+    ) -> Result<Option<Duration>> {
+        let conn = match own {
+            Some(conn) => conn,
+            None => own.insert(MySqlConnection::connect_with(&pool.connect_options()).await?),
+        };
+        let renewed =
+            sqlx::query(statement(&self.heartbeat)).bind(millis(lease.live)).bind(id).execute(conn).await?.rows_affected();
+        Ok((renewed > 0).then_some(lease.live))
+    }
+
+    pub(super) async fn deregister(&self, pool: &MySqlPool, id: InstanceId) -> Result<()> {
+        sqlx::query(statement(&self.deregister)).bind(id).execute(pool).await?;
+        Ok(())
+    }
+
+    pub(super) async fn reap(&self, pool: &MySqlPool, grace: Duration) -> Result<u64> {
+        Ok(sqlx::query(statement(&self.reap)).bind(millis(grace)).execute(pool).await?.rows_affected())
+    }
+
+    pub(super) async fn acquire(&self, pool: &MySqlPool, me: InstanceId) -> Result<Vec<Taken>> {
+        let mut tx = pool.begin().await?;
+        let taken: Vec<Taken> =
+            sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).fetch_all(&mut *tx).await?;
+        if !taken.is_empty() {
+            let partitions: Vec<i16> = taken.iter().map(|t| i16::from(t.partition)).collect();
+            sqlx::query(statement(&self.take)).bind(me).bind(json(&partitions)?).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(taken)
+    }
+
+    pub(super) async fn owned(&self, pool: &MySqlPool, me: InstanceId) -> Result<Epochs> {
+        let rows: Vec<Held> = sqlx::query_as(statement(&self.owned)).bind(me).fetch_all(pool).await?;
+        Ok(rows.into_iter().map(|h| (h.partition, h.epoch)).collect())
+    }
+
+    pub(super) async fn release(&self, pool: &MySqlPool, me: InstanceId, held: &Epochs) -> Result<Vec<Partition>> {
+        let held: Vec<(i16, i64)> = held.iter().map(|(&p, e)| (i16::from(p), e.0)).collect();
+        let mut tx = pool.begin().await?;
+        let rows: Vec<PartitionOnly> =
+            sqlx::query_as(statement(&self.releasable)).bind(json(&held)?).bind(me).fetch_all(&mut *tx).await?;
+        let released: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
+        if !released.is_empty() {
+            let partitions: Vec<i16> = released.iter().map(|&p| i16::from(p)).collect();
+            sqlx::query(statement(&self.release)).bind(json(&partitions)?).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(released)
+    }
+
+    pub(super) async fn partitions(&self, pool: &MySqlPool) -> Result<Vec<PartitionRow>> {
+        Ok(sqlx::query_as(statement(&self.partitions)).fetch_all(pool).await?)
+    }
+
+    pub(super) async fn live(&self, pool: &MySqlPool) -> Result<Vec<InstanceId>> {
+        Ok(sqlx::query_scalar(statement(&self.live)).fetch_all(pool).await?)
+    }
+
+    pub(super) async fn set_targets(&self, pool: &MySqlPool, targets: &Targets) -> Result<Vec<Partition>> {
+        let targets: Vec<(i16, String)> =
+            targets.iter().map(|(&p, owner)| (i16::from(p), owner.0.simple().to_string())).collect();
+        let targets = json(&targets)?;
+        let mut tx = pool.begin().await?;
+        let rows: Vec<PartitionOnly> =
+            sqlx::query_as(statement(&self.changed_targets)).bind(&targets).fetch_all(&mut *tx).await?;
+        if !rows.is_empty() {
+            sqlx::query(statement(&self.set_targets)).bind(&targets).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(rows.into_iter().map(|r| r.partition).collect())
+    }
+
+    pub(super) async fn drain(&self, pool: &MySqlPool, me: InstanceId) -> Result<()> {
+        sqlx::query(statement(&self.drain)).bind(me).execute(pool).await?;
+        Ok(())
+    }
+
+    pub(super) async fn instances(&self, pool: &MySqlPool) -> Result<Vec<InstanceInfo>> {
+        Ok(sqlx::query_as(statement(&self.instances)).fetch_all(pool).await?)
+    }
+}

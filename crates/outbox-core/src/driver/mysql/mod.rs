@@ -1,0 +1,332 @@
+//! The MySQL driver (MariaDB 10.6+ and MySQL 8.0+; tested on MariaDB): its statements
+//! (`statements.rs`) and how they run. Each key's writers serialise on the key's lock row, whose
+//! `AUTO_INCREMENT`-numbered records therefore follow commit order; every worker write locks its
+//! partitions' rows `LOCK IN SHARE MODE` at the (owner, epoch) it holds; times are the server's UTC clock.
+
+mod statements;
+
+use std::collections::BTreeSet;
+use std::str::FromStr;
+use std::time::Duration;
+
+use base64::Engine;
+use futures::TryStreamExt;
+use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError};
+use sqlx::{AssertSqlSafe, Connection, MySqlConnection, MySqlPool};
+use tracing::info;
+use uuid::Uuid;
+
+use self::statements::MIGRATIONS_TABLE;
+pub use self::statements::{MySqlStatements, NOW, render};
+use super::{ConnectOptions, Driver, count, millis, statement};
+use crate::error::{Error, Result};
+use crate::migrate::{Migration, check_applied, checksum};
+use crate::stored::{
+    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Runs, StatsRow, Verdict,
+    Written,
+};
+
+/// The migrations of the MySQL schema, in order (`{s}` is the table prefix, `{bin}` the key collation).
+pub const MIGRATIONS: &[Migration] =
+    &[Migration { version: 1, name: "initial", sql: include_str!("../../../../../migrations/mysql/0001_initial.sql") }];
+
+/// How long a migrator waits for another one of the same schema (`GET_LOCK`).
+const MIGRATION_LOCK_WAIT_SECS: i64 = 300;
+
+pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<MySqlPool> {
+    let server = MySqlConnectOptions::from_str(url).map_err(Error::BadUrl)?;
+    let database = format!("MySQL at {}:{}", server.get_host(), server.get_port());
+    super::sized(options).connect_with(server).await.map_err(|source| Error::Connect { database, source })
+}
+
+/// Deadlock (1213), lock wait timeout (1205), too many connections (1040), server shutdown (1053),
+/// connection killed (1927) and query interrupted (1317) are worth retrying. `None`: not a MySQL error.
+pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
+    let db = db.try_downcast_ref::<MySqlDatabaseError>()?;
+    Some(matches!(db.number(), 1040 | 1053 | 1205 | 1213 | 1317 | 1927 | 4031))
+}
+
+/// 1146 no such table. `None`: not a MySQL error.
+pub(super) fn is_not_migrated(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
+    let db = db.try_downcast_ref::<MySqlDatabaseError>()?;
+    Some(db.number() == 1146)
+}
+
+/// `sql` with PostgreSQL-style `$1`, `$2`, … (outside quotes) as MySQL's `?`, and the argument each `?`
+/// takes, so the application writes one statement for every backend.
+pub(super) fn positional(sql: &str) -> Result<(String, Vec<usize>)> {
+    let (mut text, mut order) = (String::with_capacity(sql.len()), Vec::new());
+    let mut chars = sql.chars().peekable();
+    let mut quote: Option<char> = None;
+    while let Some(c) = chars.next() {
+        match quote {
+            Some(q) => {
+                if c == q {
+                    quote = None;
+                }
+                text.push(c);
+            }
+            None if matches!(c, '\'' | '"' | '`') => {
+                quote = Some(c);
+                text.push(c);
+            }
+            None if c == '$' && chars.peek().is_some_and(char::is_ascii_digit) => {
+                let mut n = 0_usize;
+                while let Some(d) = chars.peek().and_then(|d| d.to_digit(10)) {
+                    n = n * 10 + d as usize;
+                    chars.next();
+                }
+                if n == 0 {
+                    return Err(Error::Database(sqlx::Error::Protocol("parameter $0 in a statement".into())));
+                }
+                order.push(n - 1);
+                text.push('?');
+            }
+            None => text.push(c),
+        }
+    }
+    Ok((text, order))
+}
+
+fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
+    serde_json::to_string(value).map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))
+}
+
+fn hex(id: Uuid) -> String {
+    id.simple().to_string()
+}
+
+/// Whether the server is MariaDB (else MySQL): their names for a key's collation differ.
+async fn is_mariadb(conn: &mut MySqlConnection) -> Result<bool> {
+    let version: String = sqlx::query_scalar("SELECT VERSION()").fetch_one(conn).await?;
+    Ok(version.contains("MariaDB"))
+}
+
+/// Inserts records on the caller's connection (see `Conn::schedule`): their keys' lock rows first, then
+/// the records, then the numbers they were given, in a transaction of sqlx's own (a savepoint inside the
+/// caller's transaction), which sqlx rolls back if this future is dropped half way.
+pub(super) async fn schedule(
+    conn: &mut MySqlConnection,
+    s: &MySqlStatements,
+    rows: &[NewRow<'_>],
+) -> Result<Vec<(Uuid, i64)>> {
+    let keys: BTreeSet<(&str, i16)> = rows.iter().map(|r| (r.key, i16::from(r.partition))).collect();
+    let records: Vec<(String, i16, &str, &str, String, &str)> = rows
+        .iter()
+        .map(|r| {
+            let payload = base64::engine::general_purpose::STANDARD.encode(r.payload);
+            (hex(r.id), i16::from(r.partition), r.key, r.event_type, payload, r.headers.as_str())
+        })
+        .collect();
+    let ids: Vec<String> = rows.iter().map(|r| hex(r.id)).collect();
+    let mut tx = conn.begin().await?;
+    sqlx::query(statement(&s.lock_keys)).bind(json(&keys)?).execute(&mut *tx).await?;
+    sqlx::query(statement(&s.insert)).bind(json(&records)?).execute(&mut *tx).await?;
+    let numbers: Vec<(Uuid, i64)> = sqlx::query_as(statement(&s.numbers)).bind(json(&ids)?).fetch_all(&mut *tx).await?;
+    tx.commit().await?;
+    let numbers: std::collections::HashMap<Uuid, i64> = numbers.into_iter().collect();
+    rows.iter()
+        .map(|r| {
+            numbers.get(&r.id).map(|&seq| (r.id, seq)).ok_or_else(|| {
+                Error::Database(sqlx::Error::Protocol(format!("record {} was not numbered at insert", r.id)))
+            })
+        })
+        .collect()
+}
+
+impl Driver<'_, MySqlPool, MySqlStatements> {
+    /// Applies the missing migrations, one migrator of the schema at a time (`GET_LOCK`, held by this
+    /// connection). MySQL commits each DDL statement on its own, so a migration that fails half way is
+    /// not rolled back: its error names it, and it must be finished by hand.
+    pub(crate) async fn migrate(&self) -> Result<()> {
+        let schema = self.statements.schema.as_str();
+        let mut conn = self.pool.acquire().await?;
+        let lock = format!("outbox_migrate_{schema}");
+        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
+            .bind(&lock)
+            .bind(MIGRATION_LOCK_WAIT_SECS)
+            .fetch_one(&mut *conn)
+            .await?;
+        if locked != Some(1) {
+            return Err(Error::Database(sqlx::Error::Protocol(format!(
+                "another migrator held {lock} for {MIGRATION_LOCK_WAIT_SECS} s"
+            ))));
+        }
+        let applied = self.apply(&mut conn, schema).await;
+        let released = sqlx::query("SELECT RELEASE_LOCK(?)").bind(&lock).execute(&mut *conn).await;
+        applied?;
+        released?;
+        Ok(())
+    }
+
+    async fn apply(&self, conn: &mut MySqlConnection, schema: &str) -> Result<()> {
+        sqlx::query(AssertSqlSafe(render(MIGRATIONS_TABLE, schema))).execute(&mut *conn).await?;
+        let applied: Vec<(i64, i64)> =
+            sqlx::query_as(AssertSqlSafe(format!("SELECT version, checksum FROM {schema}_schema_migrations")))
+                .fetch_all(&mut *conn)
+                .await?;
+        check_applied(schema, &applied, MIGRATIONS)?;
+        let collation = if is_mariadb(conn).await? { "utf8mb4_nopad_bin" } else { "utf8mb4_0900_bin" };
+        for m in MIGRATIONS.iter().filter(|m| !applied.iter().any(|&(v, _)| v == m.version)) {
+            let sql = render(m.sql, schema).replace("{bin}", collation);
+            sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await?;
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {schema}_schema_migrations (version, name, checksum) VALUES (?, ?, ?)"
+            )))
+            .bind(m.version)
+            .bind(m.name)
+            .bind(checksum(m.sql))
+            .execute(&mut *conn)
+            .await?;
+            info!(schema, version = m.version, name = m.name, "applied outbox migration (MySQL)");
+        }
+        Ok(())
+    }
+
+    /// One statement, one snapshot; the byte budget holds while the rows stream in ([`Runs`]).
+    pub(crate) async fn fetch(&self, request: &Request) -> Result<Found> {
+        let served: Vec<(i16, i64, &str, bool)> = request
+            .partitions
+            .iter()
+            .map(|(p, epoch, after)| (i16::from(*p), epoch.0, after.as_deref().unwrap_or(""), after.is_some()))
+            .collect();
+        let partitions: Vec<i16> = served.iter().map(|s| s.0).collect();
+        // MariaDB and MySQL stop a recursion after 1,000 steps by default; a run is cut shorter instead.
+        let followers = count(request.followers.min(999));
+        let sql = self.statements.fetch(&partitions);
+        let mut rows = sqlx::query_as::<_, FetchedRow>(AssertSqlSafe(sql))
+            .bind(json(&served)?)
+            .bind(request.instance)
+            .bind(request.instance)
+            .bind(json(&request.exclude)?)
+            .bind(count(request.limit))
+            .bind(followers)
+            .fetch(self.pool);
+        let mut runs = Runs::default();
+        while let Some(row) = rows.try_next().await? {
+            runs.push(row, request.budget);
+        }
+        runs.found(request)
+    }
+
+    /// One transaction: the grants checked and locked, then the completions of those that hold in three
+    /// set statements, then their failures one statement each.
+    pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
+        let s = self.statements;
+        let mut written = Written::default();
+        let grants: BTreeSet<_> = outcomes.iter().map(|o| o.grant()).collect();
+        let grants: Vec<(i16, String, i64)> =
+            grants.into_iter().map(|(p, instance, epoch)| (i16::from(p), hex(instance.0), epoch.0)).collect();
+        let mut tx = self.pool.begin().await?;
+        let held: Vec<(i16, crate::InstanceId, crate::Epoch)> =
+            sqlx::query_as(statement(&s.fence)).bind(json(&grants)?).fetch_all(&mut *tx).await?;
+        for (p, instance, epoch) in held {
+            if let Ok(p) = crate::partition::Partition::try_from(p) {
+                written.held.insert((p, instance, epoch));
+            }
+        }
+        let holds = |o: &&Outcome| written.held.contains(&o.grant());
+        let done: Vec<(String, i32, &str)> = outcomes
+            .iter()
+            .filter(holds)
+            .filter(|o| o.verdict.completes())
+            .map(|o| (hex(o.id), o.attempts, o.verdict.completed_as()))
+            .collect();
+        if !done.is_empty() {
+            let done = json(&done)?;
+            let found: Vec<(Uuid,)> = sqlx::query_as(statement(&s.lock_done)).bind(&done).fetch_all(&mut *tx).await?;
+            if let Some(keep) = &s.keep {
+                sqlx::query(statement(keep)).bind(&done).execute(&mut *tx).await?;
+            }
+            sqlx::query(statement(&s.delete)).bind(&done).execute(&mut *tx).await?;
+            written.ids.extend(found.into_iter().map(|(id,)| id));
+        }
+        let failures: Vec<&Outcome> = outcomes.iter().filter(holds).filter(|o| !o.verdict.completes()).collect();
+        for o in failures {
+            let (error, delay, failed) = match &o.verdict {
+                Verdict::Retry { delay, error } => (error.as_str(), *delay, false),
+                Verdict::Failed { error } => (error.as_str(), Duration::ZERO, true),
+                Verdict::Delivered | Verdict::Fallback => continue,
+            };
+            let updated = sqlx::query(statement(&s.fail))
+                .bind(o.attempts)
+                .bind(error)
+                .bind(failed)
+                .bind(millis(delay))
+                .bind(failed)
+                .bind(o.id)
+                .bind(o.requeues)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if updated > 0 {
+                written.ids.insert(o.id);
+            }
+        }
+        tx.commit().await?;
+        Ok(written)
+    }
+
+    pub(crate) async fn failed(&self, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
+        let partition = filter.partition.map(i16::from);
+        Ok(sqlx::query_as(statement(&self.statements.list_failed))
+            .bind(filter.key.as_deref())
+            .bind(filter.key.as_deref())
+            .bind(partition)
+            .bind(partition)
+            .bind(filter.limit.unwrap_or(100))
+            .fetch_all(self.pool)
+            .await?)
+    }
+
+    pub(crate) async fn requeue(&self, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
+        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key);
+        Ok(query.execute(self.pool).await?.rows_affected())
+    }
+
+    pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(statement(&self.statements.skip_keep)).bind(id).execute(&mut *tx).await?;
+        let deleted = sqlx::query(statement(&self.statements.skip_delete)).bind(id).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(deleted.rows_affected() > 0)
+    }
+
+    pub(crate) async fn stats(&self) -> Result<Vec<PartitionStats>> {
+        let rows: Vec<StatsRow> = sqlx::query_as(statement(&self.statements.stats)).fetch_all(self.pool).await?;
+        Ok(rows.into_iter().map(PartitionStats::from).collect())
+    }
+
+    pub(crate) async fn purge(&self, retention: Duration, limit: usize) -> Result<u64> {
+        let query = sqlx::query(statement(&self.statements.purge)).bind(millis(retention)).bind(count(limit));
+        Ok(query.execute(self.pool).await?.rows_affected())
+    }
+
+    pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
+        let mut tx = self.pool.begin().await?;
+        let keys: Vec<String> =
+            sqlx::query_scalar(statement(&self.statements.prunable_keys)).bind(count(limit)).fetch_all(&mut *tx).await?;
+        let pruned = if keys.is_empty() {
+            0
+        } else {
+            let query = sqlx::query(statement(&self.statements.delete_keys)).bind(json(&keys)?);
+            query.execute(&mut *tx).await?.rows_affected()
+        };
+        tx.commit().await?;
+        Ok(pruned)
+    }
+}
+
+/// A fresh, empty database on the test server (`MYSQL_URL`, by default MariaDB on loopback as root),
+/// for the test suites of this workspace; `./scripts/test.sh` drops the `outbox_t_…` databases of
+/// earlier runs. Panics when the server does not answer.
+#[doc(hidden)]
+#[allow(clippy::unwrap_used)]
+pub async fn test_database() -> super::Db {
+    let base = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".into());
+    let name = format!("outbox_t_{}", Uuid::now_v7().simple());
+    let mut admin = MySqlConnection::connect(&base).await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&mut admin).await.unwrap();
+    let url = format!("{base}/{name}");
+    super::Db::MySql(sqlx::mysql::MySqlPoolOptions::new().max_connections(8).connect(&url).await.unwrap())
+}

@@ -1,0 +1,225 @@
+//! MySQL's statements, written with `{s}` for the table prefix, and built once per
+//! [`Outbox`](crate::Outbox). Lists travel as one JSON argument each, opened with `JSON_TABLE`; keys in
+//! them are `VARBINARY`, so every comparison with a key is byte for byte. `key` and `partition` are
+//! reserved words, always quoted.
+
+use std::sync::Arc;
+
+/// The server's clock, UTC, as the tables store times.
+pub const NOW: &str = "UTC_TIMESTAMP(6)";
+
+pub(super) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}_schema_migrations (
+    version    BIGINT       NOT NULL PRIMARY KEY,
+    name       VARCHAR(256) NOT NULL,
+    checksum   BIGINT       NOT NULL,
+    applied_at DATETIME(6)  NOT NULL DEFAULT (UTC_TIMESTAMP(6))
+) ENGINE = InnoDB";
+
+/// Upserts the lock rows of the keys in `?` (JSON `[[key, partition], …]`, sorted, so two writers take
+/// their locks in one order): each row stays locked until the caller's transaction ends.
+const LOCK_KEYS: &str = "INSERT INTO {s}_keys (`key`, `partition`)
+SELECT j.k, j.p FROM JSON_TABLE(?, '$[*]' COLUMNS (
+    k VARCHAR(512) CHARACTER SET utf8mb4 PATH '$[0]', p SMALLINT PATH '$[1]')) j
+ON DUPLICATE KEY UPDATE `partition` = {s}_keys.`partition`";
+
+/// Inserts the records of `?` (JSON `[[hex id, partition, key, type, base64 payload, headers], …]`) in
+/// batch order, so the table's AUTO_INCREMENT numbers them in that order.
+const INSERT: &str = "INSERT INTO {s}_records (id, `partition`, `key`, event_type, payload, headers)
+SELECT UNHEX(j.id), j.p, j.k, j.t, FROM_BASE64(j.payload), j.h FROM JSON_TABLE(?, '$[*]' COLUMNS (
+    ord FOR ORDINALITY, id CHAR(32) PATH '$[0]', p SMALLINT PATH '$[1]',
+    k VARCHAR(512) CHARACTER SET utf8mb4 PATH '$[2]', t VARCHAR(256) CHARACTER SET utf8mb4 PATH '$[3]',
+    payload LONGTEXT PATH '$[4]', h LONGTEXT CHARACTER SET utf8mb4 PATH '$[5]')) j
+ORDER BY j.ord";
+
+/// The numbers the records of `?` (JSON array of hex ids) were given.
+const NUMBERS: &str = "SELECT r.id, r.seq FROM {s}_records r
+JOIN JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$')) j ON r.id = UNHEX(j.id)";
+
+const COLS: &str = "r.id, r.`partition`, r.`key`, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at";
+
+const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= UTC_TIMESTAMP(6)))";
+
+/// The fetch (see `Db::fetch`): `?` served partitions (JSON `[[partition, epoch, start key, wraps], …]`
+/// in serving order), `?` `?` the instance (fence and lease), `?` keys in flight (JSON), `?` heads at
+/// most, `?` followers per head. `{partitions}` lists the requested partitions (numbers, in the text so
+/// that the range optimiser sees them). MariaDB has no lateral join and cannot seek by a correlated
+/// value, so the keys come from its loose index scan (`GROUP BY` on the index prefix: one probe per key,
+/// so the cost grows with the keys of the served partitions, not their records); each head's followers
+/// are a chain of index probes, each from the key's start (followers² index entries per head).
+const FETCH: &str = "WITH RECURSIVE served AS (
+    SELECT a.i, a.part, a.after, a.wraps
+    FROM JSON_TABLE(?, '$[*]' COLUMNS (i FOR ORDINALITY, part SMALLINT PATH '$[0]', epoch BIGINT PATH '$[1]',
+        after VARBINARY(2048) PATH '$[2]', wraps INT PATH '$[3]')) a
+    JOIN {s}_partitions p ON p.`partition` = a.part AND p.epoch = a.epoch AND p.owner = ?
+    WHERE EXISTS (SELECT 1 FROM {s}_instances l WHERE l.id = ? AND l.expires_at > UTC_TIMESTAMP(6))
+), keyed AS (
+    SELECT r.`partition`, r.`key`, MIN(r.seq) AS seq FROM {s}_records r
+    WHERE r.`partition` IN ({partitions}) GROUP BY r.`partition`, r.`key`
+), heads AS (
+    SELECT k.`partition`, k.`key`, {head_seq} AS seq,
+        CAST(ROW_NUMBER() OVER (ORDER BY s.i, s.wraps AND k.`key` <= s.after, k.`key`) AS SIGNED) AS walk
+    FROM keyed k JOIN served s ON s.part = k.`partition`
+    WHERE (k.`key` > s.after OR s.wraps)
+      AND k.`key` NOT IN (SELECT x.k FROM JSON_TABLE(?, '$[*]' COLUMNS (k VARBINARY(2048) PATH '$')) x)
+      AND {serve}
+    ORDER BY walk LIMIT ?
+), chain AS (
+    SELECT heads.`partition`, heads.`key`, heads.seq, heads.walk, 0 AS depth FROM heads
+    UNION ALL
+    SELECT c.`partition`, c.`key`, (SELECT x.seq FROM {s}_records x
+        WHERE x.`partition` = c.`partition` AND x.`key` = c.`key` AND x.seq > c.seq ORDER BY x.seq LIMIT 1),
+        c.walk, c.depth + 1
+    FROM chain c WHERE c.seq IS NOT NULL AND c.depth < ?
+)
+SELECT {cols}, {due} AS due, IF(c.depth = 0, c.walk, NULL) AS walk
+FROM chain c JOIN {s}_records r ON r.`partition` = c.`partition` AND r.`key` = c.`key` AND r.seq = c.seq";
+
+/// With stop-on-first-failure, a key's head is its lowest sequence, served if due.
+const HEAD_LOWEST: &str = "k.seq";
+const SERVE_HEAD_DUE: &str = "EXISTS (SELECT 1 FROM {s}_records r
+    WHERE r.`partition` = k.`partition` AND r.`key` = k.`key` AND r.seq = k.seq AND {due})";
+
+/// Without, its lowest due sequence, served if there is one.
+const HEAD_LOWEST_DUE: &str = "(SELECT r.seq FROM {s}_records r
+    WHERE r.`partition` = k.`partition` AND r.`key` = k.`key` AND {due} ORDER BY r.seq LIMIT 1)";
+const SERVE_ANY_DUE: &str = "EXISTS (SELECT 1 FROM {s}_records r
+    WHERE r.`partition` = k.`partition` AND r.`key` = k.`key` AND {due})";
+
+/// The fence: the grants of `?` (JSON `[[partition, hex owner, epoch], …]`) the partitions' rows still
+/// show, locked against change until commit.
+const FENCE: &str = "SELECT p.`partition`, p.owner, p.epoch FROM {s}_partitions p
+JOIN JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]', epoch BIGINT PATH '$[2]')) g
+    ON p.`partition` = g.part AND p.owner = UNHEX(g.owner) AND p.epoch = g.epoch
+LOCK IN SHARE MODE";
+
+/// The completed records of `?` (JSON `[[hex id, attempts, outcome], …]`) still there, locked.
+const LOCK_DONE: &str = "SELECT r.id FROM {s}_records r
+JOIN JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]')) j ON r.id = UNHEX(j.id)
+FOR UPDATE";
+
+const KEEP: &str =
+    "INSERT INTO {s}_completed (id, `partition`, `key`, seq, event_type, payload, headers, created_at, attempts, outcome)
+SELECT r.id, r.`partition`, r.`key`, r.seq, r.event_type, r.payload, r.headers, r.created_at, j.attempts, j.outcome
+FROM {s}_records r JOIN JSON_TABLE(?, '$[*]' COLUMNS (
+    id CHAR(32) PATH '$[0]', attempts INT PATH '$[1]', outcome VARCHAR(16) PATH '$[2]')) j ON r.id = UNHEX(j.id)";
+
+const DELETE: &str = "DELETE FROM {s}_records WHERE id IN (
+    SELECT UNHEX(j.id) FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]')) j)";
+
+/// A retry at now + `?` ms, or FAILED, of a pending record not requeued since it was fetched: a late
+/// retry of this write never undoes an operator's requeue. Binds: attempts, error, failed, delay ms,
+/// failed, id, requeues.
+const FAIL: &str = "UPDATE {s}_records SET attempts = ?, last_error = ?,
+    next_attempt_at = IF(?, NULL, UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND),
+    failed_at = IF(?, UTC_TIMESTAMP(6), NULL)
+WHERE id = ? AND failed_at IS NULL AND requeues = ?";
+
+/// Binds: key, key, partition, partition, limit.
+const LIST_FAILED: &str = "SELECT id, `partition`, `key`, seq, event_type, attempts, requeues, last_error, created_at, failed_at
+FROM {s}_records
+WHERE failed_at IS NOT NULL AND (? IS NULL OR `key` = ?) AND (? IS NULL OR `partition` = ?)
+ORDER BY `partition`, `key`, seq LIMIT ?";
+
+/// Binds: id, key.
+const REQUEUE: &str =
+    "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
+WHERE failed_at IS NOT NULL AND (id = ? OR `key` = ?)";
+
+const SKIP_KEEP: &str =
+    "INSERT INTO {s}_completed (id, `partition`, `key`, seq, event_type, payload, headers, created_at, attempts, outcome)
+SELECT id, `partition`, `key`, seq, event_type, payload, headers, created_at, attempts, 'skipped'
+FROM {s}_records WHERE id = ? AND failed_at IS NOT NULL";
+
+const SKIP_DELETE: &str = "DELETE FROM {s}_records WHERE id = ? AND failed_at IS NOT NULL";
+
+const STATS: &str = "SELECT `partition`,
+    CAST(SUM(failed_at IS NULL) AS SIGNED) AS pending,
+    CAST(SUM(failed_at IS NOT NULL) AS SIGNED) AS failed,
+    TIMESTAMPDIFF(MICROSECOND, MIN(IF(failed_at IS NULL, created_at, NULL)), UTC_TIMESTAMP(6)) / 1e6 AS oldest_pending_secs
+FROM {s}_records GROUP BY `partition` ORDER BY `partition`";
+
+/// Binds: retention ms, limit.
+const PURGE: &str = "DELETE FROM {s}_completed WHERE completed_at < UTC_TIMESTAMP(6) - INTERVAL (? * 1000) MICROSECOND
+ORDER BY completed_at LIMIT ?";
+
+/// At most `?` key lock rows whose key has no record left, skipping those a writer holds; locked.
+const PRUNABLE_KEYS: &str = "SELECT k.`key` FROM {s}_keys k
+WHERE NOT EXISTS (SELECT 1 FROM {s}_records r WHERE r.`partition` = k.`partition` AND r.`key` = k.`key`)
+LIMIT ? FOR UPDATE SKIP LOCKED";
+
+const DELETE_KEYS: &str = "DELETE FROM {s}_keys WHERE `key` IN (
+    SELECT x.k FROM JSON_TABLE(?, '$[*]' COLUMNS (k VARBINARY(2048) PATH '$')) x)";
+
+/// MySQL's statements, built for one table prefix and mode.
+#[derive(Debug)]
+pub struct MySqlStatements {
+    pub(super) schema: String,
+    pub(super) lock_keys: Arc<str>,
+    pub(super) insert: Arc<str>,
+    pub(super) numbers: Arc<str>,
+    /// The fetch around its list of partitions: `fetch.0`, the list, `fetch.1`.
+    pub(super) fetch: (String, String),
+    pub(super) fence: Arc<str>,
+    pub(super) lock_done: Arc<str>,
+    pub(super) keep: Option<Arc<str>>,
+    pub(super) delete: Arc<str>,
+    pub(super) fail: Arc<str>,
+    pub(super) list_failed: Arc<str>,
+    pub(super) requeue: Arc<str>,
+    pub(super) skip_keep: Arc<str>,
+    pub(super) skip_delete: Arc<str>,
+    pub(super) stats: Arc<str>,
+    pub(super) purge: Arc<str>,
+    pub(super) prunable_keys: Arc<str>,
+    pub(super) delete_keys: Arc<str>,
+}
+
+/// Renders a MySQL statement: `{s}` becomes the table prefix (the configured schema name), `{now}` the
+/// server's clock as the tables store it, `{cols}` the record columns, `{due}` the due test of `r`. For
+/// crates that add statements over the outbox tables (`outbox-cluster`).
+pub fn render(text: &str, schema: &str) -> String {
+    text.replace("{cols}", COLS).replace("{due}", DUE).replace("{now}", NOW).replace("{s}", schema)
+}
+
+impl MySqlStatements {
+    /// `schema` must already be validated as an identifier.
+    pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
+        let build = |text: &str| -> Arc<str> { render(text, schema).into() };
+        let (head_seq, serve) =
+            if stop_on_first_failure { (HEAD_LOWEST, SERVE_HEAD_DUE) } else { (HEAD_LOWEST_DUE, SERVE_ANY_DUE) };
+        let fetch = render(&FETCH.replace("{head_seq}", head_seq).replace("{serve}", serve), schema);
+        let (before, after) = fetch.split_once("{partitions}").unwrap_or((&fetch, ""));
+        Self {
+            schema: schema.to_string(),
+            lock_keys: build(LOCK_KEYS),
+            insert: build(INSERT),
+            numbers: build(NUMBERS),
+            fetch: (before.to_string(), after.to_string()),
+            fence: build(FENCE),
+            lock_done: build(LOCK_DONE),
+            keep: keep_completed.then(|| build(KEEP)),
+            delete: build(DELETE),
+            fail: build(FAIL),
+            list_failed: build(LIST_FAILED),
+            requeue: build(REQUEUE),
+            skip_keep: build(SKIP_KEEP),
+            skip_delete: build(SKIP_DELETE),
+            stats: build(STATS),
+            purge: build(PURGE),
+            prunable_keys: build(PRUNABLE_KEYS),
+            delete_keys: build(DELETE_KEYS),
+        }
+    }
+
+    /// The fetch for `partitions` (their numbers in the text; the same list gives the same text, which
+    /// sqlx prepares once).
+    pub(super) fn fetch(&self, partitions: &[i16]) -> String {
+        let mut sorted = partitions.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let list: Vec<String> = sorted.iter().map(i16::to_string).collect();
+        // An empty list would be a syntax error; -1 matches no partition.
+        let list = if list.is_empty() { "-1".to_string() } else { list.join(",") };
+        format!("{}{list}{}", self.fetch.0, self.fetch.1)
+    }
+}
