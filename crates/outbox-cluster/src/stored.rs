@@ -73,7 +73,9 @@ pub(crate) struct Lease {
     pub(crate) heartbeat: Duration,
 }
 
-/// A lease's remaining time as the statements return it (ms, negative once expired).
+/// A lease's remaining time as the statements return it (ms, negative once expired). (MySQL's driver
+/// knows it without asking: it has no `RETURNING`.)
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn remaining(ms: i64) -> Duration {
     Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }

@@ -125,12 +125,14 @@ impl Found {
 /// Runs cut to the byte budget while a fetch's rows stream in, for drivers whose statement cannot cut
 /// them itself: a key keeps its head and then its lowest sequences while their payloads fit, so a fetch
 /// never holds more than the budget per key plus one payload.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
 #[derive(Default)]
 pub(crate) struct Runs {
     by_key: std::collections::HashMap<String, Run>,
 }
 
 /// One key's rows while a fetch streams in.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
 #[derive(Default)]
 struct Run {
     rows: Vec<FetchedRow>,
@@ -139,6 +141,7 @@ struct Run {
     cut: Option<i64>,
 }
 
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
 impl Runs {
     /// Takes one row, arriving in any order. Dropping the highest until the run fits, and every later
     /// arrival at or above a dropped sequence, leaves a gapless run from the head holding all the

@@ -16,21 +16,31 @@ use uuid::Uuid;
 
 use crate::{Context, Failure};
 
-/// The demo's business tables (the same SQL on PostgreSQL and SQLite).
+/// The demo's business tables: one SQL text for every backend, with `{id}`, `{uuid}` and `{time}` for
+/// the three column types whose names differ ([`column_types`]).
 const TABLES: &str = "
 CREATE TABLE IF NOT EXISTS demo_orders (
-    id         text        PRIMARY KEY,
-    status     text        NOT NULL,
-    updated_at timestamptz NOT NULL DEFAULT CURRENT_TIMESTAMP
+    id         {id}   PRIMARY KEY,
+    status     {id}   NOT NULL,
+    updated_at {time} NOT NULL DEFAULT CURRENT_TIMESTAMP
 );
 CREATE TABLE IF NOT EXISTS demo_order_events (
-    event_id     uuid        PRIMARY KEY,
-    order_id     text        NOT NULL,
-    seq          integer     NOT NULL,
-    step         text        NOT NULL,
-    committed_at timestamptz NOT NULL DEFAULT CURRENT_TIMESTAMP,
+    event_id     {uuid} PRIMARY KEY,
+    order_id     {id}   NOT NULL,
+    seq          integer NOT NULL,
+    step         {id}   NOT NULL,
+    committed_at {time} NOT NULL DEFAULT CURRENT_TIMESTAMP,
     UNIQUE (order_id, seq)
 )";
+
+/// The names of a short text key, a UUID and a point in time on `db`'s backend (MySQL indexes no
+/// unbounded text and has no UUID or zoned time type).
+fn column_types(db: &Db) -> [(&'static str, &'static str); 3] {
+    match db.backend() {
+        "mysql" => [("{id}", "VARCHAR(64)"), ("{uuid}", "BINARY(16)"), ("{time}", "TIMESTAMP(6)")],
+        _ => [("{id}", "text"), ("{uuid}", "uuid"), ("{time}", "timestamptz")],
+    }
+}
 
 /// Databases from the first demo version (PostgreSQL only) lack this column.
 const HAS_UPDATED_AT: &str = "SELECT updated_at FROM demo_orders LIMIT 0";
@@ -39,15 +49,18 @@ const ADD_UPDATED_AT: &str =
 
 /// Creates the demo's tables if they do not exist.
 pub async fn create_tables(db: &Db) -> Result<(), Failure> {
-    db.execute_script(TABLES).await?;
+    let tables = column_types(db).iter().fold(TABLES.to_string(), |sql, (name, ty)| sql.replace(name, ty));
+    db.execute_script(sqlx::AssertSqlSafe(tables)).await?;
     if db.execute(HAS_UPDATED_AT, &[]).await.is_err() {
         db.execute(ADD_UPDATED_AT, &[]).await?;
     }
     Ok(())
 }
 
-const UPSERT_ORDER: &str = "INSERT INTO demo_orders (id, status) VALUES ($1, $2)
-ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status, updated_at = CURRENT_TIMESTAMP";
+/// An order's status: updated, or inserted when the update found no row (no upsert syntax is common
+/// to the three backends; an order has one producer, so the two cannot race).
+const UPDATE_ORDER: &str = "UPDATE demo_orders SET status = $2, updated_at = CURRENT_TIMESTAMP WHERE id = $1";
+const INSERT_ORDER: &str = "INSERT INTO demo_orders (id, status) VALUES ($1, $2)";
 
 const INSERT_EVENT: &str = "INSERT INTO demo_order_events (event_id, order_id, seq, step) VALUES ($1, $2, $3, $4)";
 
@@ -157,18 +170,32 @@ pub async fn produce(outbox: &Outbox, db: &Db, args: &ProduceArgs) -> Result<Pro
 }
 
 /// One business transaction: the order's status, its history row and its event; rolled back on request.
+/// A transaction that fails transiently (on MySQL, InnoDB may pick it as a deadlock victim) is run
+/// again from the start, as any application must.
 async fn place(outbox: &Outbox, db: &Db, order: &str, seq: u32, rollback: bool) -> Result<(), Failure> {
     let event = OrderEvent { event_id: Uuid::now_v7(), key: order.to_string(), seq, step: step(seq) };
-    let record = NewRecord::json(order, format!("order.{}", event.step), &event)?;
+    let mut attempt = 1;
+    loop {
+        match place_once(outbox, db, &event, rollback).await {
+            Err(e) if e.is_transient() && attempt < 5 => {
+                tracing::warn!(order, seq, attempt, error = %e, "order transaction failed; running it again");
+                attempt += 1;
+            }
+            done => return Ok(done?),
+        }
+    }
+}
+
+async fn place_once(outbox: &Outbox, db: &Db, event: &OrderEvent, rollback: bool) -> outbox_core::Result<()> {
+    let (order, seq) = (event.key.as_str(), event.seq);
+    let record = NewRecord::json(order, format!("order.{}", event.step), event)?;
     let mut tx = db.begin().await?;
-    tx.execute(UPSERT_ORDER, &[order.into(), event.step.as_str().into()]).await?;
+    let status = [order.into(), event.step.as_str().into()];
+    if tx.execute(UPDATE_ORDER, &status).await? == 0 {
+        tx.execute(INSERT_ORDER, &status).await?;
+    }
     let step = event.step.as_str();
     tx.execute(INSERT_EVENT, &[event.event_id.into(), order.into(), i64::from(seq).into(), step.into()]).await?;
     outbox.schedule(&mut tx, record).await?;
-    if rollback {
-        tx.rollback().await?
-    } else {
-        tx.commit().await?
-    }
-    Ok(())
+    if rollback { tx.rollback().await } else { tx.commit().await }
 }

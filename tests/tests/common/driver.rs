@@ -78,7 +78,9 @@ impl TestDb {
     pub async fn table_exists(&self, name: &str) -> bool {
         let sql = match self.db.backend() {
             "sqlite" => "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = $1",
-            "mysql" => "SELECT count(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = $1",
+            "mysql" => {
+                "SELECT count(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = $1"
+            }
             _ => "SELECT count(*) FROM information_schema.tables WHERE table_name = $1",
         };
         self.scalar::<i64>(sql, &[name.into()]).await > 0

@@ -21,7 +21,8 @@ VALUES (?, ?, {now} + INTERVAL (? * 1000) MICROSECOND, ?)";
 
 /// Renews a lease that has not expired (see the PostgreSQL statement). Binds: lease ms, id. No row
 /// matched: the lease had expired.
-const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + INTERVAL (? * 1000) MICROSECOND
+const HEARTBEAT: &str =
+    "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + INTERVAL (? * 1000) MICROSECOND
 WHERE id = ? AND expires_at > {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
@@ -37,9 +38,11 @@ WHERE p.target_owner = ? AND NOT (p.owner <=> ?)
   AND (p.owner IS NULL OR NOT EXISTS (SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))
 FOR UPDATE SKIP LOCKED";
 
-/// Takes the (locked) partitions of `?` (JSON array) for `?`, bumping their epochs.
-const TAKE: &str = "UPDATE {s}_partitions SET owner = ?, epoch = epoch + 1, changed_at = {now}
-WHERE `partition` IN (SELECT x.p FROM JSON_TABLE(?, '$[*]' COLUMNS (p SMALLINT PATH '$')) x)";
+/// Takes the (locked) partitions of `?` (JSON array) for `?`, bumping their epochs. Joins, here and
+/// below, find each row by its primary key (`IN (SELECT …)` read, and locked, every partition).
+const TAKE: &str = "UPDATE {s}_partitions p JOIN JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$')) t
+    ON p.`partition` = t.x
+SET p.owner = ?, p.epoch = p.epoch + 1, p.changed_at = {now}";
 
 const LIVE: &str = "SELECT id FROM {s}_instances WHERE expires_at > {now} AND NOT draining ORDER BY id";
 
@@ -64,8 +67,9 @@ JOIN JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', epoch BIGINT PATH 
     ON p.`partition` = r.part AND p.epoch = r.epoch
 WHERE p.owner = ? FOR UPDATE";
 
-const RELEASE: &str = "UPDATE {s}_partitions SET owner = NULL, epoch = epoch + 1, changed_at = {now}
-WHERE `partition` IN (SELECT x.p FROM JSON_TABLE(?, '$[*]' COLUMNS (p SMALLINT PATH '$')) x)";
+const RELEASE: &str = "UPDATE {s}_partitions p JOIN JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$')) t
+    ON p.`partition` = t.x
+SET p.owner = NULL, p.epoch = p.epoch + 1, p.changed_at = {now}";
 
 const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > {now} AS live,
     (SELECT count(*) FROM {s}_partitions p WHERE p.owner = i.id) AS partitions
@@ -92,8 +96,7 @@ pub(super) struct MySqlStatements {
 }
 
 fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
-    serde_json::to_string(value)
-        .map_err(|e| outbox_core::Error::Database(sqlx::Error::Encode(Box::new(e))).into())
+    serde_json::to_string(value).map_err(|e| outbox_core::Error::Database(sqlx::Error::Encode(Box::new(e))).into())
 }
 
 impl MySqlStatements {
@@ -120,7 +123,13 @@ impl MySqlStatements {
     }
 
     /// The lease runs from the insert's database time, so it has all of `lease.live` left.
-    pub(super) async fn register(&self, pool: &MySqlPool, id: InstanceId, name: &str, lease: Lease) -> Result<Duration> {
+    pub(super) async fn register(
+        &self,
+        pool: &MySqlPool,
+        id: InstanceId,
+        name: &str,
+        lease: Lease,
+    ) -> Result<Duration> {
         sqlx::query(statement(&self.register))
             .bind(id)
             .bind(name)
@@ -143,8 +152,12 @@ impl MySqlStatements {
             Some(conn) => conn,
             None => own.insert(MySqlConnection::connect_with(&pool.connect_options()).await?),
         };
-        let renewed =
-            sqlx::query(statement(&self.heartbeat)).bind(millis(lease.live)).bind(id).execute(conn).await?.rows_affected();
+        let renewed = sqlx::query(statement(&self.heartbeat))
+            .bind(millis(lease.live))
+            .bind(id)
+            .execute(conn)
+            .await?
+            .rows_affected();
         Ok((renewed > 0).then_some(lease.live))
     }
 
@@ -163,7 +176,7 @@ impl MySqlStatements {
             sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).fetch_all(&mut *tx).await?;
         if !taken.is_empty() {
             let partitions: Vec<i16> = taken.iter().map(|t| i16::from(t.partition)).collect();
-            sqlx::query(statement(&self.take)).bind(me).bind(json(&partitions)?).execute(&mut *tx).await?;
+            sqlx::query(statement(&self.take)).bind(json(&partitions)?).bind(me).execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(taken)

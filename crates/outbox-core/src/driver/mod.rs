@@ -383,7 +383,11 @@ fn mysql_positional<'a>(sql: impl SqlSafeStr, args: &[Value<'a>]) -> Result<(Ass
         .into_iter()
         .map(|i| {
             args.get(i).copied().ok_or_else(|| {
-                Error::Database(sqlx::Error::Protocol(format!("statement uses ${} but {} were bound", i + 1, args.len())))
+                Error::Database(sqlx::Error::Protocol(format!(
+                    "statement uses ${} but {} were bound",
+                    i + 1,
+                    args.len()
+                )))
             })
         })
         .collect::<Result<_>>()?;

@@ -141,19 +141,21 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     pub(crate) async fn migrate(&self) -> Result<()> {
         let schema = self.statements.schema.as_str();
         let mut conn = self.pool.acquire().await?;
-        let lock = format!("outbox_migrate_{schema}");
-        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
-            .bind(&lock)
+        // Named after database and schema (lock names are server-wide, at most 64 characters).
+        let lock = "CONCAT('outbox_migrate_', MD5(CONCAT(DATABASE(), '.', ?)))";
+        let locked: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT GET_LOCK({lock}, ?)")))
+            .bind(schema)
             .bind(MIGRATION_LOCK_WAIT_SECS)
             .fetch_one(&mut *conn)
             .await?;
         if locked != Some(1) {
             return Err(Error::Database(sqlx::Error::Protocol(format!(
-                "another migrator held {lock} for {MIGRATION_LOCK_WAIT_SECS} s"
+                "another migrator of schema {schema} held its lock for {MIGRATION_LOCK_WAIT_SECS} s"
             ))));
         }
         let applied = self.apply(&mut conn, schema).await;
-        let released = sqlx::query("SELECT RELEASE_LOCK(?)").bind(&lock).execute(&mut *conn).await;
+        let released =
+            sqlx::query(AssertSqlSafe(format!("SELECT RELEASE_LOCK({lock})"))).bind(schema).execute(&mut *conn).await;
         applied?;
         released?;
         Ok(())
@@ -304,14 +306,15 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 
     pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
         let mut tx = self.pool.begin().await?;
-        let keys: Vec<String> =
-            sqlx::query_scalar(statement(&self.statements.prunable_keys)).bind(count(limit)).fetch_all(&mut *tx).await?;
-        let pruned = if keys.is_empty() {
-            0
-        } else {
-            let query = sqlx::query(statement(&self.statements.delete_keys)).bind(json(&keys)?);
-            query.execute(&mut *tx).await?.rows_affected()
-        };
+        let keys: Vec<String> = sqlx::query_scalar(statement(&self.statements.prunable_keys))
+            .bind(count(limit))
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut pruned = 0;
+        for key in &keys {
+            let query = sqlx::query(statement(&self.statements.delete_key)).bind(key);
+            pruned += query.execute(&mut *tx).await?.rows_affected();
+        }
         tx.commit().await?;
         Ok(pruned)
     }

@@ -35,7 +35,8 @@ ORDER BY j.ord";
 const NUMBERS: &str = "SELECT r.id, r.seq FROM {s}_records r
 JOIN JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$')) j ON r.id = UNHEX(j.id)";
 
-const COLS: &str = "r.id, r.`partition`, r.`key`, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at";
+const COLS: &str =
+    "r.id, r.`partition`, r.`key`, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at";
 
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= UTC_TIMESTAMP(6)))";
 
@@ -103,8 +104,9 @@ SELECT r.id, r.`partition`, r.`key`, r.seq, r.event_type, r.payload, r.headers, 
 FROM {s}_records r JOIN JSON_TABLE(?, '$[*]' COLUMNS (
     id CHAR(32) PATH '$[0]', attempts INT PATH '$[1]', outcome VARCHAR(16) PATH '$[2]')) j ON r.id = UNHEX(j.id)";
 
-const DELETE: &str = "DELETE FROM {s}_records WHERE id IN (
-    SELECT UNHEX(j.id) FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]')) j)";
+/// A join, so each record is found by its primary key (`id IN (SELECT …)` read, and locked, every record).
+const DELETE: &str = "DELETE r FROM {s}_records r
+JOIN JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]')) j ON r.id = UNHEX(j.id)";
 
 /// A retry at now + `?` ms, or FAILED, of a pending record not requeued since it was fetched: a late
 /// retry of this write never undoes an operator's requeue. Binds: attempts, error, failed, delay ms,
@@ -115,7 +117,8 @@ const FAIL: &str = "UPDATE {s}_records SET attempts = ?, last_error = ?,
 WHERE id = ? AND failed_at IS NULL AND requeues = ?";
 
 /// Binds: key, key, partition, partition, limit.
-const LIST_FAILED: &str = "SELECT id, `partition`, `key`, seq, event_type, attempts, requeues, last_error, created_at, failed_at
+const LIST_FAILED: &str =
+    "SELECT id, `partition`, `key`, seq, event_type, attempts, requeues, last_error, created_at, failed_at
 FROM {s}_records
 WHERE failed_at IS NOT NULL AND (? IS NULL OR `key` = ?) AND (? IS NULL OR `partition` = ?)
 ORDER BY `partition`, `key`, seq LIMIT ?";
@@ -147,8 +150,8 @@ const PRUNABLE_KEYS: &str = "SELECT k.`key` FROM {s}_keys k
 WHERE NOT EXISTS (SELECT 1 FROM {s}_records r WHERE r.`partition` = k.`partition` AND r.`key` = k.`key`)
 LIMIT ? FOR UPDATE SKIP LOCKED";
 
-const DELETE_KEYS: &str = "DELETE FROM {s}_keys WHERE `key` IN (
-    SELECT x.k FROM JSON_TABLE(?, '$[*]' COLUMNS (k VARBINARY(2048) PATH '$')) x)";
+/// One key at a time, by primary key: a join with a JSON list may read (and lock) every key row.
+const DELETE_KEY: &str = "DELETE FROM {s}_keys WHERE `key` = ?";
 
 /// MySQL's statements, built for one table prefix and mode.
 #[derive(Debug)]
@@ -171,7 +174,7 @@ pub struct MySqlStatements {
     pub(super) stats: Arc<str>,
     pub(super) purge: Arc<str>,
     pub(super) prunable_keys: Arc<str>,
-    pub(super) delete_keys: Arc<str>,
+    pub(super) delete_key: Arc<str>,
 }
 
 /// Renders a MySQL statement: `{s}` becomes the table prefix (the configured schema name), `{now}` the
@@ -207,7 +210,7 @@ impl MySqlStatements {
             stats: build(STATS),
             purge: build(PURGE),
             prunable_keys: build(PRUNABLE_KEYS),
-            delete_keys: build(DELETE_KEYS),
+            delete_key: build(DELETE_KEY),
         }
     }
 

@@ -23,7 +23,8 @@ use super::{ConnectOptions, Driver, count, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{Migration, check_applied, checksum};
 use crate::stored::{
-    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Runs, StatsRow, Verdict, Written,
+    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Runs, StatsRow, Verdict,
+    Written,
 };
 
 /// The migrations of the SQLite schema, in order (`{s}` is the table prefix).
