@@ -170,7 +170,16 @@ async fn produce(outbox: Outbox, db: TestDb, stop: Arc<AtomicBool>) -> Produced 
             .collect();
         n += 1;
         let mut tx = db.begin().await;
-        let scheduled = outbox.schedule_batch(&mut tx, &records).await.unwrap();
+        let scheduled = match outbox.schedule_batch(&mut tx, &records).await {
+            Ok(scheduled) => scheduled,
+            // InnoDB may choose the transaction as a deadlock victim and roll it back: nothing of it
+            // was committed, and an application runs it again (here: the next batch).
+            Err(e) if e.is_transient() => {
+                drop(tx);
+                continue;
+            }
+            Err(e) => panic!("schedule failed: {e}"),
+        };
         if n.is_multiple_of(10) {
             tx.rollback().await.unwrap();
             produced.rolled_back.extend(scheduled.iter().map(|s| s.id));
@@ -187,10 +196,18 @@ async fn produce(outbox: Outbox, db: TestDb, stop: Arc<AtomicBool>) -> Produced 
 async fn burst(outbox: &Outbox, db: &TestDb) -> Vec<(Uuid, String, i64)> {
     let records: Vec<NewRecord> =
         (0..BURST).flat_map(|_| (0..KEYS).map(|k| NewRecord::new(format!("key-{k}"), "t", "burst"))).collect();
-    let mut tx = db.begin().await;
-    let scheduled = outbox.schedule_batch(&mut tx, &records).await.unwrap();
-    tx.commit().await.unwrap();
-    scheduled.iter().zip(&records).map(|(s, r)| (s.id, r.key.clone(), s.seq)).collect()
+    loop {
+        let mut tx = db.begin().await;
+        match outbox.schedule_batch(&mut tx, &records).await {
+            Ok(scheduled) => {
+                tx.commit().await.unwrap();
+                return scheduled.iter().zip(&records).map(|(s, r)| (s.id, r.key.clone(), s.seq)).collect();
+            }
+            // A deadlock victim (InnoDB) was rolled back whole: run it again.
+            Err(e) if e.is_transient() => drop(tx),
+            Err(e) => panic!("schedule failed: {e}"),
+        }
+    }
 }
 
 async fn owners(db: &TestDb) -> usize {
