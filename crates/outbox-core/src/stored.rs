@@ -143,10 +143,23 @@ struct Run {
 
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
 impl Runs {
+    /// Collects a fetch's rows as they stream in, each run cut to `request`'s budget.
+    pub(crate) async fn collect<'s>(
+        mut rows: impl futures::Stream<Item = std::result::Result<FetchedRow, sqlx::Error>> + Unpin + 's,
+        request: &Request,
+    ) -> Result<Found> {
+        use futures::TryStreamExt;
+        let mut runs = Runs::default();
+        while let Some(row) = rows.try_next().await? {
+            runs.push(row, request.budget);
+        }
+        runs.found(request)
+    }
+
     /// Takes one row, arriving in any order. Dropping the highest until the run fits, and every later
     /// arrival at or above a dropped sequence, leaves a gapless run from the head holding all the
     /// budget admits.
-    pub(crate) fn push(&mut self, row: FetchedRow, budget: usize) {
+    fn push(&mut self, row: FetchedRow, budget: usize) {
         let run = self.by_key.entry(row.key.clone()).or_default();
         if run.cut.is_some_and(|cut| row.seq >= cut) {
             return;
@@ -162,7 +175,7 @@ impl Runs {
         }
     }
 
-    pub(crate) fn found(self, request: &Request) -> Result<Found> {
+    fn found(self, request: &Request) -> Result<Found> {
         Found::from_runs(self.by_key.into_values().map(|run| run.rows), request)
     }
 }

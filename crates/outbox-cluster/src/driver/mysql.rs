@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::driver::mysql::render;
-use outbox_core::driver::{millis, statement};
+use outbox_core::driver::{json, millis, statement};
 use outbox_core::{Epochs, InstanceId, Partition};
 use sqlx::{Connection, MySqlConnection, MySqlPool};
 
@@ -93,10 +93,6 @@ pub(super) struct MySqlStatements {
     releasable: Arc<str>,
     release: Arc<str>,
     instances: Arc<str>,
-}
-
-fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
-    serde_json::to_string(value).map_err(|e| outbox_core::Error::Database(sqlx::Error::Encode(Box::new(e))).into())
 }
 
 impl MySqlStatements {

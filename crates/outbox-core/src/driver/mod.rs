@@ -791,6 +791,13 @@ pub fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// A list as the statements of SQLite and MySQL take it: one JSON argument, opened in SQL. For crates
+/// that add statements over the outbox tables (`outbox-cluster`).
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
+    serde_json::to_string(value).map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))
+}
+
 /// A count or limit as the statements take it.
 pub(crate) fn count(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)

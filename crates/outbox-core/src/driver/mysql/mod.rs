@@ -10,7 +10,6 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use base64::Engine;
-use futures::TryStreamExt;
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError};
 use sqlx::{AssertSqlSafe, Connection, MySqlConnection, MySqlPool};
 use tracing::info;
@@ -18,7 +17,7 @@ use uuid::Uuid;
 
 use self::statements::MIGRATIONS_TABLE;
 pub use self::statements::{MySqlStatements, NOW, render};
-use super::{ConnectOptions, Driver, count, millis, statement};
+use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{Migration, check_applied, checksum};
 use crate::stored::{
@@ -86,10 +85,6 @@ pub(super) fn positional(sql: &str) -> Result<(String, Vec<usize>)> {
         }
     }
     Ok((text, order))
-}
-
-fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
-    serde_json::to_string(value).map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))
 }
 
 fn hex(id: Uuid) -> String {
@@ -196,7 +191,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
         // MariaDB and MySQL stop a recursion after 1,000 steps by default; a run is cut shorter instead.
         let followers = count(request.followers.min(999));
         let sql = self.statements.fetch(&partitions);
-        let mut rows = sqlx::query_as::<_, FetchedRow>(AssertSqlSafe(sql))
+        let rows = sqlx::query_as::<_, FetchedRow>(AssertSqlSafe(sql))
             .bind(json(&served)?)
             .bind(request.instance)
             .bind(request.instance)
@@ -204,11 +199,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             .bind(count(request.limit))
             .bind(followers)
             .fetch(self.pool);
-        let mut runs = Runs::default();
-        while let Some(row) = rows.try_next().await? {
-            runs.push(row, request.budget);
-        }
-        runs.found(request)
+        Runs::collect(rows, request).await
     }
 
     /// One transaction: the grants checked and locked, then the completions of those that hold in three

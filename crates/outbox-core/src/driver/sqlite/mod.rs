@@ -10,7 +10,6 @@ mod write;
 use std::str::FromStr;
 use std::time::Duration;
 
-use futures::TryStreamExt;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, Connection, SqliteConnection, SqlitePool};
 use tracing::info;
@@ -19,7 +18,7 @@ use uuid::Uuid;
 use self::statements::MIGRATIONS_TABLE;
 pub use self::statements::{SqliteStatements, render};
 pub use self::write::{Write, write, write_on};
-use super::{ConnectOptions, Driver, count, millis, statement};
+use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{Migration, check_applied, checksum};
 use crate::stored::{
@@ -109,10 +108,6 @@ pub(super) async fn schedule(
     Ok(scheduled)
 }
 
-fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
-    serde_json::to_string(value).map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))
-}
-
 impl Driver<'_, SqlitePool, SqliteStatements> {
     /// Applies the missing migrations in one write transaction (the write lock serialises migrators).
     pub(crate) async fn migrate(&self) -> Result<()> {
@@ -144,18 +139,14 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
     pub(crate) async fn fetch(&self, request: &Request) -> Result<Found> {
         let partitions: Vec<(i16, i64, Option<&str>)> =
             request.partitions.iter().map(|(p, epoch, after)| (i16::from(*p), epoch.0, after.as_deref())).collect();
-        let mut rows = sqlx::query_as::<_, FetchedRow>(statement(&self.statements.fetch))
+        let rows = sqlx::query_as::<_, FetchedRow>(statement(&self.statements.fetch))
             .bind(json(&partitions)?)
             .bind(json(&request.exclude)?)
             .bind(count(request.limit))
             .bind(count(request.followers))
             .bind(request.instance)
             .fetch(self.pool);
-        let mut runs = Runs::default();
-        while let Some(row) = rows.try_next().await? {
-            runs.push(row, request.budget);
-        }
-        runs.found(request)
+        Runs::collect(rows, request).await
     }
 
     /// One write transaction: each (partition, instance, epoch) checked, then the outcomes of those that
