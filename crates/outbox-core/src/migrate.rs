@@ -23,9 +23,9 @@ pub(crate) fn checksum(sql: &str) -> i64 {
     i64::from_ne_bytes(xxh3_64(sql.as_bytes()).to_ne_bytes())
 }
 
-/// Refuses a database holding a migration this library does not know, or a known one whose text changed.
-/// `applied` are (version, checksum).
-pub(crate) fn check_applied(schema: &str, applied: &[(i64, i64)], known: &[Migration]) -> Result<()> {
+/// The migrations of `known` still to apply, in order; refuses a database holding a migration this
+/// library does not know, or a known one whose text changed. `applied` are (version, checksum).
+pub(crate) fn pending<'a>(schema: &str, applied: &[(i64, i64)], known: &'a [Migration]) -> Result<Vec<&'a Migration>> {
     let latest = known.last().map_or(0, |m| m.version);
     for &(version, sum) in applied {
         let bad = |reason: String| Err(Error::Migration { schema: schema.to_string(), version, reason });
@@ -38,5 +38,5 @@ pub(crate) fn check_applied(schema: &str, applied: &[(i64, i64)], known: &[Migra
             Some(_) => {}
         }
     }
-    Ok(())
+    Ok(known.iter().filter(|m| !applied.iter().any(|&(v, _)| v == m.version)).collect())
 }

@@ -249,6 +249,46 @@ impl Written {
     }
 }
 
+/// A completion's lists as the SQLite and MySQL statements take them (ids as hex): the distinct grants
+/// of `outcomes`, `[[partition, hex owner, epoch], …]`.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) fn grants_list(outcomes: &[Outcome]) -> Vec<(i16, String, i64)> {
+    let grants: BTreeSet<_> = outcomes.iter().map(Outcome::grant).collect();
+    grants.into_iter().map(|(p, instance, epoch)| (i16::from(p), instance.0.simple().to_string(), epoch.0)).collect()
+}
+
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+impl Written {
+    /// Records the grants the fence returned.
+    pub(crate) fn hold(&mut self, rows: Vec<(i16, InstanceId, Epoch)>) {
+        for (p, instance, epoch) in rows {
+            if let Ok(p) = Partition::try_from(p) {
+                self.held.insert((p, instance, epoch));
+            }
+        }
+    }
+
+    /// Whether `outcome`'s grant held.
+    pub(crate) fn holds(&self, outcome: &Outcome) -> bool {
+        self.held.contains(&outcome.grant())
+    }
+
+    /// The outcomes that retry or fail their record under a grant that held.
+    pub(crate) fn failures<'a>(&self, outcomes: &'a [Outcome]) -> Vec<&'a Outcome> {
+        outcomes.iter().filter(|o| self.holds(o) && !o.verdict.completes()).collect()
+    }
+
+    /// The outcomes that complete their record under a grant that held: `[[hex id, attempts, outcome],
+    /// …]`.
+    pub(crate) fn completions<'a>(&self, outcomes: &'a [Outcome]) -> Vec<(String, i32, &'a str)> {
+        outcomes
+            .iter()
+            .filter(|o| self.holds(o) && o.verdict.completes())
+            .map(|o| (o.id.simple().to_string(), o.attempts, o.verdict.completed_as()))
+            .collect()
+    }
+}
+
 /// A FAILED record, without its payload.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct FailedRecord {

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::driver::mysql::render;
+use outbox_core::driver::mysql::{begin, render};
 use outbox_core::driver::{json, millis, statement};
 use outbox_core::{Epochs, InstanceId, Partition};
 use sqlx::{Connection, MySqlConnection, MySqlPool};
@@ -39,9 +39,10 @@ WHERE p.target_owner = ? AND NOT (p.owner <=> ?)
 FOR UPDATE SKIP LOCKED";
 
 /// Takes the (locked) partitions of `?` (JSON array) for `?`, bumping their epochs. Joins, here and
-/// below, find each row by its primary key (`IN (SELECT …)` read, and locked, every partition).
-const TAKE: &str = "UPDATE {s}_partitions p JOIN JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$')) t
-    ON p.`partition` = t.x
+/// below, go from the list to each row by its primary key (`IN (SELECT …)`, or a plan that scans,
+/// would read, and lock, every partition).
+const TAKE: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$')) t
+STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.x
 SET p.owner = ?, p.epoch = p.epoch + 1, p.changed_at = {now}";
 
 const LIVE: &str = "SELECT id FROM {s}_instances WHERE expires_at > {now} AND NOT draining ORDER BY id";
@@ -49,12 +50,14 @@ const LIVE: &str = "SELECT id FROM {s}_instances WHERE expires_at > {now} AND NO
 const PARTITIONS: &str = "SELECT `partition`, owner, epoch, target_owner FROM {s}_partitions ORDER BY `partition`";
 
 /// The targets of `?` (JSON `[[partition, hex owner], …]`) that differ from the stored ones, locked.
-const CHANGED_TARGETS: &str = "SELECT p.`partition` FROM {s}_partitions p
-JOIN JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]')) t ON p.`partition` = t.part
+const CHANGED_TARGETS: &str = "SELECT p.`partition`
+FROM JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]')) t
+STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.part
 WHERE NOT (p.target_owner <=> UNHEX(t.owner)) FOR UPDATE";
 
-const SET_TARGETS: &str = "UPDATE {s}_partitions p
-JOIN JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]')) t ON p.`partition` = t.part
+const SET_TARGETS: &str =
+    "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]')) t
+STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.part
 SET p.target_owner = UNHEX(t.owner)";
 
 const DRAIN: &str = "UPDATE {s}_instances SET draining = TRUE WHERE id = ?";
@@ -62,13 +65,13 @@ const DRAIN: &str = "UPDATE {s}_instances SET draining = TRUE WHERE id = ?";
 const OWNED: &str = "SELECT `partition`, epoch FROM {s}_partitions WHERE owner = ? ORDER BY `partition`";
 
 /// The partitions of `?` (JSON `[[partition, epoch], …]`) `?` still holds at those epochs, locked.
-const RELEASABLE: &str = "SELECT p.`partition` FROM {s}_partitions p
-JOIN JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', epoch BIGINT PATH '$[1]')) r
-    ON p.`partition` = r.part AND p.epoch = r.epoch
+const RELEASABLE: &str = "SELECT p.`partition`
+FROM JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', epoch BIGINT PATH '$[1]')) r
+STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = r.part AND p.epoch = r.epoch
 WHERE p.owner = ? FOR UPDATE";
 
-const RELEASE: &str = "UPDATE {s}_partitions p JOIN JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$')) t
-    ON p.`partition` = t.x
+const RELEASE: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$')) t
+STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.x
 SET p.owner = NULL, p.epoch = p.epoch + 1, p.changed_at = {now}";
 
 const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > {now} AS live,
@@ -167,7 +170,7 @@ impl MySqlStatements {
     }
 
     pub(super) async fn acquire(&self, pool: &MySqlPool, me: InstanceId) -> Result<Vec<Taken>> {
-        let mut tx = pool.begin().await?;
+        let mut tx = begin(pool).await?;
         let taken: Vec<Taken> =
             sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).fetch_all(&mut *tx).await?;
         if !taken.is_empty() {
@@ -185,7 +188,7 @@ impl MySqlStatements {
 
     pub(super) async fn release(&self, pool: &MySqlPool, me: InstanceId, held: &Epochs) -> Result<Vec<Partition>> {
         let held: Vec<(i16, i64)> = held.iter().map(|(&p, e)| (i16::from(p), e.0)).collect();
-        let mut tx = pool.begin().await?;
+        let mut tx = begin(pool).await?;
         let rows: Vec<PartitionOnly> =
             sqlx::query_as(statement(&self.releasable)).bind(json(&held)?).bind(me).fetch_all(&mut *tx).await?;
         let released: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
@@ -209,7 +212,7 @@ impl MySqlStatements {
         let targets: Vec<(i16, String)> =
             targets.iter().map(|(&p, owner)| (i16::from(p), owner.0.simple().to_string())).collect();
         let targets = json(&targets)?;
-        let mut tx = pool.begin().await?;
+        let mut tx = begin(pool).await?;
         let rows: Vec<PartitionOnly> =
             sqlx::query_as(statement(&self.changed_targets)).bind(&targets).fetch_all(&mut *tx).await?;
         if !rows.is_empty() {
@@ -226,5 +229,49 @@ impl MySqlStatements {
 
     pub(super) async fn instances(&self, pool: &MySqlPool) -> Result<Vec<InstanceInfo>> {
         Ok(sqlx::query_as(statement(&self.instances)).fetch_all(pool).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox_core::driver::mysql::{begin, test_database};
+    use outbox_core::driver::statement;
+    use outbox_core::{Config, Db, InstanceId, Outbox};
+    use sqlx::Connection;
+
+    use super::MySqlStatements;
+    use crate::stored::Taken;
+
+    /// An ownership round's look for its free partitions locks only those it finds: meanwhile another
+    /// instance's fenced completion (a share lock on its own partitions) goes ahead instead of waiting.
+    #[tokio::test]
+    async fn an_ownership_round_locks_only_the_partitions_it_takes() {
+        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
+        let Db::MySql(pool) = test_database().await else { unreachable!("a MySQL test database") };
+        Outbox::new(Config::default()).unwrap().migrate(&pool).await.unwrap();
+        let (a, b) = (InstanceId::new(), InstanceId::new());
+        sqlx::query("UPDATE outbox_partitions SET target_owner = IF(`partition` < 8, ?, ?)")
+            .bind(a)
+            .bind(b)
+            .execute(&pool)
+            .await
+            .unwrap();
+        let statements = MySqlStatements::new("outbox");
+        let mut round = begin(&pool).await.unwrap();
+        let found: Vec<Taken> =
+            sqlx::query_as(statement(&statements.acquirable)).bind(a).bind(a).fetch_all(&mut *round).await.unwrap();
+        assert_eq!(found.len(), 8);
+
+        let mut other = pool.acquire().await.unwrap();
+        sqlx::query("SET SESSION innodb_lock_wait_timeout = 1").execute(&mut *other).await.unwrap();
+        let mut fence = other.begin().await.unwrap();
+        let shared: Vec<(i16,)> =
+            sqlx::query_as("SELECT `partition` FROM outbox_partitions WHERE `partition` >= 8 LOCK IN SHARE MODE")
+                .fetch_all(&mut *fence)
+                .await
+                .expect("the round locked partitions it did not take");
+        assert_eq!(shared.len(), 248);
+        fence.rollback().await.unwrap();
+        round.rollback().await.unwrap();
     }
 }

@@ -316,6 +316,16 @@ impl Db {
     }
 }
 
+/// How a connection error names a database server: backend, database (when the URL names one) and
+/// address, never the user or password.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn server(backend: &str, database: Option<&str>, host: &str, port: u16) -> String {
+    match database {
+        Some(name) => format!("{backend} database {name:?} at {host}:{port}"),
+        None => format!("{backend} at {host}:{port}"),
+    }
+}
+
 /// A pool of `options`' size and wait, for any backend.
 fn sized<DB: sqlx::Database>(options: &ConnectOptions) -> sqlx::pool::PoolOptions<DB> {
     sqlx::pool::PoolOptions::new().max_connections(options.max_connections).acquire_timeout(options.acquire_timeout)
@@ -412,8 +422,11 @@ pub enum Conn<'c> {
 
 impl Conn<'_> {
     /// Inserts `rows` in the caller's transaction, numbering each key's records after its earlier ones
-    /// in commit order (writers of one key wait for each other until commit); all or nothing, and a
-    /// dropped future leaves the connection as it found it. Returns each row's (id, sequence number).
+    /// in commit order (writers of one key wait for each other until commit). All or nothing: the rows
+    /// are inserted together or not at all (a number drawn for a row that was not inserted is skipped;
+    /// a key's numbers need only grow). A future dropped before it returns leaves no transaction open
+    /// that the caller had not opened; whether its rows are in the caller's transaction is then
+    /// unknown, so the caller rolls that back. Returns each row's (id, sequence number).
     pub(crate) async fn schedule(self, statements: &Statements, rows: &[NewRow<'_>]) -> Result<Vec<(Uuid, i64)>> {
         match self {
             #[cfg(feature = "postgres")]

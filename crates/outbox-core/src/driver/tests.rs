@@ -414,11 +414,27 @@ async fn connect_errors_are_typed_and_name_the_database() {
     let quick = ConnectOptions { max_connections: 1, acquire_timeout: std::time::Duration::from_millis(300) };
     let err = Db::connect_with(&format!("postgres://root@127.0.0.1:{port}/test"), &quick).await.unwrap_err();
     assert!(matches!(err, Error::Connect { .. }), "{err:?}");
-    assert!(err.to_string().starts_with(&format!("cannot connect to PostgreSQL at 127.0.0.1:{port} (")), "{err}");
+    assert!(
+        err.to_string().starts_with(&format!("cannot connect to PostgreSQL database \"test\" at 127.0.0.1:{port} (")),
+        "{err}"
+    );
     assert!(err.is_transient(), "{err:?}");
     let err = Db::connect_with(&format!("mysql://root@127.0.0.1:{port}/test"), &quick).await.unwrap_err();
-    assert!(err.to_string().starts_with(&format!("cannot connect to MySQL at 127.0.0.1:{port} (")), "{err}");
+    assert!(
+        err.to_string().starts_with(&format!("cannot connect to MySQL database \"test\" at 127.0.0.1:{port} (")),
+        "{err}"
+    );
     assert!(err.is_transient(), "{err:?}");
+    // A server that answers but has no such database: named, and not worth retrying.
+    #[cfg(feature = "mysql")]
+    {
+        let base = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".into());
+        let err = Db::connect_with(&format!("{base}/outbox_no_such_database"), &quick).await.unwrap_err();
+        assert!(matches!(err, Error::Connect { .. }), "{err:?}");
+        assert!(err.to_string().contains("MySQL database \"outbox_no_such_database\" at "), "{err}");
+        assert!(err.to_string().contains("Unknown database"), "{err}");
+        assert!(!err.is_transient(), "{err:?}");
+    }
     let err = Db::connect("sqlite:///nonexistent-directory/outbox.db").await.unwrap_err();
     assert!(err.to_string().contains("the SQLite database /nonexistent-directory/outbox.db"), "{err}");
 }

@@ -19,10 +19,10 @@ use self::statements::MIGRATIONS_TABLE;
 pub use self::statements::{MySqlStatements, NOW, render};
 use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
-use crate::migrate::{Migration, check_applied, checksum};
+use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
     FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Runs, StatsRow, Verdict,
-    Written,
+    Written, grants_list,
 };
 
 /// The migrations of the MySQL schema, in order (`{s}` is the table prefix, `{bin}` the key collation).
@@ -34,8 +34,16 @@ const MIGRATION_LOCK_WAIT_SECS: i64 = 300;
 
 pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<MySqlPool> {
     let server = MySqlConnectOptions::from_str(url).map_err(Error::BadUrl)?;
-    let database = format!("MySQL at {}:{}", server.get_host(), server.get_port());
+    let database = super::server("MySQL", server.get_database(), server.get_host(), server.get_port());
     super::sized(options).connect_with(server).await.map_err(|source| Error::Connect { database, source })
+}
+
+/// Begins one of the outbox's own transactions (completions, ownership rounds, purges) at READ
+/// COMMITTED, where InnoDB locks only the rows a locking read returns: at REPEATABLE READ it also locks
+/// every row and gap it passes, so an ownership round's look for its free partitions held all 256 rows
+/// and stalled every other worker's fenced completion. The caller's transactions keep their own level.
+pub async fn begin(pool: &MySqlPool) -> sqlx::Result<sqlx::Transaction<'static, sqlx::MySql>> {
+    pool.begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION").await
 }
 
 /// Deadlock (1213), lock wait timeout (1205), too many connections (1040), server shutdown (1053),
@@ -162,9 +170,9 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             sqlx::query_as(AssertSqlSafe(format!("SELECT version, checksum FROM {schema}_schema_migrations")))
                 .fetch_all(&mut *conn)
                 .await?;
-        check_applied(schema, &applied, MIGRATIONS)?;
+        let pending = pending(schema, &applied, MIGRATIONS)?;
         let collation = if is_mariadb(conn).await? { "utf8mb4_nopad_bin" } else { "utf8mb4_0900_bin" };
-        for m in MIGRATIONS.iter().filter(|m| !applied.iter().any(|&(v, _)| v == m.version)) {
+        for m in pending {
             let sql = render(m.sql, schema).replace("{bin}", collation);
             sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await?;
             sqlx::query(AssertSqlSafe(format!(
@@ -207,24 +215,10 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
         let s = self.statements;
         let mut written = Written::default();
-        let grants: BTreeSet<_> = outcomes.iter().map(|o| o.grant()).collect();
-        let grants: Vec<(i16, String, i64)> =
-            grants.into_iter().map(|(p, instance, epoch)| (i16::from(p), hex(instance.0), epoch.0)).collect();
-        let mut tx = self.pool.begin().await?;
-        let held: Vec<(i16, crate::InstanceId, crate::Epoch)> =
-            sqlx::query_as(statement(&s.fence)).bind(json(&grants)?).fetch_all(&mut *tx).await?;
-        for (p, instance, epoch) in held {
-            if let Ok(p) = crate::partition::Partition::try_from(p) {
-                written.held.insert((p, instance, epoch));
-            }
-        }
-        let holds = |o: &&Outcome| written.held.contains(&o.grant());
-        let done: Vec<(String, i32, &str)> = outcomes
-            .iter()
-            .filter(holds)
-            .filter(|o| o.verdict.completes())
-            .map(|o| (hex(o.id), o.attempts, o.verdict.completed_as()))
-            .collect();
+        let mut tx = begin(self.pool).await?;
+        let grants = json(&grants_list(outcomes))?;
+        written.hold(sqlx::query_as(statement(&s.fence)).bind(grants).fetch_all(&mut *tx).await?);
+        let done = written.completions(outcomes);
         if !done.is_empty() {
             let done = json(&done)?;
             let found: Vec<(Uuid,)> = sqlx::query_as(statement(&s.lock_done)).bind(&done).fetch_all(&mut *tx).await?;
@@ -234,8 +228,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             sqlx::query(statement(&s.delete)).bind(&done).execute(&mut *tx).await?;
             written.ids.extend(found.into_iter().map(|(id,)| id));
         }
-        let failures: Vec<&Outcome> = outcomes.iter().filter(holds).filter(|o| !o.verdict.completes()).collect();
-        for o in failures {
+        for o in written.failures(outcomes) {
             let (error, delay, failed) = match &o.verdict {
                 Verdict::Retry { delay, error } => (error.as_str(), *delay, false),
                 Verdict::Failed { error } => (error.as_str(), Duration::ZERO, true),
@@ -278,7 +271,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     }
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = begin(self.pool).await?;
         sqlx::query(statement(&self.statements.skip_keep)).bind(id).execute(&mut *tx).await?;
         let deleted = sqlx::query(statement(&self.statements.skip_delete)).bind(id).execute(&mut *tx).await?;
         tx.commit().await?;
@@ -296,7 +289,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     }
 
     pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = begin(self.pool).await?;
         let keys: Vec<String> = sqlx::query_scalar(statement(&self.statements.prunable_keys))
             .bind(count(limit))
             .fetch_all(&mut *tx)
@@ -323,4 +316,133 @@ pub async fn test_database() -> super::Db {
     sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&mut admin).await.unwrap();
     let url = format!("{base}/{name}");
     super::Db::MySql(sqlx::mysql::MySqlPoolOptions::new().max_connections(8).connect(&url).await.unwrap())
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::mysql::{MySqlArguments, MySqlRow};
+    use sqlx::query::Query;
+    use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Row};
+    use uuid::Uuid;
+
+    use super::MySqlStatements;
+    use crate::{Config, Db, Outbox};
+
+    /// One line of MariaDB's `EXPLAIN`: table, access type, index, extra.
+    #[derive(Debug)]
+    struct Step {
+        table: String,
+        access: String,
+        index: String,
+        extra: String,
+    }
+
+    fn explain(sql: &str) -> Query<'static, MySql, MySqlArguments> {
+        sqlx::query(AssertSqlSafe(format!("EXPLAIN {sql}")))
+    }
+
+    async fn plan(conn: &mut MySqlConnection, explain: Query<'static, MySql, MySqlArguments>) -> Vec<Step> {
+        let text = |row: &MySqlRow, column: &str| row.try_get::<Option<String>, _>(column).unwrap().unwrap_or_default();
+        let rows = explain.fetch_all(conn).await.unwrap();
+        rows.iter()
+            .map(|row| Step {
+                table: text(row, "table"),
+                access: text(row, "type"),
+                index: text(row, "key"),
+                extra: text(row, "Extra"),
+            })
+            .collect()
+    }
+
+    /// The list-joined statements go from the list to each row by primary key, whatever the table's size:
+    /// a plan that scans would lock every row it passes in the locking ones (two workers' completions
+    /// deadlocked that way on a table whose statistics said it was almost empty).
+    async fn assert_found_by_primary_key(conn: &mut MySqlConnection, sql: &MySqlStatements, table_rows: &str) {
+        let ids: String =
+            sqlx::query_scalar("SELECT JSON_ARRAYAGG(JSON_ARRAY(HEX(id), 1, 'delivered')) FROM (SELECT id FROM outbox_records LIMIT 1000) t")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+        let grants: String = sqlx::query_scalar(
+            "SELECT JSON_ARRAYAGG(JSON_ARRAY(`partition`, HEX(owner), epoch)) FROM outbox_partitions",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        let keep = sql.keep.as_deref().unwrap_or_default();
+        let statements = [
+            ("records", "numbers", &*sql.numbers),
+            ("records", "lock", &*sql.lock_done),
+            ("records", "keep", keep),
+            ("records", "delete", &*sql.delete),
+            ("partitions", "fence", &*sql.fence),
+        ];
+        for (table, name, text) in statements {
+            let list = if table == "records" { ids.clone() } else { grants.clone() };
+            let plan = plan(conn, explain(text).bind(list)).await;
+            let alias = if table == "records" { "r" } else { "p" };
+            let by_key = plan.iter().filter(|s| s.table == alias).all(|s| s.access == "eq_ref" && s.index == "PRIMARY");
+            assert!(
+                by_key && plan.iter().any(|s| s.table == alias),
+                "{name} reads {table} other than by primary key ({table_rows}): {plan:#?}"
+            );
+        }
+    }
+
+    /// The fetch reads the records only through the (partition, key, seq) index: the keys by a loose
+    /// index scan (one probe per key), each head and follower by an index lookup, never a table or
+    /// full index scan, in both stop-on-first-failure modes; completions find records by primary key.
+    #[tokio::test]
+    async fn fetch_walks_the_index_without_scanning_records() {
+        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
+        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        let mut conn = pool.acquire().await.unwrap();
+        let instance = Uuid::now_v7();
+        let insert = |keys: u32, per_key: u32| {
+            format!(
+                "SET SESSION max_recursive_iterations = 10000;
+                 INSERT INTO outbox_records (id, `partition`, `key`, event_type, payload, headers)
+                 WITH RECURSIVE k (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM k WHERE n < {keys}),
+                     s (m) AS (SELECT 1 UNION ALL SELECT m + 1 FROM s WHERE m < {per_key})
+                 SELECT UNHEX(REPLACE(UUID(), '-', '')), n % 256, CONCAT('key-', n), 't', 'x', '{{}}'
+                 FROM s, k ORDER BY m, n;
+                 ANALYZE TABLE outbox_records;"
+            )
+        };
+        // Every partition held by `instance` at epoch 1.
+        let held = format!(
+            "UPDATE outbox_partitions SET epoch = 1, owner = UNHEX('{id}');
+             INSERT INTO outbox_instances (id, name, expires_at)
+             VALUES (UNHEX('{id}'), 'explain', UTC_TIMESTAMP(6) + INTERVAL 1 DAY);",
+            id = instance.simple()
+        );
+        sqlx::raw_sql(AssertSqlSafe(format!("{held} {}", insert(5, 1)))).execute(&mut *conn).await.unwrap();
+        let sql = MySqlStatements::new("outbox", true, true);
+        assert_found_by_primary_key(&mut conn, &sql, "5 records").await;
+
+        // 2,000 keys × 20 records over 256 partitions.
+        sqlx::raw_sql(AssertSqlSafe(insert(2000, 20))).execute(&mut *conn).await.unwrap();
+        let records = |step: &Step| matches!(step.table.as_str(), "r" | "x") && !step.extra.contains("Table function");
+        for stop_on_first_failure in [true, false] {
+            let sql = MySqlStatements::new("outbox", stop_on_first_failure, true);
+            let served = r#"[[0, 1, "", false], [1, 1, "key-500", true], [2, 1, "", false]]"#;
+            let fetch = explain(&sql.fetch(&[0, 1, 2])).bind(served).bind(instance).bind(instance);
+            let plan = plan(&mut conn, fetch.bind("[]").bind(100_i64).bind(7_i64)).await;
+            assert!(
+                plan.iter().any(|s| records(s) && s.extra.contains("Using index for group-by")),
+                "keys not found by a loose index scan: {plan:#?}"
+            );
+            for step in plan.iter().filter(|s| records(s)) {
+                assert!(
+                    matches!(step.access.as_str(), "range" | "ref" | "eq_ref")
+                        && step.index == "outbox_records_partition_key_seq",
+                    "records read other than by the (partition, key, seq) index: {step:?} in {plan:#?}"
+                );
+            }
+            assert!(plan.iter().any(|s| s.table == "p" && s.access == "eq_ref"), "{plan:#?}");
+        }
+        assert_found_by_primary_key(&mut conn, &MySqlStatements::new("outbox", true, true), "40,005 records").await;
+    }
 }

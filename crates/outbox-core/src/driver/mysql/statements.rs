@@ -1,7 +1,9 @@
 //! MySQL's statements, written with `{s}` for the table prefix, and built once per
 //! [`Outbox`](crate::Outbox). Lists travel as one JSON argument each, opened with `JSON_TABLE`; keys in
 //! them are `VARBINARY`, so every comparison with a key is byte for byte. `key` and `partition` are
-//! reserved words, always quoted.
+//! reserved words, always quoted. A list joined with a table comes first (`STRAIGHT_JOIN`) and finds
+//! each row by primary key (`FORCE INDEX`): on a table its statistics call small, MariaDB would rather
+//! scan it, and a scan in a locking statement locks every row, which deadlocks two workers' completions.
 
 use std::sync::Arc;
 
@@ -32,8 +34,8 @@ SELECT UNHEX(j.id), j.p, j.k, j.t, FROM_BASE64(j.payload), j.h FROM JSON_TABLE(?
 ORDER BY j.ord";
 
 /// The numbers the records of `?` (JSON array of hex ids) were given.
-const NUMBERS: &str = "SELECT r.id, r.seq FROM {s}_records r
-JOIN JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$')) j ON r.id = UNHEX(j.id)";
+const NUMBERS: &str = "SELECT r.id, r.seq FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$')) j
+STRAIGHT_JOIN {s}_records r FORCE INDEX (PRIMARY) ON r.id = UNHEX(j.id)";
 
 const COLS: &str =
     "r.id, r.`partition`, r.`key`, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at";
@@ -88,25 +90,26 @@ const SERVE_ANY_DUE: &str = "EXISTS (SELECT 1 FROM {s}_records r
 
 /// The fence: the grants of `?` (JSON `[[partition, hex owner, epoch], …]`) the partitions' rows still
 /// show, locked against change until commit.
-const FENCE: &str = "SELECT p.`partition`, p.owner, p.epoch FROM {s}_partitions p
-JOIN JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]', epoch BIGINT PATH '$[2]')) g
+const FENCE: &str = "SELECT p.`partition`, p.owner, p.epoch
+FROM JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]', epoch BIGINT PATH '$[2]')) g
+STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY)
     ON p.`partition` = g.part AND p.owner = UNHEX(g.owner) AND p.epoch = g.epoch
 LOCK IN SHARE MODE";
 
 /// The completed records of `?` (JSON `[[hex id, attempts, outcome], …]`) still there, locked.
-const LOCK_DONE: &str = "SELECT r.id FROM {s}_records r
-JOIN JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]')) j ON r.id = UNHEX(j.id)
+const LOCK_DONE: &str = "SELECT r.id FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]')) j
+STRAIGHT_JOIN {s}_records r FORCE INDEX (PRIMARY) ON r.id = UNHEX(j.id)
 FOR UPDATE";
 
 const KEEP: &str =
     "INSERT INTO {s}_completed (id, `partition`, `key`, seq, event_type, payload, headers, created_at, attempts, outcome)
 SELECT r.id, r.`partition`, r.`key`, r.seq, r.event_type, r.payload, r.headers, r.created_at, j.attempts, j.outcome
-FROM {s}_records r JOIN JSON_TABLE(?, '$[*]' COLUMNS (
-    id CHAR(32) PATH '$[0]', attempts INT PATH '$[1]', outcome VARCHAR(16) PATH '$[2]')) j ON r.id = UNHEX(j.id)";
+FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]', attempts INT PATH '$[1]', outcome VARCHAR(16) PATH '$[2]')) j
+STRAIGHT_JOIN {s}_records r FORCE INDEX (PRIMARY) ON r.id = UNHEX(j.id)";
 
 /// A join, so each record is found by its primary key (`id IN (SELECT …)` read, and locked, every record).
-const DELETE: &str = "DELETE r FROM {s}_records r
-JOIN JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]')) j ON r.id = UNHEX(j.id)";
+const DELETE: &str = "DELETE r FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]')) j
+STRAIGHT_JOIN {s}_records r FORCE INDEX (PRIMARY) ON r.id = UNHEX(j.id)";
 
 /// A retry at now + `?` ms, or FAILED, of a pending record not requeued since it was fetched: a late
 /// retry of this write never undoes an operator's requeue. Binds: attempts, error, failed, delay ms,

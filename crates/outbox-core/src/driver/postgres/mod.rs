@@ -17,7 +17,7 @@ pub use self::statements::PgStatements;
 use super::{ConnectOptions, Driver, count, millis, statement};
 use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};
-use crate::migrate::{Migration, check_applied, checksum};
+use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
     FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, StatsRow, Verdict, Written,
 };
@@ -37,7 +37,7 @@ const LOCK_NAMESPACE: i32 = 0x6f75_7462;
 
 pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<PgPool> {
     let server = PgConnectOptions::from_str(url).map_err(Error::BadUrl)?;
-    let database = format!("PostgreSQL at {}:{}", server.get_host(), server.get_port());
+    let database = super::server("PostgreSQL", server.get_database(), server.get_host(), server.get_port());
     super::sized(options).connect_with(server).await.map_err(|source| Error::Connect { database, source })
 }
 
@@ -62,6 +62,16 @@ pub(super) async fn schedule(
     s: &PgStatements,
     rows: &[NewRow<'_>],
 ) -> Result<Vec<(Uuid, i64)>> {
+    if let [row] = rows {
+        let one = sqlx::query_as(statement(&s.schedule_one))
+            .bind(row.id)
+            .bind(i16::from(row.partition))
+            .bind(row.key)
+            .bind(row.event_type)
+            .bind(row.payload)
+            .bind(row.headers.as_str());
+        return Ok(vec![one.fetch_one(conn).await?]);
+    }
     let n = rows.len();
     let (mut ids, mut partitions, mut keys, mut types, mut payloads, mut headers) = (
         Vec::with_capacity(n),
@@ -119,9 +129,9 @@ impl Driver<'_, PgPool, PgStatements> {
             sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT version, checksum FROM {schema}.schema_migrations")))
                 .fetch_all(&mut *tx)
                 .await?;
-        check_applied(schema, &applied, MIGRATIONS)?;
+        let pending = pending(schema, &applied, MIGRATIONS)?;
         sqlx::query(sqlx::AssertSqlSafe(format!("SET LOCAL search_path TO {schema}"))).execute(&mut *tx).await?;
-        for m in MIGRATIONS.iter().filter(|m| !applied.iter().any(|&(v, _)| v == m.version)) {
+        for m in pending {
             sqlx::raw_sql(m.sql).execute(&mut *tx).await?;
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "INSERT INTO {schema}.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)"

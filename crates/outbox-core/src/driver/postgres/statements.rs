@@ -47,6 +47,18 @@ SELECT i.id, i.partition, i.key, n.seq, i.event_type, i.payload, i.headers::json
 FROM input i JOIN numbered n ON n.ord = i.ord
 RETURNING id, seq";
 
+/// One record, without the arrays: the key's lock row first (the insert reads from it, so it runs first),
+/// then the record with a number drawn under that lock. `$1` id, `$2` partition, `$3` key, `$4` type,
+/// `$5` payload, `$6` headers.
+const SCHEDULE_ONE: &str = "WITH locked AS (
+    INSERT INTO {s}.keys AS k (key, partition) VALUES ($3, $2)
+    ON CONFLICT (key) DO UPDATE SET partition = EXCLUDED.partition
+    RETURNING k.key
+)
+INSERT INTO {s}.records (id, partition, key, seq, event_type, payload, headers)
+SELECT $1, $2, l.key, nextval('{s}.record_seq'), $4, $5, $6::jsonb FROM locked l
+RETURNING id, seq";
+
 /// Deletes at most `$1` key lock rows whose key has no record left (skipping those a writer holds).
 const PRUNE_KEYS: &str = "DELETE FROM {s}.keys WHERE key = ANY(ARRAY(
     SELECT k.key FROM {s}.keys k
@@ -203,6 +215,7 @@ const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}.schema_migrations
 pub struct PgStatements {
     schema: String,
     pub(crate) schedule: Arc<str>,
+    pub(crate) schedule_one: Arc<str>,
     pub(crate) prune_keys: Arc<str>,
     pub(crate) fetch: Arc<str>,
     pub(crate) complete: Arc<str>,
@@ -236,6 +249,7 @@ impl PgStatements {
         Self {
             schema: schema.to_string(),
             schedule: build(SCHEDULE),
+            schedule_one: build(SCHEDULE_ONE),
             prune_keys: build(PRUNE_KEYS),
             fetch: build(&fetch),
             complete: build(if keep_completed { COMPLETE_KEEP } else { COMPLETE_DELETE }),

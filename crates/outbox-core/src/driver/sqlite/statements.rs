@@ -18,6 +18,13 @@ const TAKE_SEQS: &str = "UPDATE {s}_sequence SET last = last + $1 RETURNING last
 const INSERT: &str = "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers)
 VALUES ($1, $2, $3, $4, $5, $6, $7)";
 
+/// The records of `$1` (JSON `[[hex id, partition, key, type, hex payload, headers], …]`) in one
+/// statement, numbered in list order from `$2`.
+const INSERT_MANY: &str = "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers)
+SELECT unhex(j.value ->> 0), j.value ->> 1, j.value ->> 2, $2 + j.key, j.value ->> 3, unhex(j.value ->> 4),
+    j.value ->> 5
+FROM json_each($1) j ORDER BY j.key";
+
 /// Renders a stored time (milliseconds since the Unix epoch) as RFC 3339 text, which sqlx decodes into
 /// a `DateTime<Utc>` as it does PostgreSQL's `timestamptz`, so both backends share their row types.
 const TEXT_TIME: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', {} / 1000.0, 'unixepoch')";
@@ -84,14 +91,20 @@ const SERVE_HEAD_DUE: &str = "(w.key NOT IN (SELECT value FROM json_each($2)) AN
 const SERVE_ANY_DUE: &str = "(w.key NOT IN (SELECT value FROM json_each($2)) AND EXISTS (SELECT 1
     FROM {s}_records r WHERE r.partition = w.partition AND r.key = w.key AND {due}))";
 
-/// The fence: the instance owns the partition at this epoch.
-const FENCE: &str = "SELECT 1 FROM {s}_partitions WHERE partition = $1 AND owner = $2 AND epoch = $3";
+/// The fence: the grants of `$1` (JSON `[[partition, hex owner, epoch], …]`) the partitions' rows still
+/// show.
+const FENCE: &str = "SELECT p.partition, p.owner, p.epoch FROM json_each($1) g
+CROSS JOIN {s}_partitions p
+    ON p.partition = g.value ->> 0 AND p.owner = unhex(g.value ->> 1) AND p.epoch = g.value ->> 2";
 
+/// Copies the completed records of `$1` (JSON `[[hex id, attempts, outcome], …]`) still there, each
+/// found by its id.
 const KEEP: &str =
     "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
-SELECT id, partition, key, seq, event_type, payload, headers, created_at, $2, $3 FROM {s}_records WHERE id = $1";
+SELECT r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.created_at, j.value ->> 1, j.value ->> 2
+FROM json_each($1) j CROSS JOIN {s}_records r ON r.id = unhex(j.value ->> 0)";
 
-const DELETE: &str = "DELETE FROM {s}_records WHERE id = $1 RETURNING id";
+const DELETE: &str = "DELETE FROM {s}_records WHERE id IN (SELECT unhex(value ->> 0) FROM json_each($1)) RETURNING id";
 
 /// A retry at now + `$5` ms, or FAILED (`$4`), of a pending record not requeued since it was fetched
 /// (`$6` requeues then): a late retry of this write never undoes an operator's requeue.
@@ -132,6 +145,7 @@ pub struct SqliteStatements {
     pub(super) schema: String,
     pub(super) take_seqs: Arc<str>,
     pub(super) insert: Arc<str>,
+    pub(super) insert_many: Arc<str>,
     pub(super) fetch: Arc<str>,
     pub(super) fence: Arc<str>,
     pub(super) keep: Option<Arc<str>>,
@@ -181,6 +195,7 @@ impl SqliteStatements {
             schema: schema.to_string(),
             take_seqs: build(TAKE_SEQS),
             insert: build(INSERT),
+            insert_many: build(INSERT_MANY),
             fetch: build(&fetch),
             fence: build(FENCE),
             keep: keep_completed.then(|| build(KEEP)),
