@@ -1,11 +1,11 @@
-//! Multi-process fault test: real worker processes (`outbox-test-worker`) against the real PostgreSQL
-//! and against one SQLite file they all share, scaled 1 → 4 → 2 → 3 while a producer writes (and
-//! sometimes rolls back), with kill -9, SIGSTOP pauses in every timing window (shorter than the lease,
-//! between "another instance took over" and "the instance row was reaped", longer than the reap), and
-//! (on PostgreSQL) terminated database
-//! connections. A checker then reads the database and the workers' handler-call log and asserts the
-//! invariants, including exclusivity: no two handler calls for one key overlap in time, except a call
-//! that was already running when its process was stopped.
+//! Multi-process fault test: real worker processes (`outbox-test-worker`) against the real PostgreSQL,
+//! the real MariaDB and one SQLite file they all share, scaled 1 → 4 → 2 → 3 while a producer writes
+//! (and sometimes rolls back), with kill -9, SIGSTOP pauses in every timing window (shorter than the
+//! lease, between "another instance took over" and "the instance row was reaped", longer than the
+//! reap), and (on the database servers) killed database connections. A checker then reads the
+//! database and the workers' handler-call log and asserts the invariants, including exclusivity: no two
+//! handler calls for one key overlap in time, except a call that was already running when its process
+//! was stopped.
 //!
 //! CI runs one round of faults (about 20 s). The soak is the same test with more rounds:
 //! `OUTBOX_FAULT_ROUNDS=20 ./scripts/test.sh -p outbox-tests --test faults -- --nocapture`.
@@ -274,10 +274,11 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
             tokio::time::sleep(step).await;
         }
 
-        // Kill a worker's database connections (its pool and heartbeat reconnect). PostgreSQL only:
-        // SQLite runs inside each process, so it has no server connections to kill.
-        let victim = format!("outbox-{}", pick(&workers));
-        if let Some(terminated) = db.terminate_connections(&victim).await {
+        // Kill a worker's database connections (its pool and heartbeat reconnect); SQLite runs inside
+        // each process, so it has no server connections to kill.
+        let victim = pick(&workers);
+        let pid = workers[&victim].child.0.id();
+        if let Some(terminated) = db.terminate_connections(&format!("outbox-{victim}"), pid).await {
             assert!(terminated > 0, "{victim} had connections to terminate");
         }
         tokio::time::sleep(step).await;

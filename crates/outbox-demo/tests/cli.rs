@@ -12,6 +12,8 @@ use sqlx::PgPool;
 struct Env {
     database_url: String,
     nats: NatsServer,
+    /// Where workers write their logs, shown when a test fails.
+    logs: tempfile::TempDir,
 }
 
 impl Env {
@@ -19,7 +21,20 @@ impl Env {
         let db: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
         let base = std::env::var("DATABASE_URL").unwrap();
         let (server, _) = base.rsplit_once('/').unwrap();
-        Env { database_url: format!("{server}/{db}"), nats: NatsServer::start() }
+        Env { database_url: format!("{server}/{db}"), nats: NatsServer::start(), logs: tempfile::tempdir().unwrap() }
+    }
+
+    /// On a fresh MariaDB database of the test server (`MYSQL_URL`); also that database.
+    async fn mariadb() -> (Env, outbox_core::Db) {
+        let db = outbox_core::driver::mysql::test_database().await;
+        let (name,): (String,) = db.fetch_one("SELECT DATABASE()", &[]).await.unwrap();
+        let server = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".into());
+        let env = Env {
+            database_url: format!("{server}/{name}"),
+            nats: NatsServer::start(),
+            logs: tempfile::tempdir().unwrap(),
+        };
+        (env, db)
     }
 
     fn command(&self, args: &[&str]) -> Command {
@@ -44,14 +59,16 @@ impl Env {
         stdout.into_owned()
     }
 
+    /// A worker process logging to `<name>.log` in the logs directory.
     fn worker(&self, name: &str, extra: &[&str]) -> Process {
         let mut args = vec!["worker", "--name", name];
         args.extend_from_slice(extra);
-        Process(
-            self.command(&args).env("RUST_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap(),
-        )
+        let log = std::fs::File::create(self.logs.path().join(format!("{name}.log"))).unwrap();
+        Process(self.command(&args).env("RUST_LOG", WORKER_LOG).stdout(Stdio::null()).stderr(log).spawn().unwrap())
     }
 }
+
+const WORKER_LOG: &str = "info,sqlx=warn";
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
@@ -69,6 +86,28 @@ where
     }
 }
 
+/// Waits until `names` (workers logging into `logs`) own partitions between them; if they do not, fails
+/// with who owns and is meant to own the partitions, and the workers' logs.
+async fn wait_for_sharing(db: &outbox_core::Db, sql: &BackendSql, logs: &std::path::Path, names: &[&str]) {
+    let sharing = tokio::time::timeout(Duration::from_secs(60), async {
+        while db.fetch_one::<(i64,)>(sql.owners, &[]).await.unwrap().0 != names.len() as i64 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    if sharing.await.is_ok() {
+        return;
+    }
+    let owners: Vec<(Option<uuid::Uuid>, Option<uuid::Uuid>, i64)> = db.fetch_all(sql.ownership, &[]).await.unwrap();
+    let logs: Vec<String> = names
+        .iter()
+        .map(|name| {
+            let log = std::fs::read_to_string(logs.join(format!("{name}.log"))).unwrap_or_default();
+            format!("{name}:\n{log}")
+        })
+        .collect();
+    panic!("the workers did not come to share the partitions: (owner, target, partitions) {owners:?}\n{}", logs.join("\n"));
+}
+
 fn terminate(mut worker: Process) {
     let status = Command::new("kill").args(["-TERM", &worker.0.id().to_string()]).status().unwrap();
     assert!(status.success());
@@ -76,39 +115,28 @@ fn terminate(mut worker: Process) {
     assert!(exit.success(), "worker exited with {exit}");
 }
 
-/// The multi-process flow of the README: migrate, two workers, produce, verify, status.
-#[sqlx::test(migrations = false)]
-async fn migrate_two_workers_produce_verify_and_status(pool: PgPool) {
-    let env = Env::new(&pool).await;
+/// The multi-process flow of the README: migrate, two workers (`w1` started with `w1_args`), produce,
+/// verify, status; returns the running workers.
+async fn two_workers_produce_verify_and_status(
+    env: &Env,
+    db: &outbox_core::Db,
+    sql: &BackendSql,
+    w1_args: &[&str],
+) -> (Process, Process) {
+    let count = |query: &'static str| async move { db.fetch_one::<(i64,)>(query, &[]).await.unwrap().0 };
     let out = env.run(&["status"]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("run `outbox-demo migrate` first"), "{}", stderr(&out));
 
     assert!(env.ok(&["migrate"]).contains("migrated"));
     env.ok(&["migrate"]);
-    let port = outbox_tests::nats::free_port();
-    let metrics_addr = format!("127.0.0.1:{port}");
-    let w1 = env.worker("w1", &["--metrics-addr", &metrics_addr]);
-    let w2 = env.worker("w2", &[]);
-    wait_for("two workers sharing the partitions", || async {
-        let owners: i64 =
-            sqlx::query_scalar("SELECT count(DISTINCT owner) FROM outbox.partitions WHERE owner IS NOT NULL")
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-        owners == 2
-    })
-    .await;
+    let (w1, w2) = (env.worker("w1", w1_args), env.worker("w2", &[]));
+    wait_for_sharing(db, sql, env.logs.path(), &["w1", "w2"]).await;
 
     let produced = env.ok(&["produce", "--orders", "60", "--events-per-order", "4", "--rollback-fraction", "0.2"]);
     assert!(produced.contains("produced 240 events for 60 orders"), "{produced}");
-    let committed: i64 = sqlx::query_scalar("SELECT count(*) FROM demo_order_events").fetch_one(&pool).await.unwrap();
-    assert_eq!(committed, 240);
-    wait_for("backlog drained", || async {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.records").fetch_one(&pool).await.unwrap();
-        n == 0
-    })
-    .await;
+    assert_eq!(count("SELECT count(*) FROM demo_order_events").await, 240);
+    wait_for("backlog drained", || async { count(sql.count_records).await == 0 }).await;
 
     let verified = env.ok(&["verify"]);
     assert!(verified.contains("committed events   240") && verified.contains("stream messages    240"), "{verified}");
@@ -117,7 +145,23 @@ async fn migrate_two_workers_produce_verify_and_status(pool: PgPool) {
     let status = env.ok(&["status"]);
     assert!(status.contains("w1") && status.contains("w2") && status.contains("128 partitions"), "{status}");
     assert!(status.contains("pending 0  FAILED 0"), "{status}");
+    (w1, w2)
+}
 
+/// Graceful stops, which deregister.
+async fn stop_both(db: &outbox_core::Db, sql: &BackendSql, (w1, w2): (Process, Process)) {
+    terminate(w1);
+    terminate(w2);
+    let (instances,): (i64,) = db.fetch_one(sql.count_instances, &[]).await.unwrap();
+    assert_eq!(instances, 0, "graceful stops deregister");
+}
+
+/// The README's flow on PostgreSQL, and the first worker's metrics.
+#[sqlx::test(migrations = false)]
+async fn migrate_two_workers_produce_verify_and_status(pool: PgPool) {
+    let (env, db) = (Env::new(&pool).await, outbox_core::Db::from(&pool));
+    let metrics_addr = format!("127.0.0.1:{}", outbox_tests::nats::free_port());
+    let workers = two_workers_produce_verify_and_status(&env, &db, &POSTGRES, &["--metrics-addr", &metrics_addr]).await;
     let metrics = http_get(&metrics_addr, "/metrics").await;
     for name in [
         "outbox_records_completed_total",
@@ -127,10 +171,7 @@ async fn migrate_two_workers_produce_verify_and_status(pool: PgPool) {
     ] {
         assert!(metrics.contains(name), "{name} missing from metrics:\n{metrics}");
     }
-    terminate(w1);
-    terminate(w2);
-    let instances: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.instances").fetch_one(&pool).await.unwrap();
-    assert_eq!(instances, 0, "graceful stops deregister");
+    stop_both(&db, &POSTGRES, workers).await;
 }
 
 async fn http_get(addr: &str, path: &str) -> String {
@@ -191,26 +232,66 @@ async fn verify_reports_ghosts_duplicates_and_missing_events(pool: PgPool) {
     assert!(report.contains("FAILED"), "{report}");
 }
 
-/// `failed list|requeue|skip` and `purge` act on the database as an operator expects.
-#[sqlx::test(migrations = false)]
-async fn failed_records_can_be_listed_requeued_and_skipped_and_purge_deletes_old_completions(pool: PgPool) {
-    let env = Env::new(&pool).await;
-    env.ok(&["migrate"]);
+/// The statements the tests read and change the outbox with, per backend.
+struct BackendSql {
+    /// Distinct owners of partitions.
+    owners: &'static str,
+    /// (owner, target owner, partitions) groups.
+    ownership: &'static str,
+    count_records: &'static str,
+    count_instances: &'static str,
+    /// Makes each key's first record FAILED.
+    fail_first: &'static str,
+    /// (id, key) of the FAILED records, by key.
+    failed: &'static str,
+    count_failed: &'static str,
+    count_skipped: &'static str,
+    /// Makes the skipped records' completion 3 hours old.
+    age_skipped: &'static str,
+}
+
+const POSTGRES: BackendSql = BackendSql {
+    owners: "SELECT count(DISTINCT owner) FROM outbox.partitions WHERE owner IS NOT NULL",
+    ownership: "SELECT owner, target_owner, count(*) FROM outbox.partitions GROUP BY owner, target_owner",
+    count_records: "SELECT count(*) FROM outbox.records",
+    count_instances: "SELECT count(*) FROM outbox.instances",
+    fail_first: "UPDATE outbox.records SET failed_at = now(), attempts = 3, last_error = 'permanent: broker said no'
+        WHERE (key, seq) IN (SELECT key, min(seq) FROM outbox.records GROUP BY key)",
+    failed: "SELECT id, key FROM outbox.records WHERE failed_at IS NOT NULL ORDER BY key",
+    count_failed: "SELECT count(*) FROM outbox.records WHERE failed_at IS NOT NULL",
+    count_skipped: "SELECT count(*) FROM outbox.completed WHERE outcome = 'skipped'",
+    age_skipped: "UPDATE outbox.completed SET completed_at = now() - interval '3 hours' WHERE outcome = 'skipped'",
+};
+
+const MYSQL: BackendSql = BackendSql {
+    owners: "SELECT count(DISTINCT owner) FROM outbox_partitions WHERE owner IS NOT NULL",
+    ownership: "SELECT owner, target_owner, count(*) FROM outbox_partitions GROUP BY owner, target_owner",
+    count_records: "SELECT count(*) FROM outbox_records",
+    count_instances: "SELECT count(*) FROM outbox_instances",
+    fail_first: "UPDATE outbox_records r JOIN (SELECT `key`, MIN(seq) AS seq FROM outbox_records GROUP BY `key`) h
+        ON r.`key` = h.`key` AND r.seq = h.seq
+        SET r.failed_at = UTC_TIMESTAMP(6), r.attempts = 3, r.last_error = 'permanent: broker said no'",
+    failed: "SELECT id, `key` FROM outbox_records WHERE failed_at IS NOT NULL ORDER BY `key`",
+    count_failed: "SELECT count(*) FROM outbox_records WHERE failed_at IS NOT NULL",
+    count_skipped: "SELECT count(*) FROM outbox_completed WHERE outcome = 'skipped'",
+    age_skipped: "UPDATE outbox_completed SET completed_at = UTC_TIMESTAMP(6) - INTERVAL 3 HOUR WHERE outcome = 'skipped'",
+};
+
+/// SQLite names the tables as MySQL does, and its test reads only the plain counts, which are alike.
+const SQLITE: &BackendSql = &MYSQL;
+
+/// `failed list|requeue|skip` and `purge` act on the database as an operator expects (no worker runs).
+async fn failed_records_can_be_listed_requeued_and_skipped_and_purged(
+    env: &Env,
+    db: &outbox_core::Db,
+    sql: &BackendSql,
+) {
+    let count = |query: &'static str| async move { db.fetch_one::<(i64,)>(query, &[]).await.unwrap().0 };
     env.ok(&["produce", "--orders", "2", "--events-per-order", "2", "--rollback-fraction", "0"]);
-    sqlx::query(
-        "UPDATE outbox.records SET failed_at = now(), attempts = 3, last_error = 'permanent: broker said no'
-         WHERE (key, seq) IN (SELECT key, min(seq) FROM outbox.records GROUP BY key)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    assert_eq!(db.execute(sql.fail_first, &[]).await.unwrap(), 2);
     let listed = env.ok(&["failed", "list"]);
     assert!(listed.contains("2 FAILED records") && listed.contains("broker said no"), "{listed}");
-    let ids: Vec<(uuid::Uuid, String)> =
-        sqlx::query_as("SELECT id, key FROM outbox.records WHERE failed_at IS NOT NULL ORDER BY key")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+    let ids: Vec<(uuid::Uuid, String)> = db.fetch_all(sql.failed, &[]).await.unwrap();
     let by_key = env.ok(&["failed", "list", "--key", &ids[0].1]);
     assert!(by_key.contains("1 FAILED records"), "{by_key}");
 
@@ -218,28 +299,27 @@ async fn failed_records_can_be_listed_requeued_and_skipped_and_purge_deletes_old
     assert!(env.ok(&["failed", "skip", &ids[1].0.to_string()]).contains("skipped"));
     let out = env.run(&["failed", "skip", &ids[1].0.to_string()]);
     assert!(!out.status.success() && stderr(&out).contains("not found in state FAILED"), "{}", stderr(&out));
-    let failed: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.records WHERE failed_at IS NOT NULL")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(failed, 0);
-    let skipped: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.completed WHERE outcome = 'skipped'")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(skipped, 1);
+    assert_eq!(count(sql.count_failed).await, 0);
+    assert_eq!(count(sql.count_skipped).await, 1);
 
-    sqlx::query("UPDATE outbox.completed SET completed_at = now() - interval '3 hours'").execute(&pool).await.unwrap();
-    assert!(env.ok(&["purge", "--older-than", "2h"]).contains("purged 1 completed records"));
+    db.execute(sql.age_skipped, &[]).await.unwrap();
+    let purged = env.ok(&["purge", "--older-than", "2h"]);
+    assert!(purged.contains("purged 1 completed records"), "{purged}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn failed_records_can_be_listed_requeued_and_skipped_and_purge_deletes_old_completions(pool: PgPool) {
+    let env = Env::new(&pool).await;
+    env.ok(&["migrate"]);
+    failed_records_can_be_listed_requeued_and_skipped_and_purged(&env, &outbox_core::Db::from(&pool), &POSTGRES).await;
 }
 
 /// A newcomer's mistakes get one clear line, not a backtrace.
 #[sqlx::test(migrations = false)]
 async fn bad_config_and_unreachable_services_are_one_line_errors(pool: PgPool) {
     let env = Env::new(&pool).await;
-    let dir = std::env::temp_dir().join(format!("outbox-demo-{}", uuid::Uuid::now_v7()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let bad = dir.join("bad.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
     std::fs::write(&bad, "[outbox]\npoll_interval = \"soon\"\n").unwrap();
     let out = env.run(&["--config", bad.to_str().unwrap(), "status"]);
     assert!(!out.status.success());
@@ -258,7 +338,7 @@ async fn bad_config_and_unreachable_services_are_one_line_errors(pool: PgPool) {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("cannot connect to PostgreSQL at 127.0.0.1:"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("cannot connect to PostgreSQL database \"x\" at 127.0.0.1:"), "{}", stderr(&out));
     assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
 
     env.ok(&["migrate"]);
@@ -274,7 +354,16 @@ async fn bad_config_and_unreachable_services_are_one_line_errors(pool: PgPool) {
 /// `run`, the default, tells the story and ends with a clean verification.
 #[sqlx::test(migrations = false)]
 async fn run_tells_the_story_and_verifies_it(pool: PgPool) {
-    let env = Env::new(&pool).await;
+    tells_the_story(&Env::new(&pool).await);
+}
+
+/// `DATABASE_URL=mysql://…/demo outbox-demo` verifies clean as well.
+#[tokio::test]
+async fn on_mariadb_run_tells_the_story_and_verifies_it() {
+    tells_the_story(&Env::mariadb().await.0);
+}
+
+fn tells_the_story(env: &Env) {
     let out = env.run(&["run", "--orders", "40", "--rate", "200", "--step-secs", "1"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", stderr(&out));
@@ -330,35 +419,16 @@ async fn sqlite_workers_in_separate_processes_share_the_partitions() {
     let spawn = |name: &str| {
         let log = std::fs::File::create(path.join(format!("{name}.log"))).unwrap();
         let mut command = embedded(path, &["worker", "--name", name]);
-        Process(command.env("RUST_LOG", "info,sqlx=warn").stdout(Stdio::null()).stderr(log).spawn().unwrap())
+        Process(command.env("RUST_LOG", WORKER_LOG).stdout(Stdio::null()).stderr(log).spawn().unwrap())
     };
     let (w1, w2) = (spawn("w1"), spawn("w2"));
     let url = format!("sqlite://{}", path.join("outbox-demo.db").display());
     let db = outbox_core::Db::connect(&url).await.unwrap();
-    let sharing = tokio::time::timeout(Duration::from_secs(60), async {
-        loop {
-            let (owners,): (i64,) = db
-                .fetch_one("SELECT count(DISTINCT owner) FROM outbox_partitions WHERE owner IS NOT NULL", &[])
-                .await
-                .unwrap();
-            if owners == 2 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    });
-    if sharing.await.is_err() {
-        let owners: Vec<(Option<uuid::Uuid>, Option<uuid::Uuid>, i64)> = db
-            .fetch_all("SELECT owner, target_owner, count(*) FROM outbox_partitions GROUP BY owner, target_owner", &[])
-            .await
-            .unwrap();
-        let logs = ["w1", "w2"].map(|w| std::fs::read_to_string(path.join(format!("{w}.log"))).unwrap_or_default());
-        panic!("two workers did not come to share the partitions: {owners:?}\nw1:\n{}\nw2:\n{}", logs[0], logs[1]);
-    }
+    wait_for_sharing(&db, SQLITE, path, &["w1", "w2"]).await;
     let produced = embedded_ok(path, &["produce", "--orders", "60", "--events-per-order", "4"]);
     assert!(produced.contains("produced 240 events for 60 orders"), "{produced}");
     wait_for("backlog drained", || async {
-        let (n,): (i64,) = db.fetch_one("SELECT count(*) FROM outbox_records", &[]).await.unwrap();
+        let (n,): (i64,) = db.fetch_one(SQLITE.count_records, &[]).await.unwrap();
         n == 0
     })
     .await;
@@ -369,6 +439,16 @@ async fn sqlite_workers_in_separate_processes_share_the_partitions() {
     assert!(status.contains("w1") && status.contains("w2") && status.contains("128 partitions"), "{status}");
     terminate(w1);
     terminate(w2);
-    let (instances,): (i64,) = db.fetch_one("SELECT count(*) FROM outbox_instances", &[]).await.unwrap();
+    let (instances,): (i64,) = db.fetch_one(SQLITE.count_instances, &[]).await.unwrap();
     assert_eq!(instances, 0, "graceful stops deregister");
+}
+
+/// The multi-process flow and the operator's commands on MariaDB: migrate, two workers, produce, verify,
+/// status, then `failed list|requeue|skip` and `purge`.
+#[tokio::test]
+async fn on_mariadb_every_subcommand_works() {
+    let (env, db) = Env::mariadb().await;
+    let workers = two_workers_produce_verify_and_status(&env, &db, &MYSQL, &[]).await;
+    stop_both(&db, &MYSQL, workers).await;
+    failed_records_can_be_listed_requeued_and_skipped_and_purged(&env, &db, &MYSQL).await;
 }

@@ -113,11 +113,36 @@ impl TestDb {
         Some(self.scalar(sql, &[]).await)
     }
 
-    /// Terminates the server connections of the processes started with `PGAPPNAME=application`; `None`
-    /// where the backend has no server connections (SQLite runs inside each process).
-    pub async fn terminate_connections(&self, application: &str) -> Option<i64> {
-        if self.is_sqlite() || self.is_mysql() {
+    /// Terminates the server connections of process `pid`, started with `PGAPPNAME=application`; `None`
+    /// where the backend has no server connections (SQLite runs inside each process). PostgreSQL knows
+    /// its clients by application name; MariaDB only by address, so the process's client ports are
+    /// read from `/proc` and their sessions killed with `KILL CONNECTION`.
+    pub async fn terminate_connections(&self, application: &str, pid: u32) -> Option<i64> {
+        if self.is_sqlite() {
             return None;
+        }
+        if self.is_mysql() {
+            let server_port: i64 = self.scalar("SELECT CAST(@@port AS SIGNED)", &[]).await;
+            let ports = client_ports(pid, u16::try_from(server_port).unwrap());
+            let hosts: Vec<(i64, String)> = self
+                .db
+                .fetch_all(
+                    "SELECT CAST(id AS SIGNED), host FROM information_schema.processlist WHERE host LIKE '%:%'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            let mut killed = 0;
+            for (id, host) in hosts {
+                let port = host.rsplit_once(':').and_then(|(_, port)| port.parse::<u16>().ok());
+                if port.is_some_and(|port| ports.contains(&port)) {
+                    // The session may have ended meanwhile (1094: unknown thread).
+                    if self.db.execute(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")), &[]).await.is_ok() {
+                        killed += 1;
+                    }
+                }
+            }
+            return Some(killed);
         }
         let sql = "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
                    WHERE application_name = $1) t";
@@ -199,4 +224,32 @@ fn quote_reserved(sql: &str) -> String {
     }
     flush(&mut word, &mut out);
     out
+}
+
+/// The local ports of process `pid`'s TCP connections to `server_port` on loopback: its sockets (the
+/// inodes its descriptors point to) matched against the kernel's TCP tables.
+fn client_ports(pid: u32, server_port: u16) -> Vec<u16> {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_string_lossy().into_owned();
+            Some(target.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    let port = |address: &str| u16::from_str_radix(address.rsplit_once(':')?.1, 16).ok();
+    let mut ports = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(remote), Some(inode)) = (fields.get(1), fields.get(2), fields.get(9)) else {
+                continue;
+            };
+            if port(remote) == Some(server_port) && inodes.contains(*inode) {
+                ports.extend(port(local));
+            }
+        }
+    }
+    ports
 }
