@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs the benchmark (release build) against PostgreSQL and NATS JetStream on loopback, starting them
-# (installing if needed) first. `--quick` is the CI smoke test; without it, the figures for BENCHMARKS.md.
+# Runs the benchmark (release build) against PostgreSQL, MariaDB and NATS JetStream on loopback,
+# starting them (installing if needed) first. `--quick` is the CI smoke test; without it, the figures for BENCHMARKS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
 use_demo_services
+ensure_mariadb
 cargo run --quiet --release -p outbox-demo -- bench "$@"

@@ -191,7 +191,10 @@ async fn place_once(outbox: &Outbox, db: &Db, event: &OrderEvent, rollback: bool
     let record = NewRecord::json(order, format!("order.{}", event.step), event)?;
     let mut tx = db.begin().await?;
     let status = [order.into(), event.step.as_str().into()];
-    if tx.execute(UPDATE_ORDER, &status).await? == 0 {
+    // The first event creates the order; a later one updates it, or creates it if the first was rolled
+    // back. (An update of a missing row takes a gap lock on MySQL, and two of those inserting into
+    // the same gap deadlock, so it is not the first thing tried.)
+    if seq == 1 || tx.execute(UPDATE_ORDER, &status).await? == 0 {
         tx.execute(INSERT_ORDER, &status).await?;
     }
     let step = event.step.as_str();

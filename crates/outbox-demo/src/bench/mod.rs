@@ -1,10 +1,14 @@
 //! `bench`: throughput, latency and cost against the local PostgreSQL and NATS JetStream (file storage),
 //! with yardsticks measured in the same run ([`yardsticks`]). Everything runs in its own schema
 //! (`outbox_bench`) and stream (`OUTBOX_BENCH`), so it never touches the demo's data; the `sqlite`
-//! scenarios put the outbox on a SQLite file in a temporary directory. Prints a table and one JSON line
+//! scenarios put the outbox on a SQLite file in a temporary directory, the `mysql` ones on a database
+//! `outbox_bench` of the `MYSQL_URL` server. Prints a table and one JSON line
 //! per scenario ([`report`]).
 
+#[cfg(feature = "mysql")]
+mod mysql;
 mod postgres;
+mod producer;
 mod report;
 mod scenarios;
 #[cfg(feature = "sqlite")]
@@ -34,7 +38,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub quick: bool,
     /// Run only these scenarios (the yardsticks always run, for the ratios): drain, processes, failing,
-    /// steady, idle, sqlite.
+    /// steady, idle, large, producer, sqlite, mysql.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub only: Vec<Scenario>,
     /// Rounds to run; medians are reported (default 3, or 1 with --quick). The machine is shared and
@@ -56,15 +60,24 @@ pub enum Scenario {
     Steady,
     /// An idle instance's cost to PostgreSQL.
     Idle,
+    /// 64 KiB payloads: the drain to JetStream beside JetStream's raw pipelined publish, in MB/s.
+    Large,
+    /// `schedule` per record and `schedule_batch` against a plain INSERT, on PostgreSQL and SQLite.
+    Producer,
     /// The outbox on a SQLite file: drain (to a no-op handler and to JetStream), steady latency.
     #[cfg(feature = "sqlite")]
     Sqlite,
+    /// The outbox on MySQL/MariaDB: drain (to a no-op handler and to JetStream), steady latency.
+    #[cfg(feature = "mysql")]
+    Mysql,
 }
 
 #[derive(Clone, Copy)]
 struct Sizes {
+    quick: bool,
     keys: usize,
     per_key: usize,
+    payload_bytes: usize,
     steady_rate: u64,
     steady_secs: u64,
     idle_secs: u64,
@@ -73,10 +86,33 @@ struct Sizes {
 impl Sizes {
     fn of(quick: bool) -> Sizes {
         if quick {
-            Sizes { keys: 100, per_key: 10, steady_rate: 200, steady_secs: 3, idle_secs: 3 }
+            Sizes {
+                quick,
+                keys: 100,
+                per_key: 10,
+                payload_bytes: PAYLOAD_BYTES,
+                steady_rate: 200,
+                steady_secs: 3,
+                idle_secs: 3,
+            }
         } else {
-            Sizes { keys: 1000, per_key: 50, steady_rate: 1000, steady_secs: 30, idle_secs: 10 }
+            let (keys, per_key) = (1000, 50);
+            Sizes {
+                quick,
+                keys,
+                per_key,
+                payload_bytes: PAYLOAD_BYTES,
+                steady_rate: 1000,
+                steady_secs: 30,
+                idle_secs: 10,
+            }
         }
+    }
+
+    /// 64 KiB payloads: 2,000 records over 200 keys (125 MiB), or 100 with `quick`.
+    fn large(self) -> Sizes {
+        let (keys, per_key) = if self.quick { (20, 5) } else { (200, 10) };
+        Sizes { keys, per_key, payload_bytes: 64 * 1024, ..self }
     }
 
     fn records(&self) -> usize {
@@ -136,14 +172,11 @@ pub async fn run(ctx: &Context, args: BenchArgs, database_url: &str) -> Result<E
     Ok(ExitCode::SUCCESS)
 }
 
-fn payload() -> Vec<u8> {
-    vec![b'x'; PAYLOAD_BYTES]
-}
-
 impl Bench {
     /// One round: the yardsticks, then the selected scenarios.
     async fn round(&self, args: &BenchArgs) -> Result<Vec<Row>, Failure> {
-        let mut rows = vec![self.raw_publish().await?, self.ordered_publish(256).await?, self.idealised_relay().await?];
+        let publish = self.raw_publish("yardstick_jetstream_publish").await?;
+        let mut rows = vec![publish, self.ordered_publish(256).await?, self.idealised_relay().await?];
         let wanted = |scenario| args.only.is_empty() || args.only.contains(&scenario);
         if wanted(Scenario::Drain) {
             rows.push(self.drain_in_process(&self.outbox, "drain_1_instance", scenarios::Target::JetStream).await?);
@@ -164,15 +197,47 @@ impl Bench {
         if wanted(Scenario::Idle) {
             rows.push(self.idle().await?);
         }
+        if wanted(Scenario::Large) {
+            rows.extend(self.large().await?);
+        }
+        if wanted(Scenario::Producer) {
+            self.reset().await?;
+            let plain = self.pg.plain_table().await?;
+            rows.extend(self.producer(producer::POSTGRES, &plain).await?);
+            #[cfg(feature = "sqlite")]
+            rows.extend(self.producer_on_sqlite().await?);
+        }
         #[cfg(feature = "sqlite")]
         if wanted(Scenario::Sqlite) {
             rows.extend(self.on_sqlite().await?);
         }
+        #[cfg(feature = "mysql")]
+        if wanted(Scenario::Mysql) {
+            rows.extend(self.on_mysql().await?);
+        }
         Ok(rows)
     }
 
+    /// A payload of this bench's size.
+    fn payload(&self) -> Vec<u8> {
+        vec![b'x'; self.sizes.payload_bytes]
+    }
+
+    /// This bench with other sizes.
+    fn resized(&self, sizes: Sizes) -> Bench {
+        Bench {
+            pg: self.pg.clone(),
+            db: self.db.clone(),
+            on_postgres: self.on_postgres,
+            outbox: self.outbox.clone(),
+            nats: self.nats.clone(),
+            database_url: self.database_url.clone(),
+            sizes,
+        }
+    }
+
     /// This bench on another database for the outbox (PostgreSQL still gives the yardsticks).
-    #[cfg(feature = "sqlite")]
+    #[cfg(any(feature = "sqlite", feature = "mysql"))]
     fn on(&self, db: Db) -> Bench {
         Bench {
             pg: self.pg.clone(),
@@ -212,7 +277,7 @@ impl Bench {
         let mut records = Vec::with_capacity(self.sizes.records());
         for _ in 0..self.sizes.per_key {
             for k in 0..self.sizes.keys {
-                records.push(NewRecord::new(format!("key-{k}"), "bench", payload()));
+                records.push(NewRecord::new(format!("key-{k}"), "bench", self.payload()));
             }
         }
         // On a pool of its own, closed at the end: a backend's table statistics reach

@@ -86,6 +86,16 @@ impl Postgres {
         sqlx::query_as(AssertSqlSafe(query)).fetch_one(&self.pool).await.map_err(pg)
     }
 
+    /// A fresh, empty table of the records' shape (columns, constraints, indexes): the producer's
+    /// yardstick writes into it.
+    pub async fn plain_table(&self) -> Result<String, Failure> {
+        let sql = format!(
+            "DROP TABLE IF EXISTS {SCHEMA}.plain; CREATE TABLE {SCHEMA}.plain (LIKE {SCHEMA}.records INCLUDING ALL)"
+        );
+        sqlx::raw_sql(AssertSqlSafe(sql)).execute(&self.pool).await.map_err(pg)?;
+        Ok(format!("{SCHEMA}.plain"))
+    }
+
     /// The idealised relay's statements on a pool of its own (closed by [`Relay::close`], so its
     /// statistics cannot land in a later scenario's count).
     pub async fn relay(&self) -> Result<Relay, Failure> {

@@ -13,7 +13,7 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::report::{self, Row, percentile};
-use super::{Bench, SCHEMA, payload};
+use super::{Bench, SCHEMA};
 use crate::Failure;
 use crate::config::DemoConfig;
 
@@ -23,7 +23,7 @@ pub(super) enum Target {
     /// The bench stream; done when every record is acked and completed.
     JetStream,
     /// A handler that does nothing: the outbox alone.
-    #[cfg(feature = "sqlite")]
+    #[cfg(any(feature = "sqlite", feature = "mysql"))]
     Nothing,
 }
 
@@ -41,7 +41,7 @@ impl Bench {
         let before = if self.on_postgres { self.pg.rows_written().await? } else { 0 };
         let route = match target {
             Target::JetStream => Route::new(self.jetstream().await?),
-            #[cfg(feature = "sqlite")]
+            #[cfg(any(feature = "sqlite", feature = "mysql"))]
             Target::Nothing => Route::new(handler_fn(|_| async { Ok(()) })),
         };
         let handlers = Handlers::new().default_route(route);
@@ -50,7 +50,7 @@ impl Bench {
         let node = Node::start(outbox.clone(), &db, handlers, Self::cluster("bench")).await?;
         match target {
             Target::JetStream => self.wait_delivered(n).await?,
-            #[cfg(feature = "sqlite")]
+            #[cfg(any(feature = "sqlite", feature = "mysql"))]
             Target::Nothing => self.wait_drained().await?,
         }
         let elapsed = started.elapsed();
@@ -205,7 +205,8 @@ impl Bench {
         let (rate, secs) = (self.sizes.steady_rate, self.sizes.steady_secs);
         let producers = 8;
         let tasks = (0..producers).map(|p| {
-            let (outbox, db, committed) = (self.outbox.clone(), self.db.clone(), committed.clone());
+            let (outbox, db, committed, body) =
+                (self.outbox.clone(), self.db.clone(), committed.clone(), self.payload());
             tokio::spawn(async move {
                 let mut ticker = tokio::time::interval(Duration::from_secs_f64(producers as f64 / rate as f64));
                 let end = Instant::now() + Duration::from_secs(secs);
@@ -213,7 +214,7 @@ impl Bench {
                     ticker.tick().await;
                     let key = format!("steady-{}", rand::rng().random_range(0..1000));
                     let mut tx = db.begin().await?;
-                    let scheduled = outbox.schedule(&mut tx, NewRecord::new(key, "bench", payload())).await?;
+                    let scheduled = outbox.schedule(&mut tx, NewRecord::new(key, "bench", body.clone())).await?;
                     tx.commit().await?;
                     if let Ok(mut committed) = committed.lock() {
                         committed.insert(scheduled.id, Instant::now());
@@ -297,5 +298,37 @@ impl Bench {
             bench.db.close().await;
         }
         Ok(rows)
+    }
+
+    /// The outbox on a fresh MySQL/MariaDB database.
+    #[cfg(feature = "mysql")]
+    pub(super) async fn on_mysql(&self) -> Result<Vec<Row>, Failure> {
+        let db = super::mysql::database().await?;
+        self.outbox.migrate(&db).await?;
+        let bench = self.on(db);
+        let rows = vec![
+            bench.drain_in_process(&bench.outbox, "mysql_drain_1_instance_no_op_handler", Target::Nothing).await?,
+            bench.drain_in_process(&bench.outbox, "mysql_drain_1_instance", Target::JetStream).await?,
+            bench.steady("mysql_steady_commit_to_ack_p50").await?,
+        ];
+        bench.db.close().await;
+        Ok(rows)
+    }
+
+    /// 64 KiB payloads: JetStream's raw pipelined publish of them, and one instance draining them to
+    /// JetStream, in MB/s (10^6 bytes of payload per second).
+    pub(super) async fn large(&self) -> Result<Vec<Row>, Failure> {
+        let bench = self.resized(self.sizes.large());
+        let mut publish = bench.raw_publish("yardstick_jetstream_publish_64k").await?;
+        let mut drain = bench.drain_in_process(&bench.outbox, "drain_1_instance_64k", Target::JetStream).await?;
+        let bytes = bench.sizes.payload_bytes as f64;
+        for row in [&mut publish, &mut drain] {
+            row.extra["records_per_s"] = json!(row.value);
+            row.extra["payload_bytes"] = json!(bench.sizes.payload_bytes);
+            row.value *= bytes / 1e6;
+            row.unit = "MB/s";
+        }
+        drain.extra["vs_publish"] = json!(drain.value / publish.value);
+        Ok(vec![publish, drain])
     }
 }

@@ -8,34 +8,31 @@ use futures::future::try_join_all;
 use serde_json::json;
 use uuid::Uuid;
 
+use super::Bench;
 use super::report::Row;
-use super::{Bench, payload};
 use crate::Failure;
 
 impl Bench {
     /// JetStream alone, pipelined (up to 1,000 acks outstanding).
-    pub(super) async fn raw_publish(&self) -> Result<Row, Failure> {
+    pub(super) async fn raw_publish(&self, scenario: &'static str) -> Result<Row, Failure> {
         let client = self.reset().await?;
         let js = async_nats::jetstream::new(client);
         let n = self.sizes.records();
+        // Message ids unique to this run, so JetStream's duplicate window never drops one as a repeat.
+        let run = Uuid::now_v7();
         let started = Instant::now();
         for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
             let mut acks = Vec::with_capacity(chunk.len());
             for i in chunk {
                 let message = async_nats::jetstream::message::PublishMessage::build()
-                    .payload(payload().into())
-                    .message_id(format!("raw-{i}"));
+                    .payload(self.payload().into())
+                    .message_id(format!("raw-{run}-{i}"));
                 acks.push(js.send_publish("bench.raw", message).await.map_err(|e| Failure(e.to_string()))?);
             }
             try_join_all(acks.into_iter().map(|ack| ack.into_future())).await.map_err(|e| Failure(e.to_string()))?;
         }
         let rate = n as f64 / started.elapsed().as_secs_f64();
-        Ok(Row {
-            scenario: "yardstick_jetstream_publish",
-            value: rate,
-            unit: "records/s",
-            extra: json!({"records": n}),
-        })
+        Ok(Row { scenario, value: rate, unit: "records/s", extra: json!({"records": n}) })
     }
 
     /// What strict per-key order costs JetStream alone: `keys` keys at once, each publishing its next
@@ -45,14 +42,15 @@ impl Bench {
         let js = async_nats::jetstream::new(client);
         let n = self.sizes.records();
         let per_key = n.div_ceil(keys);
+        let run = Uuid::now_v7();
         let started = Instant::now();
         let tasks = (0..keys).map(|k| {
             let js = js.clone();
             async move {
                 for i in 0..per_key {
                     let message = async_nats::jetstream::message::PublishMessage::build()
-                        .payload(payload().into())
-                        .message_id(format!("ordered-{k}-{i}"));
+                        .payload(self.payload().into())
+                        .message_id(format!("ordered-{run}-{k}-{i}"));
                     let ack = js.send_publish("bench.ordered", message).await.map_err(|e| Failure(e.to_string()))?;
                     ack.await.map_err(|e| Failure(e.to_string()))?;
                 }
