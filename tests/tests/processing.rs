@@ -34,9 +34,62 @@ every_backend!(
     nothing_is_delivered_past_the_assignment_deadline,
     the_in_process_sink_passes_the_handler_conformance_suite,
     a_run_stops_at_the_lease_deadline,
+    a_wake_up_delivers_without_waiting_for_the_poll,
 );
 
+/// On PostgreSQL a producer in another process (here: another `Outbox`, with wake-ups of its own) wakes
+/// the processor through `NOTIFY`.
+#[sqlx::test(migrations = false)]
+async fn a_wake_up_from_another_process_arrives_through_notify(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let (producer, consumer) = (outbox(&db, |_| {}).await, outbox(&db, hourly).await);
+    wakes_up(&db, &producer, &consumer).await;
+}
+
 const LONG: Duration = Duration::from_secs(60);
+
+/// A processor that polls once an hour.
+fn hourly(c: &mut outbox_core::Config) {
+    c.poll_interval = Duration::from_secs(3600);
+    c.listen_poll_interval = Duration::from_secs(3600);
+    c.active_poll_interval = Duration::from_secs(3600);
+}
+
+/// A processor polling once an hour delivers a record at once when its producer calls `wake` after the
+/// commit, and not before (a record committed without a wake-up waits).
+async fn a_wake_up_delivers_without_waiting_for_the_poll(db: TestDb) {
+    let consumer = outbox(&db, hourly).await;
+    wakes_up(&db, &consumer, &consumer).await;
+}
+
+/// `consumer` (polling once an hour) runs a node; `producer` schedules and wakes.
+async fn wakes_up(db: &TestDb, producer: &outbox_core::Outbox, consumer: &outbox_core::Outbox) {
+    logs();
+    let sink = Sink::new();
+    let node = start(consumer, db, recording(&sink)).await;
+    let owns_all = || async { node.assignment().borrow().epochs.len() == 256 };
+    wait_for("the node owning every partition", LONG, owns_all).await;
+    if db.db.backend() == "postgres" {
+        let listening =
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'";
+        wait_for("the processor listening", LONG, || async { count(db, listening).await == 1 }).await;
+    }
+    // Once this one is delivered and completed, the processor has nothing to look for for an hour.
+    let first = commit(producer, db, vec![NewRecord::new("k-1", "t", "1")]).await;
+    producer.wake(db, &first).await.unwrap();
+    wait_for("the first record delivered", LONG, || async { sink.len() == 1 }).await;
+    drained(db, LONG).await;
+
+    let unwoken = commit(producer, db, vec![NewRecord::new("k-2", "t", "2")]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(sink.len(), 1, "a record committed without a wake-up waits for the poll");
+    let woken = commit(producer, db, vec![NewRecord::new("k-3", "t", "3")]).await;
+    producer.wake(db, &woken).await.unwrap();
+    wait_for("the woken record delivered", LONG, || async { sink.of_key("k-3").len() == 1 }).await;
+    producer.wake(db, &unwoken).await.unwrap();
+    wait_for("the other record delivered once woken", LONG, || async { sink.len() == 3 }).await;
+    node.shutdown().await.unwrap();
+}
 
 /// Per key, deliveries must be exactly its n records, each once, in order.
 fn assert_in_order(sink: &Sink, keys: &[String], n: i64) {

@@ -35,11 +35,13 @@ struct Rounds {
     giving_up: BTreeSet<Partition>,
     /// Partitions taken from a dead owner, held back from the processor until their quiet period ends.
     quiet: BTreeMap<Partition, (Epoch, Instant)>,
+    /// When this instance, as the leader, last reaped expired instance rows.
+    reaped: Option<Instant>,
 }
 
 impl Rounds {
     fn new(instance: InstanceId) -> Self {
-        Self { instance, giving_up: BTreeSet::new(), quiet: BTreeMap::new() }
+        Self { instance, giving_up: BTreeSet::new(), quiet: BTreeMap::new(), reaped: None }
     }
 }
 
@@ -76,9 +78,12 @@ impl Ownership {
         let live = self.store.live().await?;
         let rows = self.store.partitions().await?;
         let targets: Targets = if live.first() == Some(&id) {
-            // Housekeeping for the cluster: forget instances whose lease expired two stale timeouts ago
-            // (their partitions have moved on long since).
-            self.store.reap(self.config.stale_timeout * 2).await?;
+            // Housekeeping for the cluster, once per stale timeout: forget instances whose lease expired
+            // two stale timeouts ago (their partitions have moved on long since).
+            if rounds.reaped.is_none_or(|at| at.elapsed() >= self.config.stale_timeout) {
+                self.store.reap(self.config.stale_timeout * 2).await?;
+                rounds.reaped = Some(Instant::now());
+            }
             rebalance_targets(&self.store, id, &live, &rows).await?
         } else {
             rows.iter().filter_map(|r| r.target.map(|t| (r.partition, t))).collect()
@@ -96,18 +101,26 @@ impl Ownership {
             })
             .map(|r| (r.partition, r.epoch))
             .collect();
-        if !release.is_empty() {
+        let mut changed = !release.is_empty();
+        if changed {
             release_partitions(&self.store, id, &release, "rebalance").await?;
         }
         if rows.iter().any(|r| mine(&r.partition) && r.owner != Some(id)) {
             for (partition, epoch, quiet) in self.acquire(id).await? {
+                changed = true;
                 if let Some(quiet) = quiet {
                     rounds.quiet.insert(partition, (epoch, Instant::now() + quiet));
                 }
             }
         }
 
-        let owned = self.store.owned(id).await?;
+        // What this round read is what this instance owns unless it released or took partitions (no
+        // other instance takes them while its lease is live).
+        let owned = if changed {
+            self.store.owned(id).await?
+        } else {
+            rows.iter().filter(|r| r.owner == Some(id)).map(|r| (r.partition, r.epoch)).collect()
+        };
         rounds.giving_up = owned.keys().copied().filter(|p| !mine(p)).collect();
         rounds.quiet.retain(|p, (epoch, until)| owned.get(p) == Some(epoch) && *until > Instant::now());
         let keep: Epochs = owned.into_iter().filter(|(p, _)| mine(p) && !rounds.quiet.contains_key(p)).collect();
@@ -172,6 +185,10 @@ async fn rebalance_targets(
         .filter_map(|r| r.target.filter(is_live).or(r.owner.filter(is_live)).map(|h| (r.partition, h)))
         .collect();
     let targets = rebalance::assign(live, &current);
+    let stored: Targets = rows.iter().filter_map(|r| r.target.map(|t| (r.partition, t))).collect();
+    if targets == stored {
+        return Ok(targets);
+    }
     let changed = store.set_targets(&targets).await?;
     if !changed.is_empty() {
         metrics::counter!("outbox_rebalances_total").increment(1);

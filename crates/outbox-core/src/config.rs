@@ -3,6 +3,7 @@
 //! ```toml
 //! schema = "outbox"
 //! poll_interval = "100ms"
+//! listen_poll_interval = "2s"
 //! concurrency = 256
 //! [retry]
 //! max_retries = 5
@@ -23,6 +24,10 @@ pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 /// Polling is the correctness path for new and due records; 100 ms bounds the added latency while an idle
 /// instance sends ten cheap index probes a second.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// While a processor's `LISTEN` connection is up (PostgreSQL), producers that call `Outbox::wake` wake it
+/// at once, so polling is only the safety net for those that do not (and for lost wake-ups): an idle
+/// instance then sends one fetch every 2 s.
+pub const DEFAULT_LISTEN_POLL_INTERVAL: Duration = Duration::from_secs(2);
 /// While fetches keep finding records, poll every 5 ms: a record committed into a busy outbox is picked
 /// up within a few milliseconds, and the extra fetches only happen while there is work.
 pub const DEFAULT_ACTIVE_POLL_INTERVAL: Duration = Duration::from_millis(5);
@@ -69,6 +74,10 @@ pub struct Config {
     /// How often the processor looks for new or due records when nothing woke it.
     #[serde(with = "humantime_serde")]
     pub poll_interval: Duration,
+    /// How often the processor polls when nothing woke it while its `LISTEN` connection is up
+    /// (PostgreSQL, see [`Outbox::wake`](crate::Outbox::wake)); never more often than `poll_interval`.
+    #[serde(with = "humantime_serde")]
+    pub listen_poll_interval: Duration,
     /// Poll interval while recent fetches found records (within the last second); at most `poll_interval`.
     #[serde(with = "humantime_serde")]
     pub active_poll_interval: Duration,
@@ -113,6 +122,7 @@ impl Default for Config {
             schema: DEFAULT_SCHEMA.into(),
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             poll_interval: DEFAULT_POLL_INTERVAL,
+            listen_poll_interval: DEFAULT_LISTEN_POLL_INTERVAL,
             active_poll_interval: DEFAULT_ACTIVE_POLL_INTERVAL,
             batch_size: DEFAULT_BATCH_SIZE,
             concurrency: DEFAULT_CONCURRENCY,
@@ -145,6 +155,7 @@ impl Config {
         }
         for (name, value) in [
             ("poll_interval", self.poll_interval),
+            ("listen_poll_interval", self.listen_poll_interval),
             ("active_poll_interval", self.active_poll_interval),
             ("handler_timeout", self.handler_timeout),
             ("purge_interval", self.purge_interval),

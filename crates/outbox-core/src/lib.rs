@@ -1,14 +1,15 @@
 //! # outbox-core
 //!
-//! A transactional outbox on PostgreSQL or SQLite ([`Db`]). A service writes its business rows and the
+//! A transactional outbox on PostgreSQL, SQLite or MySQL/MariaDB ([`Db`]). A service writes its business rows and the
 //! events describing them in **one transaction**; a [`Processor`] then delivers those events to a
 //! [`Handler`] **at least once**, in **strict per-key order**, with retries, an optional fallback, and a
 //! visible FAILED state.
 //!
 //! A record's journey, file by file: [`record`] (what is scheduled) → [`partition`] (`xxh3_64(key) % 256`)
-//! → [`schedule`](Outbox::schedule) (inside the caller's transaction) → [`processor`] (fetch each key's
-//! head from owned partitions, deliver many keys at once, complete in fenced batches) → [`retry`] /
-//! [`handler`] (retry, fallback, FAILED) → [`operator`] (list, requeue, skip FAILED; stats) → [`purge`].
+//! → [`schedule`](Outbox::schedule) (inside the caller's transaction) → [`wake`](Outbox::wake) (after the
+//! commit, the partitions' owners fetch now) → [`processor`] (fetch each key's head from owned
+//! partitions, deliver many keys at once, complete in fenced batches) → [`retry`] / [`handler`] (retry,
+//! fallback, FAILED) → [`operator`] (list, requeue, skip FAILED; stats) → [`purge`].
 //! Every database access goes through [`driver`]: one interface stating each operation's contract, and a
 //! module per database with its statements and their execution (`driver/postgres/`, `driver/sqlite/`,
 //! each a Cargo feature); the schemas are in `migrations/postgres/` and `migrations/sqlite/`.
@@ -51,6 +52,7 @@ pub mod record;
 pub mod retry;
 mod schedule;
 mod stored;
+mod wake;
 
 use std::sync::Arc;
 
@@ -75,6 +77,7 @@ pub struct Outbox {
 struct Inner {
     config: Config,
     statements: driver::Statements,
+    wakeups: wake::Wakeups,
 }
 
 impl Outbox {
@@ -83,7 +86,7 @@ impl Outbox {
         config.validate()?;
         let keep = config.completion == Completion::Keep;
         let statements = driver::Statements::new(&config.schema, config.stop_on_first_failure, keep);
-        Ok(Self { inner: Arc::new(Inner { config, statements }) })
+        Ok(Self { inner: Arc::new(Inner { config, statements, wakeups: wake::Wakeups::default() }) })
     }
 
     /// The configuration.
@@ -104,6 +107,10 @@ impl Outbox {
 
     pub(crate) fn statements(&self) -> &driver::Statements {
         &self.inner.statements
+    }
+
+    pub(crate) fn wakeups(&self) -> &wake::Wakeups {
+        &self.inner.wakeups
     }
 
     /// Maps "relation/schema does not exist" to [`Error::NotMigrated`], which says what to do.

@@ -26,12 +26,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, SqlSafeStr};
+use tokio::sync::watch;
 use uuid::Uuid;
 
 use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};
 use crate::migrate::Migration;
 use crate::stored::{FailedFilter, FailedRecord, Found, NewRow, Outcome, PartitionStats, Request, Written};
+use crate::wake::{Partitions, Wakeups};
 
 /// Runs `$body` with `$pool` bound to the backend's pool (or connection) and `$s` to its statements.
 macro_rules! dispatch {
@@ -258,6 +260,49 @@ impl Db {
             Db::Sqlite(_) => sqlite::MIGRATIONS,
             #[cfg(feature = "mysql")]
             Db::MySql(_) => mysql::MIGRATIONS,
+        }
+    }
+
+    /// Tells the processors of other processes that `partitions` have new records: one `NOTIFY` on
+    /// PostgreSQL; nothing where the database has no such channel (they find the records by polling).
+    pub(crate) async fn notify(&self, statements: &Statements, partitions: Partitions) -> Result<()> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => pool_of(pool, &statements.postgres).notify(partitions).await,
+            #[allow(unreachable_patterns)] // in a build with PostgreSQL alone
+            _ => {
+                let _ = (statements, partitions);
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether [`Db::listen`] can hear other processes' wake-ups here (PostgreSQL).
+    pub(crate) fn can_listen(&self) -> bool {
+        #[cfg(feature = "postgres")]
+        return matches!(self, Db::Postgres(_));
+        #[cfg(not(feature = "postgres"))]
+        false
+    }
+
+    /// Hears other processes' wake-ups on a connection of its own and passes them to `wakeups`, until
+    /// the connection is lost (`Ok`) or cannot be made; `listening` is true while it listens. Right
+    /// after it starts listening it sends a wake-up for every partition (earlier ones were not heard).
+    /// Returns at once where the database cannot listen.
+    pub(crate) async fn listen(
+        &self,
+        statements: &Statements,
+        wakeups: &Wakeups,
+        listening: &watch::Sender<bool>,
+    ) -> Result<()> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => pool_of(pool, &statements.postgres).listen(wakeups, listening).await,
+            #[allow(unreachable_patterns)] // in a build with PostgreSQL alone
+            _ => {
+                let _ = (statements, wakeups, listening);
+                Ok(())
+            }
         }
     }
 

@@ -94,7 +94,15 @@ impl Processor {
             shutdown: shutdown.clone(),
         });
         let mut state = State::new(config);
+        let mut woken = self.outbox.wakeups().subscribe();
+        let (listening, listening_rx) = watch::channel(false);
+        let stop_listening = CancellationToken::new();
+        let _stop_listening = stop_listening.clone().drop_guard();
+        if self.db.can_listen() {
+            tokio::spawn(listen(self.outbox.clone(), self.db.clone(), listening, stop_listening));
+        }
         loop {
+            state.listening = *listening_rx.borrow();
             let current = self.assignment.borrow().clone();
             if !current.is_live() {
                 state.cancels.lease_ran_out(state.in_flight.len());
@@ -136,6 +144,11 @@ impl Processor {
                     if !state.outcomes.is_empty() && state.completion.is_none() => {}
                 () = sleep_until_opt(state.next_due) => { state.next_due = None; state.want_fetch = true; }
                 () = tokio::time::sleep_until(state.next_poll), if state.fetch.is_none() => state.poll_due(),
+                partitions = woken.next() => {
+                    if current.epochs.keys().any(|&p| partitions.contains(p)) {
+                        state.want_fetch = true;
+                    }
+                }
                 () = sleep_until_opt(lease_deadline) => {}
                 changed = self.assignment.changed(), if state.assignment_open => {
                     if changed.is_err() {
@@ -188,6 +201,8 @@ struct State {
     last_found: Option<Instant>,
     stop_deadline: Option<Instant>,
     assignment_open: bool,
+    /// Whether the `LISTEN` connection is up: wake-ups from other processes arrive.
+    listening: bool,
 }
 
 impl State {
@@ -211,6 +226,7 @@ impl State {
             last_found: None,
             stop_deadline: None,
             assignment_open: true,
+            listening: false,
         }
     }
 
@@ -348,10 +364,37 @@ impl State {
     }
 
     /// Adaptive polling: every `active_poll_interval` while fetches keep finding records (low latency
-    /// under load), every `poll_interval` once a whole [`ACTIVE_WINDOW`] found nothing (cheap when idle).
+    /// under load), every `poll_interval` once a whole [`ACTIVE_WINDOW`] found nothing (cheap when idle),
+    /// and every `listen_poll_interval` (if longer) then while wake-ups from other processes arrive.
     fn poll_interval(&self) -> Duration {
         let active = self.last_found.is_some_and(|at| at.elapsed() < ACTIVE_WINDOW);
-        if active { self.config.active_poll_interval } else { self.config.poll_interval }
+        if active {
+            self.config.active_poll_interval
+        } else if self.listening {
+            self.config.listen_poll_interval.max(self.config.poll_interval)
+        } else {
+            self.config.poll_interval
+        }
+    }
+}
+
+/// Hears other processes' wake-ups (see `wake.rs`) until `stop`, connecting again a second after the
+/// connection is lost or cannot be made; `listening` is true while it listens.
+async fn listen(outbox: Outbox, db: Db, listening: watch::Sender<bool>, stop: CancellationToken) {
+    loop {
+        let heard = tokio::select! {
+            () = stop.cancelled() => return,
+            heard = db.listen(outbox.statements(), outbox.wakeups(), &listening) => heard,
+        };
+        listening.send_replace(false);
+        match heard {
+            Ok(()) => info!("wake-up connection lost; polling every poll_interval until it is back"),
+            Err(e) => warn!(error = %e, "cannot listen for wake-ups; polling every poll_interval until it can"),
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(LISTEN_RETRY) => {}
+        }
     }
 }
 
@@ -410,6 +453,9 @@ fn record_metrics(outcome: &Outcome) {
 
 /// How long after the last fetch that found records the processor keeps polling at the active rate.
 const ACTIVE_WINDOW: Duration = Duration::from_secs(1);
+
+/// How long the wake-up listener waits before connecting again.
+const LISTEN_RETRY: Duration = Duration::from_secs(1);
 
 const COMPLETE_RETRY_MIN: Duration = Duration::from_millis(100);
 const COMPLETE_RETRY_MAX: Duration = Duration::from_secs(5);

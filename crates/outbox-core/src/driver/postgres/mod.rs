@@ -8,9 +8,10 @@ use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::postgres::PgConnectOptions;
+use sqlx::postgres::{PgConnectOptions, PgListener};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
-use tracing::info;
+use tokio::sync::watch;
+use tracing::{debug, info};
 use uuid::Uuid;
 
 pub use self::statements::PgStatements;
@@ -21,6 +22,7 @@ use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
     FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, StatsRow, Verdict, Written,
 };
+use crate::wake::{Partitions, Wakeups};
 
 /// The migrations of the PostgreSQL schema, in order.
 pub const MIGRATIONS: &[Migration] = &[
@@ -113,6 +115,31 @@ async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>> {
 }
 
 impl Driver<'_, PgPool, PgStatements> {
+    pub(crate) async fn notify(&self, partitions: Partitions) -> Result<()> {
+        sqlx::query(statements::NOTIFY)
+            .bind(&self.statements.wake_channel)
+            .bind(partitions.to_hex())
+            .execute(self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Listens on a connection of its own (not one of the pool's) until it is lost.
+    pub(crate) async fn listen(&self, wakeups: &Wakeups, listening: &watch::Sender<bool>) -> Result<()> {
+        let mut listener = PgListener::connect_with(self.pool).await?;
+        listener.listen(&self.statements.wake_channel).await?;
+        listening.send_replace(true);
+        // Wake-ups sent before this connection listened are lost: look once at everything.
+        wakeups.send(Partitions::ALL);
+        while let Some(notification) = listener.try_recv().await? {
+            match Partitions::from_hex(notification.payload()) {
+                Some(partitions) => wakeups.send(partitions),
+                None => debug!(channel = %self.statements.wake_channel, "ignored a malformed wake-up"),
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) async fn migrate(&self) -> Result<()> {
         let schema = self.statements.schema();
         let mut conn = self.pool.acquire().await?;

@@ -210,10 +210,15 @@ const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}.schema_migrations
     checksum   bigint      NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now())";
 
+/// Wakes the listeners of channel `$1` with payload `$2` (see `wake.rs`).
+pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";
+
 /// PostgreSQL's statements, built for one schema and mode.
 #[derive(Debug)]
 pub struct PgStatements {
     schema: String,
+    /// The schema's wake-up channel, `<schema>.wake` (no schema name holds a dot, so none collide).
+    pub(crate) wake_channel: String,
     pub(crate) schedule: Arc<str>,
     pub(crate) schedule_one: Arc<str>,
     pub(crate) prune_keys: Arc<str>,
@@ -248,6 +253,7 @@ impl PgStatements {
         let fetch = FETCH.replace("{step_due}", &step_due).replace("{head_due}", &head_due);
         Self {
             schema: schema.to_string(),
+            wake_channel: format!("{schema}.wake"),
             schedule: build(SCHEDULE),
             schedule_one: build(SCHEDULE_ONE),
             prune_keys: build(PRUNE_KEYS),
