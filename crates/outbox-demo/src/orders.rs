@@ -199,6 +199,15 @@ async fn place_once(outbox: &Outbox, db: &Db, event: &OrderEvent, rollback: bool
     }
     let step = event.step.as_str();
     tx.execute(INSERT_EVENT, &[event.event_id.into(), order.into(), i64::from(seq).into(), step.into()]).await?;
-    outbox.schedule(&mut tx, record).await?;
-    if rollback { tx.rollback().await } else { tx.commit().await }
+    let scheduled = outbox.schedule(&mut tx, record).await?;
+    if rollback {
+        return tx.rollback().await;
+    }
+    tx.commit().await?;
+    // Committed: a wake-up that fails only leaves the event to the owner's next poll (and must not run
+    // the transaction again).
+    if let Err(e) = outbox.wake(db, &[scheduled]).await {
+        tracing::warn!(order, seq, partition = scheduled.partition, error = %e, "wake-up not sent");
+    }
+    Ok(())
 }

@@ -86,26 +86,38 @@ where
     }
 }
 
-/// Waits until `names` (workers logging into `logs`) own partitions between them; if they do not, fails
-/// with who owns and is meant to own the partitions, and the workers' logs.
-async fn wait_for_sharing(db: &outbox_core::Db, sql: &BackendSql, logs: &std::path::Path, names: &[&str]) {
-    let sharing = tokio::time::timeout(Duration::from_secs(60), async {
-        while db.fetch_one::<(i64,)>(sql.owners, &[]).await.unwrap().0 != names.len() as i64 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+/// Waits until the `workers` (name, process; logging to `<name>.log` in `logs`) own partitions between
+/// them. If one exits, or they do not come to share within a minute, fails with who owns and is meant to
+/// own the partitions, and the workers' exit statuses and logs.
+async fn wait_for_sharing(
+    db: &outbox_core::Db,
+    sql: &BackendSql,
+    logs: &std::path::Path,
+    workers: &mut [(&str, &mut Process)],
+) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let failure = loop {
+        let exited = workers.iter_mut().any(|(_, w)| matches!(w.0.try_wait(), Ok(Some(_))));
+        if exited {
+            break "a worker exited";
         }
-    });
-    if sharing.await.is_ok() {
-        return;
-    }
+        if db.fetch_one::<(i64,)>(sql.owners, &[]).await.unwrap().0 == workers.len() as i64 {
+            return;
+        }
+        if Instant::now() > deadline {
+            break "the workers did not come to share the partitions in 60 s";
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let owners: Vec<(Option<uuid::Uuid>, Option<uuid::Uuid>, i64)> = db.fetch_all(sql.ownership, &[]).await.unwrap();
-    let logs: Vec<String> = names
-        .iter()
-        .map(|name| {
+    let report: Vec<String> = workers
+        .iter_mut()
+        .map(|(name, w)| {
             let log = std::fs::read_to_string(logs.join(format!("{name}.log"))).unwrap_or_default();
-            format!("{name}:\n{log}")
+            format!("{name} ({:?}):\n{log}", w.0.try_wait())
         })
         .collect();
-    panic!("the workers did not come to share the partitions: (owner, target, partitions) {owners:?}\n{}", logs.join("\n"));
+    panic!("{failure}: (owner, target, partitions) {owners:?}\n{}", report.join("\n"));
 }
 
 fn terminate(mut worker: Process) {
@@ -130,8 +142,8 @@ async fn two_workers_produce_verify_and_status(
 
     assert!(env.ok(&["migrate"]).contains("migrated"));
     env.ok(&["migrate"]);
-    let (w1, w2) = (env.worker("w1", w1_args), env.worker("w2", &[]));
-    wait_for_sharing(db, sql, env.logs.path(), &["w1", "w2"]).await;
+    let (mut w1, mut w2) = (env.worker("w1", w1_args), env.worker("w2", &[]));
+    wait_for_sharing(db, sql, env.logs.path(), &mut [("w1", &mut w1), ("w2", &mut w2)]).await;
 
     let produced = env.ok(&["produce", "--orders", "60", "--events-per-order", "4", "--rollback-fraction", "0.2"]);
     assert!(produced.contains("produced 240 events for 60 orders"), "{produced}");
@@ -421,10 +433,10 @@ async fn sqlite_workers_in_separate_processes_share_the_partitions() {
         let mut command = embedded(path, &["worker", "--name", name]);
         Process(command.env("RUST_LOG", WORKER_LOG).stdout(Stdio::null()).stderr(log).spawn().unwrap())
     };
-    let (w1, w2) = (spawn("w1"), spawn("w2"));
+    let (mut w1, mut w2) = (spawn("w1"), spawn("w2"));
     let url = format!("sqlite://{}", path.join("outbox-demo.db").display());
     let db = outbox_core::Db::connect(&url).await.unwrap();
-    wait_for_sharing(&db, SQLITE, path, &["w1", "w2"]).await;
+    wait_for_sharing(&db, SQLITE, path, &mut [("w1", &mut w1), ("w2", &mut w2)]).await;
     let produced = embedded_ok(path, &["produce", "--orders", "60", "--events-per-order", "4"]);
     assert!(produced.contains("produced 240 events for 60 orders"), "{produced}");
     wait_for("backlog drained", || async {

@@ -181,6 +181,9 @@ impl Bench {
     }
 
     /// Offered load from producer transactions (one record each); latency from commit to JetStream ack.
+    /// The producers stand for another instance of the service: an `Outbox` of their own, whose
+    /// `wake` after each commit reaches the node only through the database (PostgreSQL's `NOTIFY`;
+    /// elsewhere the node finds the records by polling).
     pub(super) async fn steady(&self, scenario: &'static str) -> Result<Row, Failure> {
         self.reset().await?;
         let committed: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
@@ -204,9 +207,9 @@ impl Bench {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let (rate, secs) = (self.sizes.steady_rate, self.sizes.steady_secs);
         let producers = 8;
+        let elsewhere = Outbox::new(self.outbox.config().clone())?;
         let tasks = (0..producers).map(|p| {
-            let (outbox, db, committed, body) =
-                (self.outbox.clone(), self.db.clone(), committed.clone(), self.payload());
+            let (outbox, db, committed, body) = (elsewhere.clone(), self.db.clone(), committed.clone(), self.payload());
             tokio::spawn(async move {
                 let mut ticker = tokio::time::interval(Duration::from_secs_f64(producers as f64 / rate as f64));
                 let end = Instant::now() + Duration::from_secs(secs);
@@ -219,6 +222,7 @@ impl Bench {
                     if let Ok(mut committed) = committed.lock() {
                         committed.insert(scheduled.id, Instant::now());
                     }
+                    outbox.wake(&db, &[scheduled]).await?;
                 }
                 let _ = p;
                 Ok::<(), Failure>(())
