@@ -36,11 +36,14 @@ impl Partitions {
         self.0 == [0; 4]
     }
 
+    // The text form travels only through PostgreSQL's NOTIFY.
+    #[cfg(any(feature = "postgres", test))]
     pub(crate) fn to_hex(self) -> String {
         self.0.iter().map(|word| format!("{word:016x}")).collect()
     }
 
     /// `None` unless exactly 64 hex digits.
+    #[cfg(any(feature = "postgres", test))]
     pub(crate) fn from_hex(text: &str) -> Option<Self> {
         if text.len() != 64 || !text.is_ascii() {
             return None;
