@@ -38,10 +38,10 @@ every_backend!(
 );
 
 /// On PostgreSQL a producer in another process (here: another `Outbox`, with wake-ups of its own) wakes
-/// the processor through `NOTIFY`.
+/// the processor through `NOTIFY`. The node runs on a pool of one connection: listening takes none of it.
 #[sqlx::test(migrations = false)]
 async fn a_wake_up_from_another_process_arrives_through_notify(pool: sqlx::PgPool) {
-    let db = TestDb::postgres(pool);
+    let db = TestDb::postgres(pool).with_pool_size(1).await;
     let (producer, consumer) = (outbox(&db, |_| {}).await, outbox(&db, hourly).await);
     wakes_up(&db, &producer, &consumer).await;
 }

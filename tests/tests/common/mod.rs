@@ -85,6 +85,12 @@ impl TestDb {
         value
     }
 
+    /// The same database through a new pool of `connections` connections.
+    pub async fn with_pool_size(&self, connections: u32) -> TestDb {
+        let options = outbox_core::ConnectOptions { max_connections: connections, ..Default::default() };
+        TestDb { db: self.db.new_pool(&options).await.unwrap(), ..self.clone() }
+    }
+
     /// A transaction of either backend, for `schedule` (on SQLite `BEGIN IMMEDIATE`).
     pub async fn begin(&self) -> Tx {
         self.db.begin().await.unwrap()

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgListener};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::watch;
 use tracing::{debug, info};
@@ -124,9 +124,11 @@ impl Driver<'_, PgPool, PgStatements> {
         Ok(())
     }
 
-    /// Listens on a connection of its own (not one of the pool's) until it is lost.
+    /// Listens on a connection of its own until it is lost: `PgListener` keeps the connection it is
+    /// given for its whole life, so it gets a one-connection pool, not one of the processor's.
     pub(crate) async fn listen(&self, wakeups: &Wakeups, listening: &watch::Sender<bool>) -> Result<()> {
-        let mut listener = PgListener::connect_with(self.pool).await?;
+        let own = PgPoolOptions::new().max_connections(1).connect_lazy_with((*self.pool.connect_options()).clone());
+        let mut listener = PgListener::connect_with(&own).await?;
         listener.listen(&self.statements.wake_channel).await?;
         listening.send_replace(true);
         // Wake-ups sent before this connection listened are lost: look once at everything.
