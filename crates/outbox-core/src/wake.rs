@@ -58,23 +58,51 @@ impl Partitions {
 
 /// The wake-ups of one [`Outbox`] (and its clones) in this process.
 #[derive(Debug)]
-pub(crate) struct Wakeups(broadcast::Sender<Partitions>);
+pub(crate) struct Wakeups {
+    sender: broadcast::Sender<Partitions>,
+    /// Names this `Outbox`'s notices, so its listeners pass over the ones it sent: its processors
+    /// heard those when they were sent, and hearing them again would fetch twice per commit.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))] // notices travel only through PostgreSQL
+    origin: u128,
+}
 
 impl Default for Wakeups {
     fn default() -> Self {
         // A processor that falls this far behind hears `ALL` instead (one extra fetch).
-        Self(broadcast::channel(1024).0)
+        Self { sender: broadcast::channel(1024).0, origin: uuid::Uuid::now_v7().as_u128() }
     }
 }
 
 impl Wakeups {
     pub(crate) fn send(&self, partitions: Partitions) {
         // No processor in this process: nothing to wake.
-        let _ = self.0.send(partitions);
+        let _ = self.sender.send(partitions);
     }
 
     pub(crate) fn subscribe(&self) -> Listener {
-        Listener(self.0.subscribe())
+        Listener(self.sender.subscribe())
+    }
+
+    /// The text that tells other processes about `partitions`: this outbox's origin (32 hex digits),
+    /// then the set (64).
+    #[cfg(any(feature = "postgres", test))]
+    pub(crate) fn notice(&self, partitions: Partitions) -> String {
+        format!("{:032x}{}", self.origin, partitions.to_hex())
+    }
+
+    /// A notice heard from the database: wakes this process's processors, unless this outbox sent it
+    /// or it is malformed.
+    #[cfg(any(feature = "postgres", test))]
+    pub(crate) fn heard(&self, notice: &str) {
+        let parsed = notice
+            .get(..32)
+            .zip(notice.get(32..))
+            .and_then(|(origin, set)| Some((u128::from_str_radix(origin, 16).ok()?, Partitions::from_hex(set)?)));
+        match parsed {
+            Some((origin, _)) if origin == self.origin => {}
+            Some((_, partitions)) => self.send(partitions),
+            None => tracing::debug!(notice, "ignored a malformed wake-up"),
+        }
     }
 }
 
@@ -121,7 +149,7 @@ impl Outbox {
             return Ok(());
         }
         self.wakeups().send(partitions);
-        db.into().notify(self.statements(), partitions).await
+        db.into().notify(self.statements(), self.wakeups(), partitions).await
     }
 }
 
@@ -129,7 +157,7 @@ impl Outbox {
 mod tests {
     use proptest::prelude::*;
 
-    use super::Partitions;
+    use super::{Partitions, Wakeups};
 
     proptest! {
         #[test]
@@ -144,6 +172,24 @@ mod tests {
                 prop_assert_eq!(back.contains(p), members.contains(&p));
             }
         }
+    }
+
+    /// A notice wakes the processors of every other outbox, not those of the one that sent it (they
+    /// heard it when it was sent); malformed ones wake nobody.
+    #[tokio::test]
+    async fn an_outbox_passes_over_its_own_notices() {
+        let (sender, other) = (Wakeups::default(), Wakeups::default());
+        let (at_sender, mut at_other) = (sender.subscribe(), other.subscribe());
+        let mut set = Partitions::default();
+        set.insert(7);
+        let notice = sender.notice(set);
+        sender.heard(&notice);
+        other.heard(&notice);
+        other.heard("not a notice");
+        other.heard(&notice[..90]);
+        assert_eq!(at_other.next().await, set);
+        assert!(at_other.0.is_empty(), "a malformed notice woke a processor");
+        assert!(at_sender.0.is_empty(), "an outbox heard its own notice again");
     }
 
     #[test]

@@ -265,13 +265,19 @@ impl Db {
 
     /// Tells the processors of other processes that `partitions` have new records: one `NOTIFY` on
     /// PostgreSQL; nothing where the database has no such channel (they find the records by polling).
-    pub(crate) async fn notify(&self, statements: &Statements, partitions: Partitions) -> Result<()> {
+    /// `wakeups` words the notice (see `wake.rs`).
+    pub(crate) async fn notify(
+        &self,
+        statements: &Statements,
+        wakeups: &Wakeups,
+        partitions: Partitions,
+    ) -> Result<()> {
         match self {
             #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => pool_of(pool, &statements.postgres).notify(partitions).await,
+            Db::Postgres(pool) => pool_of(pool, &statements.postgres).notify(&wakeups.notice(partitions)).await,
             #[allow(unreachable_patterns)] // in a build with PostgreSQL alone
             _ => {
-                let _ = (statements, partitions);
+                let _ = (statements, wakeups, partitions);
                 Ok(())
             }
         }

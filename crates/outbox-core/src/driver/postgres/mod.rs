@@ -11,7 +11,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::watch;
-use tracing::{debug, info};
+use tracing::info;
 use uuid::Uuid;
 
 pub use self::statements::PgStatements;
@@ -115,12 +115,8 @@ async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>> {
 }
 
 impl Driver<'_, PgPool, PgStatements> {
-    pub(crate) async fn notify(&self, partitions: Partitions) -> Result<()> {
-        sqlx::query(statements::NOTIFY)
-            .bind(&self.statements.wake_channel)
-            .bind(partitions.to_hex())
-            .execute(self.pool)
-            .await?;
+    pub(crate) async fn notify(&self, notice: &str) -> Result<()> {
+        sqlx::query(statements::NOTIFY).bind(&self.statements.wake_channel).bind(notice).execute(self.pool).await?;
         Ok(())
     }
 
@@ -134,10 +130,7 @@ impl Driver<'_, PgPool, PgStatements> {
         // Wake-ups sent before this connection listened are lost: look once at everything.
         wakeups.send(Partitions::ALL);
         while let Some(notification) = listener.try_recv().await? {
-            match Partitions::from_hex(notification.payload()) {
-                Some(partitions) => wakeups.send(partitions),
-                None => debug!(channel = %self.statements.wake_channel, "ignored a malformed wake-up"),
-            }
+            wakeups.heard(notification.payload());
         }
         Ok(())
     }
