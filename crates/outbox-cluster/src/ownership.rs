@@ -17,7 +17,7 @@ use crate::config::ClusterConfig;
 use crate::driver::Store;
 use crate::error::Result;
 use crate::rebalance::{self, Targets};
-use crate::stored::PartitionRow;
+use crate::stored::{PartitionRow, View};
 
 /// The ownership task of one node.
 pub(crate) struct Ownership {
@@ -75,8 +75,7 @@ impl Ownership {
     /// registered again meanwhile: this round's view is then stale).
     async fn round(&self, rounds: &mut Rounds) -> Result<()> {
         let id = rounds.instance;
-        let live = self.store.live().await?;
-        let rows = self.store.partitions().await?;
+        let View { live, partitions: rows } = self.store.view().await?;
         let targets: Targets = if live.first() == Some(&id) {
             // Housekeeping for the cluster, once per stale timeout: forget instances whose lease expired
             // two stale timeouts ago (their partitions have moved on long since).
@@ -208,9 +207,8 @@ async fn release_partitions(store: &Store, me: InstanceId, partitions: &Epochs, 
 /// A graceful exit: points the targets at the remaining instances (so they acquire at their next
 /// round), releases the partitions `me` owns and deregisters it.
 pub(crate) async fn hand_over(store: &Store, me: InstanceId) -> Result<()> {
-    let live = store.live().await?;
+    let View { live, partitions: rows } = store.view().await?;
     if !live.is_empty() {
-        let rows = store.partitions().await?;
         rebalance_targets(store, me, &live, &rows).await?;
     }
     let owned = store.owned(me).await?;

@@ -19,5 +19,5 @@ pub struct ClusterStatus {
 /// Reads the cluster's state (any process may call it; it needs no running node).
 pub async fn status(db: impl Into<Db>, outbox: &Outbox) -> Result<ClusterStatus> {
     let store = Store::new(db.into(), outbox);
-    Ok(ClusterStatus { instances: store.instances().await?, partitions: store.partitions().await? })
+    Ok(ClusterStatus { instances: store.instances().await?, partitions: store.view().await?.partitions })
 }

@@ -38,6 +38,47 @@ pub struct PartitionRow {
     pub target: Option<InstanceId>,
 }
 
+/// What an ownership round reads, in one statement: every partition's row and the instances taking
+/// part in the assignment.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct View {
+    /// The instances whose lease is live by database time and that are not draining, by id.
+    pub(crate) live: Vec<InstanceId>,
+    /// Every partition's row, in partition order.
+    pub(crate) partitions: Vec<PartitionRow>,
+}
+
+/// One row of the view's statement: a partition's row, or (`partition` NULL) a live instance, its id
+/// in `owner`.
+#[derive(sqlx::FromRow)]
+pub(crate) struct ViewRow {
+    partition: Option<i16>,
+    owner: Option<InstanceId>,
+    epoch: Option<Epoch>,
+    target_owner: Option<InstanceId>,
+}
+
+impl View {
+    pub(crate) fn from_rows(rows: Vec<ViewRow>) -> Result<View, sqlx::Error> {
+        let mut view = View { live: Vec::new(), partitions: Vec::new() };
+        for row in rows {
+            match (row.partition, row.owner) {
+                (None, Some(id)) => view.live.push(id),
+                (Some(partition), owner) => view.partitions.push(PartitionRow {
+                    partition: Partition::try_from(partition).map_err(|e| sqlx::Error::Decode(e.into()))?,
+                    owner,
+                    epoch: row.epoch.ok_or_else(|| sqlx::Error::Decode("partition row without an epoch".into()))?,
+                    target: row.target_owner,
+                }),
+                (None, None) => return Err(sqlx::Error::Decode("view row with neither partition nor instance".into())),
+            }
+        }
+        view.live.sort_unstable();
+        view.partitions.sort_unstable_by_key(|r| r.partition);
+        Ok(view)
+    }
+}
+
 /// A partition just taken by an acquisition, as the driver reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
 pub(crate) struct Taken {

@@ -19,7 +19,7 @@ use outbox_core::{Db, Epochs, InstanceId, Outbox, Partition};
 
 use crate::error::{Error, Result};
 use crate::rebalance::Targets;
-use crate::stored::{InstanceInfo, Lease, PartitionRow, Taken};
+use crate::stored::{InstanceInfo, Lease, Taken, View};
 
 /// Runs `$body` with `$pool` bound to the backend's pool and `$s` to its statements; a backend this
 /// crate was built without (enabled in `outbox-core` by another crate) is an error.
@@ -114,14 +114,10 @@ impl Store {
         dispatch!(self, |pool, s| s.release(pool, me, partitions).await)
     }
 
-    /// Every partition's owner, epoch and target, in partition order.
-    pub(crate) async fn partitions(&self) -> Result<Vec<PartitionRow>> {
-        dispatch!(self, |pool, s| s.partitions(pool).await)
-    }
-
-    /// The instances taking part in the assignment (lease live by database time, not draining), by id.
-    pub(crate) async fn live(&self) -> Result<Vec<InstanceId>> {
-        dispatch!(self, |pool, s| s.live(pool).await)
+    /// Every partition's owner, epoch and target, and the instances taking part in the assignment
+    /// (lease live by database time, not draining), in one statement: what a round reads.
+    pub(crate) async fn view(&self) -> Result<View> {
+        dispatch!(self, |pool, s| s.view(pool).await)
     }
 
     /// Writes the targets that differ from the stored ones, in one transaction; returns their partitions.

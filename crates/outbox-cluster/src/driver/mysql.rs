@@ -13,7 +13,7 @@ use sqlx::{Connection, MySqlConnection, MySqlPool};
 
 use crate::error::Result;
 use crate::rebalance::Targets;
-use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, PartitionRow, Taken};
+use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, Taken, View, ViewRow};
 
 /// Binds: id, name, lease ms, heartbeat ms.
 const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbeat_ms)
@@ -45,9 +45,11 @@ const TAKE: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$')) t
 STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.x
 SET p.owner = ?, p.epoch = p.epoch + 1, p.changed_at = {now}";
 
-const LIVE: &str = "SELECT id FROM {s}_instances WHERE expires_at > {now} AND NOT draining ORDER BY id";
-
-const PARTITIONS: &str = "SELECT `partition`, owner, epoch, target_owner FROM {s}_partitions ORDER BY `partition`";
+/// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
+/// part in the assignment (lease live by database time, not draining), each id in `owner`.
+const VIEW: &str = "SELECT `partition`, owner, epoch, target_owner FROM {s}_partitions
+UNION ALL
+SELECT NULL, id, NULL, NULL FROM {s}_instances WHERE expires_at > {now} AND NOT draining";
 
 /// The targets of `?` (JSON `[[partition, hex owner], …]`) that differ from the stored ones, locked.
 const CHANGED_TARGETS: &str = "SELECT p.`partition`
@@ -87,8 +89,7 @@ pub(super) struct MySqlStatements {
     reap: Arc<str>,
     acquirable: Arc<str>,
     take: Arc<str>,
-    live: Arc<str>,
-    partitions: Arc<str>,
+    view: Arc<str>,
     changed_targets: Arc<str>,
     set_targets: Arc<str>,
     drain: Arc<str>,
@@ -109,8 +110,7 @@ impl MySqlStatements {
             reap: build(REAP),
             acquirable: build(ACQUIRABLE),
             take: build(TAKE),
-            live: build(LIVE),
-            partitions: build(PARTITIONS),
+            view: build(VIEW),
             changed_targets: build(CHANGED_TARGETS),
             set_targets: build(SET_TARGETS),
             drain: build(DRAIN),
@@ -200,12 +200,9 @@ impl MySqlStatements {
         Ok(released)
     }
 
-    pub(super) async fn partitions(&self, pool: &MySqlPool) -> Result<Vec<PartitionRow>> {
-        Ok(sqlx::query_as(statement(&self.partitions)).fetch_all(pool).await?)
-    }
-
-    pub(super) async fn live(&self, pool: &MySqlPool) -> Result<Vec<InstanceId>> {
-        Ok(sqlx::query_scalar(statement(&self.live)).fetch_all(pool).await?)
+    pub(super) async fn view(&self, pool: &MySqlPool) -> Result<View> {
+        let rows: Vec<ViewRow> = sqlx::query_as(statement(&self.view)).fetch_all(pool).await?;
+        Ok(View::from_rows(rows)?)
     }
 
     pub(super) async fn set_targets(&self, pool: &MySqlPool, targets: &Targets) -> Result<Vec<Partition>> {

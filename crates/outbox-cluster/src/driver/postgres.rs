@@ -10,7 +10,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::Result;
 use crate::rebalance::Targets;
-use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, PartitionRow, Taken, remaining};
+use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, Taken, View, ViewRow, remaining};
 
 /// The lease's remaining time in milliseconds, by database time.
 const REMAINING: &str = "(extract(epoch FROM expires_at - now()) * 1000)::bigint";
@@ -52,11 +52,11 @@ UPDATE {s}.partitions p SET owner = $1, epoch = p.epoch + 1, changed_at = now()
 FROM taken WHERE p.partition = taken.partition
 RETURNING p.partition, p.epoch, taken.owner AS previous, taken.heartbeat_ms AS previous_heartbeat_ms";
 
-/// Live instances that take part in the assignment (lease valid by database time, not draining).
-const LIVE: &str = "SELECT id FROM {s}.instances WHERE expires_at > now() AND NOT draining ORDER BY id";
-
-/// Every partition's owner, epoch and target.
-const PARTITIONS: &str = "SELECT partition, owner, epoch, target_owner FROM {s}.partitions ORDER BY partition";
+/// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
+/// part in the assignment (lease live by database time, not draining), each id in `owner`.
+const VIEW: &str = "SELECT partition, owner, epoch, target_owner FROM {s}.partitions
+UNION ALL
+SELECT NULL, id, NULL, NULL FROM {s}.instances WHERE expires_at > now() AND NOT draining";
 
 /// Writes the targets that changed. `$1` partitions, `$2` target owners.
 const SET_TARGETS: &str = "UPDATE {s}.partitions p SET target_owner = t.owner
@@ -93,8 +93,7 @@ pub(super) struct PgStatements {
     owned: Arc<str>,
     release: Arc<str>,
     instances: Arc<str>,
-    live: Arc<str>,
-    partitions: Arc<str>,
+    view: Arc<str>,
     set_targets: Arc<str>,
     drain: Arc<str>,
 }
@@ -112,8 +111,7 @@ impl PgStatements {
             owned: build(OWNED),
             release: build(RELEASE),
             instances: build(INSTANCES),
-            live: build(LIVE),
-            partitions: build(PARTITIONS),
+            view: build(VIEW),
             set_targets: build(SET_TARGETS),
             drain: build(DRAIN),
         }
@@ -175,12 +173,9 @@ impl PgStatements {
         Ok(rows.into_iter().map(|r| r.partition).collect())
     }
 
-    pub(super) async fn partitions(&self, pool: &PgPool) -> Result<Vec<PartitionRow>> {
-        Ok(sqlx::query_as(statement(&self.partitions)).fetch_all(pool).await?)
-    }
-
-    pub(super) async fn live(&self, pool: &PgPool) -> Result<Vec<InstanceId>> {
-        Ok(sqlx::query_scalar(statement(&self.live)).fetch_all(pool).await?)
+    pub(super) async fn view(&self, pool: &PgPool) -> Result<View> {
+        let rows: Vec<ViewRow> = sqlx::query_as(statement(&self.view)).fetch_all(pool).await?;
+        Ok(View::from_rows(rows)?)
     }
 
     pub(super) async fn set_targets(&self, pool: &PgPool, targets: &Targets) -> Result<Vec<Partition>> {

@@ -16,7 +16,7 @@ use sqlx::{Connection, SqliteConnection, SqlitePool};
 
 use crate::error::Result;
 use crate::rebalance::Targets;
-use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, PartitionRow, Taken, remaining};
+use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, Taken, View, ViewRow, remaining};
 
 const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbeat_ms)
 VALUES ($1, $2, {now} + $3, $4) RETURNING expires_at - {now}";
@@ -41,9 +41,11 @@ WHERE p.target_owner = $1 AND p.owner IS NOT $1
 const TAKE: &str = "UPDATE {s}_partitions SET owner = $1, epoch = epoch + 1, changed_at = {now}
 WHERE partition = $2 RETURNING epoch";
 
-const LIVE: &str = "SELECT id FROM {s}_instances WHERE expires_at > {now} AND NOT draining ORDER BY id";
-
-const PARTITIONS: &str = "SELECT partition, owner, epoch, target_owner FROM {s}_partitions ORDER BY partition";
+/// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
+/// part in the assignment (lease live by database time, not draining), each id in `owner`.
+const VIEW: &str = "SELECT partition, owner, epoch, target_owner FROM {s}_partitions
+UNION ALL
+SELECT NULL, id, NULL, NULL FROM {s}_instances WHERE expires_at > {now} AND NOT draining";
 
 const SET_TARGET: &str = "UPDATE {s}_partitions SET target_owner = $2
 WHERE partition = $1 AND target_owner IS NOT $2 RETURNING partition";
@@ -69,8 +71,7 @@ pub(super) struct SqliteStatements {
     reap: Arc<str>,
     acquirable: Arc<str>,
     take: Arc<str>,
-    live: Arc<str>,
-    partitions: Arc<str>,
+    view: Arc<str>,
     set_target: Arc<str>,
     drain: Arc<str>,
     owned: Arc<str>,
@@ -98,8 +99,7 @@ impl SqliteStatements {
             reap: build(REAP),
             acquirable: build(ACQUIRABLE),
             take: build(TAKE),
-            live: build(LIVE),
-            partitions: build(PARTITIONS),
+            view: build(VIEW),
             set_target: build(SET_TARGET),
             drain: build(DRAIN),
             owned: build(OWNED),
@@ -185,12 +185,9 @@ impl SqliteStatements {
         Ok(taken)
     }
 
-    pub(super) async fn live(&self, pool: &SqlitePool) -> Result<Vec<InstanceId>> {
-        Ok(sqlx::query_scalar(statement(&self.live)).fetch_all(pool).await?)
-    }
-
-    pub(super) async fn partitions(&self, pool: &SqlitePool) -> Result<Vec<PartitionRow>> {
-        Ok(sqlx::query_as(statement(&self.partitions)).fetch_all(pool).await?)
+    pub(super) async fn view(&self, pool: &SqlitePool) -> Result<View> {
+        let rows: Vec<ViewRow> = sqlx::query_as(statement(&self.view)).fetch_all(pool).await?;
+        Ok(View::from_rows(rows)?)
     }
 
     pub(super) async fn set_targets(&self, pool: &SqlitePool, targets: &Targets) -> Result<Vec<Partition>> {

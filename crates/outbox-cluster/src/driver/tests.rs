@@ -62,7 +62,7 @@ async fn a_lease_is_renewed_only_until_it_expires(pool: PgPool) {
         assert_eq!(conn.renew(&store, dead, DAY).await.unwrap(), None, "{backend}: an expired lease stays expired");
         assert_eq!(conn.renew(&store, InstanceId::new(), DAY).await.unwrap(), None, "{backend}: unknown instance");
 
-        let live: BTreeSet<InstanceId> = store.live().await.unwrap().into_iter().collect();
+        let live: BTreeSet<InstanceId> = store.view().await.unwrap().live.into_iter().collect();
         assert_eq!(live, BTreeSet::from([id]), "{backend}");
         let instances = store.instances().await.unwrap();
         assert_eq!(
@@ -74,7 +74,7 @@ async fn a_lease_is_renewed_only_until_it_expires(pool: PgPool) {
         assert_eq!(store.reap(Duration::from_secs(3600)).await.unwrap(), 0, "{backend}: within the grace");
         assert_eq!(store.reap(Duration::ZERO).await.unwrap(), 1, "{backend}: only the expired one");
         store.drain(id).await.unwrap();
-        assert!(store.live().await.unwrap().is_empty(), "{backend}: a draining instance takes no part");
+        assert!(store.view().await.unwrap().live.is_empty(), "{backend}: a draining instance takes no part");
         store.deregister(id).await.unwrap();
         assert!(store.instances().await.unwrap().is_empty(), "{backend}");
     }
@@ -103,7 +103,7 @@ async fn acquire_takes_free_and_dead_owners_partitions_only_and_bumps_epochs(poo
         assert_eq!(changed, [1, 2, 3, 4, 5, 6], "{backend}");
         assert!(store.set_targets(&targets).await.unwrap().is_empty(), "{backend}: nothing changed");
 
-        let before = store.partitions().await.unwrap();
+        let before = store.view().await.unwrap().partitions;
         let mut taken = store.acquire(me).await.unwrap();
         taken.sort_by_key(|t| t.partition);
         let got: Vec<_> = taken.iter().map(|t| (t.partition, t.previous, t.previous_heartbeat_ms)).collect();
@@ -136,7 +136,7 @@ async fn release_frees_only_what_is_still_held_at_its_epoch(pool: PgPool) {
         let (me, other) = (registered(&store, DAY).await, registered(&store, DAY).await);
         target(&store, [7, 8, 9], me).await;
         store.acquire(me).await.unwrap();
-        let rows = store.partitions().await.unwrap();
+        let rows = store.view().await.unwrap().partitions;
         let mut held = epochs_of(&rows, &[7, 8, 9]);
         held.insert(8, Epoch(held[&8].0 - 1)); // a stale epoch
         held.insert(10, Epoch(0)); // never ours
@@ -145,7 +145,7 @@ async fn release_frees_only_what_is_still_held_at_its_epoch(pool: PgPool) {
         assert_eq!(released, [7, 9], "{backend}");
         assert!(store.release(other, &epochs_of(&rows, &[8])).await.unwrap().is_empty(), "{backend}: not the owner");
 
-        let after = store.partitions().await.unwrap();
+        let after = store.view().await.unwrap().partitions;
         for p in [7u8, 9] {
             let (old, new) = (&rows[usize::from(p)], &after[usize::from(p)]);
             assert_eq!((new.owner, new.epoch), (None, Epoch(old.epoch.0 + 1)), "{backend}: partition {p}");
