@@ -271,8 +271,9 @@ async fn exhausted_retries_go_to_the_fallback_or_to_failed(db: TestDb) {
 }
 
 /// A FAILED head blocks its key until an operator acts; other keys, also in the same partition, go on.
+/// The processor polls once an hour: the operator's requeue and skip wake it.
 async fn failed_blocks_its_key_until_requeue_or_skip(db: TestDb) {
-    let outbox = outbox(&db, |_| {}).await;
+    let outbox = outbox(&db, hourly).await;
     let sink = Sink::new();
     let healthy = Arc::new(AtomicBool::new(false));
     let (s, h) = (sink.clone(), healthy.clone());

@@ -3,7 +3,7 @@
 //! ```toml
 //! schema = "outbox"
 //! poll_interval = "100ms"
-//! listen_poll_interval = "2s"
+//! listen_poll_interval = "5s"
 //! concurrency = 256
 //! [retry]
 //! max_retries = 5
@@ -26,8 +26,8 @@ pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// While a processor's `LISTEN` connection is up (PostgreSQL), producers that call `Outbox::wake` wake it
 /// at once, so polling is only the safety net for those that do not (and for lost wake-ups): an idle
-/// instance then sends one fetch every 2 s.
-pub const DEFAULT_LISTEN_POLL_INTERVAL: Duration = Duration::from_secs(2);
+/// instance then sends one fetch every 5 s.
+pub const DEFAULT_LISTEN_POLL_INTERVAL: Duration = Duration::from_secs(5);
 /// While fetches keep finding records, poll every 5 ms: a record committed into a busy outbox is picked
 /// up within a few milliseconds, and the extra fetches only happen while there is work.
 pub const DEFAULT_ACTIVE_POLL_INTERVAL: Duration = Duration::from_millis(5);

@@ -1,12 +1,13 @@
 //! Operator functions: inspect and resolve FAILED records, and watch the backlog.
 
-use tracing::{info, instrument};
+use tracing::{info, instrument, warn};
 use uuid::Uuid;
 
 use crate::Outbox;
 use crate::driver::Db;
 use crate::error::{Error, Result};
 pub use crate::stored::{FailedFilter, FailedRecord, PartitionStats};
+use crate::wake::Partitions;
 
 impl Outbox {
     /// Lists FAILED records in (partition, key, seq) order.
@@ -34,18 +35,32 @@ impl Outbox {
     async fn requeue_where(&self, db: Db, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
         let requeued = db.requeue(self.statements(), id, key).await.map_err(|e| self.not_migrated(e))?;
         info!(?id, ?key, requeued, "requeued FAILED records");
+        if requeued > 0 {
+            self.wake_after_resolving(&db).await;
+        }
         Ok(requeued)
+    }
+
+    /// A resolved FAILED record unblocks its key: wake every owner (an operator's action is rare, and
+    /// the partition is not at hand) rather than leave the key to the next idle poll. Already done, so
+    /// a failed wake-up is only logged.
+    async fn wake_after_resolving(&self, db: &Db) {
+        if let Err(e) = self.wake_partitions(db, Partitions::ALL).await {
+            warn!(error = %e, "wake-up after resolving FAILED records not sent; owners find them at their next poll");
+        }
     }
 
     /// Skips one FAILED record: it counts as handled (kept in `completed` as `skipped`), and the next
     /// record of its key proceeds.
     #[instrument(skip(self, db))]
     pub async fn skip(&self, db: impl Into<Db>, id: Uuid) -> Result<()> {
-        let skipped = db.into().skip(self.statements(), id).await.map_err(|e| self.not_migrated(e))?;
+        let db = db.into();
+        let skipped = db.skip(self.statements(), id).await.map_err(|e| self.not_migrated(e))?;
         if !skipped {
             return Err(Error::RecordNotFound { id, state: "FAILED" });
         }
         info!(%id, "skipped FAILED record");
+        self.wake_after_resolving(&db).await;
         Ok(())
     }
 

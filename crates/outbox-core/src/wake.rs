@@ -145,11 +145,15 @@ impl Outbox {
         for s in scheduled {
             partitions.insert(s.partition);
         }
+        self.wake_partitions(&db.into(), partitions).await
+    }
+
+    pub(crate) async fn wake_partitions(&self, db: &Db, partitions: Partitions) -> Result<()> {
         if partitions.is_empty() {
             return Ok(());
         }
         self.wakeups().send(partitions);
-        db.into().notify(self.statements(), self.wakeups(), partitions).await
+        db.notify(self.statements(), self.wakeups(), partitions).await
     }
 }
 
