@@ -104,7 +104,7 @@ impl Sizes {
                 payload_bytes: PAYLOAD_BYTES,
                 steady_rate: 1000,
                 steady_secs: 30,
-                idle_secs: 10,
+                idle_secs: 30,
             }
         }
     }

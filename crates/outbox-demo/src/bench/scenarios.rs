@@ -260,11 +260,14 @@ impl Bench {
         })
     }
 
-    /// Transactions per second an idle instance costs PostgreSQL.
+    /// Transactions per second an idle instance costs PostgreSQL. A backend reports its counts to
+    /// `pg_stat_database` late (an idle one up to 10 s after its last transaction), so the window opens
+    /// only once the node's start and the earlier scenarios' connections have reported theirs.
     pub(super) async fn idle(&self) -> Result<Row, Failure> {
         self.reset().await?;
         let node = self.node(Handlers::new().default_route(Route::new(self.jetstream().await?))).await?;
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        let settle = if self.sizes.quick { 2 } else { 12 };
+        tokio::time::sleep(Duration::from_secs(settle)).await;
         let before = self.pg.transactions().await?;
         tokio::time::sleep(Duration::from_secs(self.sizes.idle_secs)).await;
         let per_s = (self.pg.transactions().await? - before - 1) as f64 / self.sizes.idle_secs as f64;
