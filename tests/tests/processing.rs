@@ -56,7 +56,8 @@ fn hourly(c: &mut outbox_core::Config) {
 }
 
 /// A processor polling once an hour delivers a record at once when its producer calls `wake` after the
-/// commit, and not before (a record committed without a wake-up waits).
+/// commit, and not before (a record committed without a wake-up waits, also through another
+/// partition's wake-up).
 async fn a_wake_up_delivers_without_waiting_for_the_poll(db: TestDb) {
     let consumer = outbox(&db, hourly).await;
     wakes_up(&db, &consumer, &consumer).await;
@@ -86,6 +87,8 @@ async fn wakes_up(db: &TestDb, producer: &outbox_core::Outbox, consumer: &outbox
     let woken = commit(producer, db, vec![NewRecord::new("k-3", "t", "3")]).await;
     producer.wake(db, &woken).await.unwrap();
     wait_for("the woken record delivered", LONG, || async { sink.of_key("k-3").len() == 1 }).await;
+    assert_ne!(partition_of("k-2"), partition_of("k-3"));
+    assert!(sink.of_key("k-2").is_empty(), "a wake-up reads only the partitions it names");
     producer.wake(db, &unwoken).await.unwrap();
     wait_for("the other record delivered once woken", LONG, || async { sink.len() == 3 }).await;
     node.shutdown().await.unwrap();

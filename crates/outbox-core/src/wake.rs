@@ -36,6 +36,13 @@ impl Partitions {
         self.0 == [0; 4]
     }
 
+    /// Adds every partition of `other`.
+    pub(crate) fn extend(&mut self, other: Partitions) {
+        for (word, theirs) in self.0.iter_mut().zip(other.0) {
+            *word |= theirs;
+        }
+    }
+
     // The text form travels only through PostgreSQL's NOTIFY.
     #[cfg(any(feature = "postgres", test))]
     pub(crate) fn to_hex(self) -> String {

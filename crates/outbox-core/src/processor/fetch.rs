@@ -1,4 +1,5 @@
-//! What the next fetch asks for: the partitions held (not fenced out), in a rotating order so no
+//! What the next fetch asks for: the partitions held (not fenced out) that it was asked to read (all for
+//! a poll, some for a wake-up or a completion), in a rotating order so no
 //! partition is always served last, each with the key its walk starts after (a rotating cursor, so keys
 //! that sort low cannot starve the others), and the keys in flight to pass over. The driver's fetch is
 //! fenced by the database (see `Db::fetch`).
@@ -9,6 +10,7 @@ use crate::assignment::{Assignment, Epoch, InstanceId};
 use crate::config::Config;
 use crate::partition::Partition;
 use crate::stored::Request;
+use crate::wake::Partitions;
 
 /// The fetch requests of one processor, and what it remembers between them.
 #[derive(Debug, Default)]
@@ -20,27 +22,29 @@ pub(super) struct Fetches {
 }
 
 impl Fetches {
-    /// The request for up to `limit` heads of the partitions `current` holds (but those in `fenced`),
-    /// passing over the keys in flight; `None` if no partition is left to fetch from.
+    /// The request for up to `limit` heads of the partitions in `wanted` that `current` holds (but those
+    /// in `fenced`), passing over the keys in flight; `None` if no partition is left to fetch from.
     pub(super) fn request(
         &mut self,
         config: &Config,
         current: &Assignment,
         fenced: &BTreeMap<Partition, (InstanceId, Epoch)>,
         in_flight: &HashMap<String, Partition>,
+        wanted: &Partitions,
         limit: usize,
     ) -> Option<Request> {
         let mut partitions: Vec<(Partition, Epoch, Option<String>)> = current
             .epochs
             .iter()
-            .filter(|&(p, &e)| fenced.get(p) != Some(&(current.instance, e)))
+            .filter(|&(p, &e)| wanted.contains(*p) && fenced.get(p) != Some(&(current.instance, e)))
             .map(|(&p, &e)| (p, e, self.cursors.get(&p).cloned()))
             .collect();
         if partitions.is_empty() {
             return None;
         }
-        self.rotation = (self.rotation + 1) % partitions.len();
-        partitions.rotate_left(self.rotation);
+        self.rotation = self.rotation.wrapping_add(1);
+        let start = self.rotation % partitions.len();
+        partitions.rotate_left(start);
         // Records fetched after each head: only with stop-on-first-failure, where a key's records go
         // strictly one after another anyway.
         let followers = if config.stop_on_first_failure { config.key_lookahead - 1 } else { 0 };

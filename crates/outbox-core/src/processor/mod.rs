@@ -3,7 +3,9 @@
 //! One loop per instance keeps three things going at once, never waiting on each other:
 //! - **fetch** (`fetch.rs`): one round trip reads the head record of up to `batch_size` keys (one per key,
 //!   keys in flight excluded, blocked keys passed over) from the held partitions, fenced by the
-//!   instance's (owner, epoch) and its live lease;
+//!   instance's (owner, epoch) and its live lease. A poll reads every held partition; a wake-up, or a
+//!   key's completed run, only the partitions it names, which costs the database a fraction of a
+//!   full fetch;
 //! - **deliver** (`deliver.rs`): each key's run (its head and up to `key_lookahead - 1` records after it)
 //!   goes to its handler in its own task, one record after another, each finished before the next
 //!   starts, up to `concurrency` keys at once; a key is fetched again only after its run is completed
@@ -56,6 +58,7 @@ use crate::error::{Error, Result};
 use crate::handler::Handlers;
 use crate::partition::Partition;
 use crate::stored::{Found, Outcome, Request, Verdict};
+use crate::wake::Partitions;
 
 /// Delivers the records of the assigned partitions. See the [module docs](self).
 pub struct Processor {
@@ -142,13 +145,9 @@ impl Processor {
                 }
                 () = tokio::time::sleep_until(state.complete_not_before),
                     if !state.outcomes.is_empty() && state.completion.is_none() => {}
-                () = sleep_until_opt(state.next_due) => { state.next_due = None; state.want_fetch = true; }
+                () = sleep_until_opt(state.next_due) => { state.next_due = None; state.wanted = Partitions::ALL; }
                 () = tokio::time::sleep_until(state.next_poll), if state.fetch.is_none() => state.poll_due(),
-                partitions = woken.next() => {
-                    if current.epochs.keys().any(|&p| partitions.contains(p)) {
-                        state.want_fetch = true;
-                    }
-                }
+                partitions = woken.next() => state.wanted.extend(partitions),
                 () = sleep_until_opt(lease_deadline) => {}
                 changed = self.assignment.changed(), if state.assignment_open => {
                     if changed.is_err() {
@@ -195,7 +194,8 @@ struct State {
     /// the assignment holds them under another.
     fenced: BTreeMap<Partition, (InstanceId, Epoch)>,
     cancels: Cancels,
-    want_fetch: bool,
+    /// The partitions the next fetch reads (of those held): `ALL` for a poll.
+    wanted: Partitions,
     next_due: Option<Instant>,
     next_poll: Instant,
     last_found: Option<Instant>,
@@ -221,7 +221,7 @@ impl State {
             complete_not_before: Instant::now(),
             fenced: BTreeMap::new(),
             cancels: Cancels::default(),
-            want_fetch: true,
+            wanted: Partitions::ALL,
             next_due: None,
             last_found: None,
             stop_deadline: None,
@@ -237,12 +237,18 @@ impl State {
 
     fn start_fetch(&mut self, outbox: &Outbox, db: &Db, current: &Assignment) {
         let room = self.config.concurrency.saturating_sub(self.in_flight.len());
-        if self.stop_deadline.is_some() || !self.want_fetch || self.fetch.is_some() || room == 0 || !current.is_live() {
+        if self.stop_deadline.is_some()
+            || self.wanted.is_empty()
+            || self.fetch.is_some()
+            || room == 0
+            || !current.is_live()
+        {
             return;
         }
-        self.want_fetch = false;
+        let wanted = std::mem::take(&mut self.wanted);
         let limit = self.config.batch_size.min(room);
-        let Some(request) = self.fetches.request(&self.config, current, &self.fenced, &self.in_flight, limit) else {
+        let Some(request) = self.fetches.request(&self.config, current, &self.fenced, &self.in_flight, &wanted, limit)
+        else {
             return;
         };
         let (outbox, db) = (outbox.clone(), db.clone());
@@ -273,7 +279,9 @@ impl State {
         // A full batch may have left more; and a completion that landed while this fetch ran has
         // already asked for another (its keys' next records may not have been visible to this fetch):
         // keep that request.
-        self.want_fetch |= found.runs.len() == request.limit;
+        if found.runs.len() == request.limit {
+            self.wanted = Partitions::ALL;
+        }
         if !found.runs.is_empty() {
             self.last_found = Some(Instant::now());
         }
@@ -318,6 +326,8 @@ impl State {
         let Completed { settled, written, retry } = completed;
         for outcome in settled {
             self.in_flight.remove(&outcome.key);
+            // The key's next records, if any, are fetchable now.
+            self.wanted.insert(outcome.partition);
             if written.ids.contains(&outcome.id) {
                 record_metrics(&outcome);
                 if let Verdict::Retry { delay, .. } = outcome.verdict {
@@ -344,7 +354,6 @@ impl State {
         } else {
             self.complete_backoff = COMPLETE_RETRY_MIN;
         }
-        self.want_fetch = true;
     }
 
     fn on_assignment(&mut self, current: &Assignment) {
@@ -355,23 +364,24 @@ impl State {
             .grants
             .retain(|(p, instance, epoch), _| current.instance == *instance && current.epochs.get(p) == Some(epoch));
         self.fetches.retain(|p| current.epochs.contains_key(&p));
-        self.want_fetch = true;
+        self.wanted = Partitions::ALL;
     }
 
     fn poll_due(&mut self) {
-        self.want_fetch = true;
+        self.wanted = Partitions::ALL;
         self.next_poll = Instant::now() + self.poll_interval();
     }
 
-    /// Adaptive polling: every `active_poll_interval` while fetches keep finding records (low latency
-    /// under load), every `poll_interval` once a whole [`ACTIVE_WINDOW`] found nothing (cheap when idle),
-    /// and every `listen_poll_interval` (if longer) then while wake-ups from other processes arrive.
+    /// While wake-ups from other processes arrive, polling is only the safety net: every
+    /// `listen_poll_interval` (if longer than `poll_interval`). Otherwise adaptive: every
+    /// `active_poll_interval` while fetches keep finding records (low latency under load), every
+    /// `poll_interval` once a whole [`ACTIVE_WINDOW`] found nothing (cheap when idle).
     fn poll_interval(&self) -> Duration {
         let active = self.last_found.is_some_and(|at| at.elapsed() < ACTIVE_WINDOW);
-        if active {
-            self.config.active_poll_interval
-        } else if self.listening {
+        if self.listening {
             self.config.listen_poll_interval.max(self.config.poll_interval)
+        } else if active {
+            self.config.active_poll_interval
         } else {
             self.config.poll_interval
         }
