@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Completion, Config, ConnectOptions, Db, Handlers, NewRecord, Outbox};
+use outbox_core::{Completion, Config, ConnectOptions, Db, Handlers, NewRecord, Outbox, Scheduled};
 use outbox_nats::{JetStreamHandler, NatsConfig, StreamSettings};
 
 use self::postgres::Postgres;
@@ -37,8 +37,8 @@ pub struct BenchArgs {
     /// Small sizes and short durations: a smoke test (CI), not figures to quote.
     #[arg(long)]
     pub quick: bool,
-    /// Run only these scenarios (the yardsticks always run, for the ratios): drain, processes, failing,
-    /// steady, idle, large, producer, sqlite, mysql.
+    /// Run only these scenarios (the yardsticks always run, for the ratios): drain, processes, backlog,
+    /// failing, steady, idle, large, producer, sqlite, mysql.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub only: Vec<Scenario>,
     /// Rounds to run; medians are reported (default 3, or 1 with --quick). The machine is shared and
@@ -54,6 +54,9 @@ pub enum Scenario {
     Drain,
     /// Drain with four worker processes.
     Processes,
+    /// A backlog of 1,000,000 records over 100,000 keys, drained by one worker process, beside the
+    /// usual backlog drained the same way; the worker's peak RSS.
+    Backlog,
     /// Drain with 1 % of keys failing twice.
     Failing,
     /// Steady offered load, commit-to-ack latency.
@@ -113,6 +116,12 @@ impl Sizes {
     fn large(self) -> Sizes {
         let (keys, per_key) = if self.quick { (20, 5) } else { (200, 10) };
         Sizes { keys, per_key, payload_bytes: 64 * 1024, ..self }
+    }
+
+    /// 1,000,000 records over 100,000 keys (10,000 over 1,000 with `quick`).
+    fn backlog(self) -> Sizes {
+        let (keys, per_key) = if self.quick { (1_000, 10) } else { (100_000, 10) };
+        Sizes { keys, per_key, ..self }
     }
 
     fn records(&self) -> usize {
@@ -186,7 +195,10 @@ impl Bench {
             rows.push(self.drain_in_process(&deleting, scenario, scenarios::Target::JetStream).await?);
         }
         if wanted(Scenario::Processes) {
-            rows.push(self.drain_processes(4).await?);
+            rows.push(self.drain_processes(4, "drain_4_processes").await?);
+        }
+        if wanted(Scenario::Backlog) {
+            rows.extend(self.backlog().await?);
         }
         if wanted(Scenario::Failing) {
             rows.push(self.failing_keys().await?);
@@ -273,7 +285,7 @@ impl Bench {
     }
 
     /// keys × per_key records, 256-byte payloads, scheduled in transactions of 1,000.
-    async fn preload(&self) -> Result<usize, Failure> {
+    async fn preload(&self) -> Result<Vec<Scheduled>, Failure> {
         let mut records = Vec::with_capacity(self.sizes.records());
         for _ in 0..self.sizes.per_key {
             for k in 0..self.sizes.keys {
@@ -284,13 +296,14 @@ impl Bench {
         // pg_stat_user_tables for sure only when it exits, and `rows_written` must not see the
         // preload's arrive late.
         let db = self.separate_db().await?;
+        let mut scheduled = Vec::with_capacity(records.len());
         for chunk in records.chunks(1000) {
             let mut tx = db.begin().await?;
-            self.outbox.schedule_batch(&mut tx, chunk).await?;
+            scheduled.extend(self.outbox.schedule_batch(&mut tx, chunk).await?);
             tx.commit().await?;
         }
         db.close().await;
-        Ok(records.len())
+        Ok(scheduled)
     }
 
     async fn pending(&self) -> Result<i64, Failure> {

@@ -62,18 +62,25 @@ impl Postgres {
         .map_err(pg)
     }
 
-    /// Holds the backlog back (no record due) and vacuums it, so workers can settle before the clock.
+    /// Holds the backlog back: moves it into a table of its own, so workers can start and settle on an
+    /// empty outbox before the clock.
     pub async fn hold_backlog(&self) -> Result<(), Failure> {
-        let hold = format!("UPDATE {SCHEMA}.records SET next_attempt_at = 'infinity'");
-        sqlx::query(AssertSqlSafe(hold)).execute(&self.pool).await.map_err(pg)?;
-        sqlx::query(AssertSqlSafe(format!("VACUUM {SCHEMA}.records"))).execute(&self.pool).await.map_err(pg)?;
+        let hold = format!(
+            "DROP TABLE IF EXISTS {SCHEMA}.held; CREATE TABLE {SCHEMA}.held AS SELECT * FROM {SCHEMA}.records;
+             TRUNCATE {SCHEMA}.records"
+        );
+        sqlx::raw_sql(AssertSqlSafe(hold)).execute(&self.pool).await.map_err(pg)?;
         Ok(())
     }
 
-    /// Makes the held backlog due.
+    /// Puts the held backlog back in one transaction, with fresh table statistics (as autovacuum would
+    /// have gathered while it grew), so it appears to the workers all at once at the commit.
     pub async fn release_backlog(&self) -> Result<(), Failure> {
-        let release = format!("UPDATE {SCHEMA}.records SET next_attempt_at = NULL");
-        sqlx::query(AssertSqlSafe(release)).execute(&self.pool).await.map_err(pg)?;
+        let release = format!(
+            "BEGIN; INSERT INTO {SCHEMA}.records SELECT * FROM {SCHEMA}.held; ANALYZE {SCHEMA}.records; COMMIT;
+             DROP TABLE {SCHEMA}.held"
+        );
+        sqlx::raw_sql(AssertSqlSafe(release)).execute(&self.pool).await.map_err(pg)?;
         Ok(())
     }
 

@@ -70,7 +70,7 @@ impl Bench {
     /// The idealised relay, on PostgreSQL.
     pub(super) async fn idealised_relay(&self) -> Result<Row, Failure> {
         let client = self.reset().await?;
-        let n = self.preload().await?;
+        let n = self.preload().await?.len();
         let js = async_nats::jetstream::new(client);
         let relay = self.pg.relay().await?;
         let started = Instant::now();
