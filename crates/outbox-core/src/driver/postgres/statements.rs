@@ -298,6 +298,62 @@ mod tests {
         rows.into_iter().map(|(line,)| line).collect::<Vec<_>>().join("\n")
     }
 
+    /// What a fetch reads does not grow with the backlog: the same fetch (every partition, 100 heads
+    /// and 7 records after each) on 10 and on 100 records per key of 2,000 keys returns the same rows
+    /// and reads about as many buffers (`EXPLAIN (ANALYZE, BUFFERS)`).
+    #[sqlx::test(migrations = false)]
+    async fn a_fetch_reads_as_much_from_a_large_backlog_as_from_a_small_one(pool: PgPool) {
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        let instance = uuid::Uuid::now_v7();
+        sqlx::query(
+            "INSERT INTO outbox.instances (id, name, expires_at) VALUES ($1, 'test', now() + interval '1 day')",
+        )
+        .bind(instance)
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 1").bind(instance).execute(&pool).await.unwrap();
+        let sql = super::PgStatements::new("outbox", true, true);
+        let explain = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", sql.fetch);
+        let partitions: Vec<i16> = (0..256).collect();
+        let mut read = Vec::new();
+        for per_key in [10, 100] {
+            sqlx::query("TRUNCATE outbox.records").execute(&pool).await.unwrap();
+            sqlx::query(
+                "INSERT INTO outbox.records (id, partition, key, seq, event_type, payload)
+                 SELECT gen_random_uuid(), k % 256, 'key-' || k, s, 't', '\\x00'
+                 FROM generate_series(1, 2000) k, generate_series(1, $1) s",
+            )
+            .bind(per_key)
+            .execute(&pool)
+            .await
+            .unwrap();
+            sqlx::query("ANALYZE outbox.records").execute(&pool).await.unwrap();
+            let (plan,): (serde_json::Value,) = sqlx::query_as(sqlx::AssertSqlSafe(explain.clone()))
+                .bind(&partitions)
+                .bind(vec![1_i64; 256])
+                .bind(vec![None::<&str>; 256])
+                .bind(instance)
+                .bind(Vec::<String>::new())
+                .bind(100_i64)
+                .bind(7_i64)
+                .bind(65_536_i64)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            let top = &plan[0]["Plan"];
+            let blocks = |name: &str| top[name].as_i64().unwrap();
+            read.push((
+                top["Actual Rows"].as_i64().unwrap(),
+                blocks("Shared Hit Blocks") + blocks("Shared Read Blocks"),
+            ));
+        }
+        let [(small_rows, small), (large_rows, large)] = read[..] else { unreachable!() };
+        assert_eq!((small_rows, large_rows), (800, 800), "100 heads and 7 records after each");
+        assert!(large * 2 <= small * 3, "buffers read: {small} with 10 records per key, {large} with 100");
+    }
+
     /// The fetch must probe the (partition, key, seq) index once per key, never scan the table, in both
     /// stop-on-first-failure modes, on a table big enough for the planner to care.
     #[sqlx::test(migrations = false)]
