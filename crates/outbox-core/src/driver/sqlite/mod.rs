@@ -10,6 +10,7 @@ mod write;
 use std::str::FromStr;
 use std::time::Duration;
 
+use backon::{ExponentialBuilder, Retryable};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, Connection, SqliteConnection, SqlitePool};
 use tracing::info;
@@ -54,13 +55,26 @@ pub fn options(url: &str) -> Result<SqliteConnectOptions> {
         .busy_timeout(BUSY_TIMEOUT))
 }
 
+/// Opens the pool, waiting out "database is locked" for up to [`BUSY_TIMEOUT`]: a connection that
+/// switches a file to WAL while another process opens it too gets that at once, without the busy
+/// timeout's wait (the first workers of a fresh deployment, starting together).
 pub(super) async fn connect(url: &str, connect: &ConnectOptions) -> Result<SqlitePool> {
     let file = options(url).map_err(|e| match e {
         Error::Database(e) => Error::BadUrl(e),
         other => other,
     })?;
     let database = format!("the SQLite database {}", file.get_filename().display());
-    super::sized(connect).connect_with(file).await.map_err(|source| Error::Connect { database, source })
+    let backoff = ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(10))
+        .with_max_delay(Duration::from_secs(1))
+        .with_jitter()
+        .without_max_times()
+        .with_total_delay(Some(BUSY_TIMEOUT));
+    (|| super::sized(connect).connect_with(file.clone()))
+        .retry(backoff)
+        .when(|e| matches!(e, sqlx::Error::Database(db) if is_transient(db.as_ref()) == Some(true)))
+        .await
+        .map_err(|source| Error::Connect { database, source })
 }
 
 /// Busy (another writer held the lock past the busy timeout, or a read snapshot went stale before its
@@ -500,5 +514,26 @@ mod tests {
         let payloads: Vec<Vec<u8>> =
             sqlx::query_scalar("SELECT payload FROM outbox_records").fetch_all(&other).await.unwrap();
         assert_eq!(payloads, [b"after".to_vec()]);
+    }
+
+    /// Processes that open a database file nobody has created yet, at the same moment (the first workers
+    /// of a fresh deployment), all connect: a "database is locked" from the first connection's switch to
+    /// WAL is waited out, not returned.
+    #[tokio::test]
+    async fn connections_opening_a_new_file_at_once_all_succeed() {
+        for attempt in 0..30 {
+            let dir = tempfile::tempdir().unwrap();
+            let url = format!("sqlite://{}", dir.path().join("new.db").display());
+            let opens = (0..4).map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move {
+                    let db = crate::Db::connect(&url).await?;
+                    db.execute("CREATE TABLE IF NOT EXISTS t (x INTEGER)", &[]).await
+                })
+            });
+            for opened in futures::future::join_all(opens).await {
+                opened.unwrap().unwrap_or_else(|e| panic!("attempt {attempt}: {e}"));
+            }
+        }
     }
 }
