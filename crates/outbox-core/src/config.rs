@@ -79,6 +79,7 @@ pub struct Config {
     #[serde(with = "humantime_serde")]
     pub listen_poll_interval: Duration,
     /// Poll interval while recent fetches found records (within the last second); at most `poll_interval`.
+    /// Not while the `LISTEN` connection is up: wake-ups carry the latency then.
     #[serde(with = "humantime_serde")]
     pub active_poll_interval: Duration,
     /// Heads fetched per round trip.
