@@ -272,6 +272,9 @@ impl State {
             Ok(found) => found,
             Err(e) => {
                 warn!(error = %e, instance = %request.instance, "fetch failed; retrying at the next poll");
+                // What it was asked to read is read by that poll, after `poll_interval` even while
+                // listening: its wake-ups were spent on it.
+                self.next_poll = self.next_poll.min(Instant::now() + self.config.poll_interval);
                 return;
             }
         };
