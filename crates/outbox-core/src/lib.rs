@@ -1,7 +1,7 @@
 //! # outbox-core
 //!
-//! A transactional outbox on PostgreSQL, SQLite or MySQL/MariaDB ([`Db`]). A service writes its business rows and the
-//! events describing them in **one transaction**; a [`Processor`] then delivers those events to a
+//! A transactional outbox on PostgreSQL, SQLite or MySQL/MariaDB ([`Db`]). A service writes its business
+//! rows and the events describing them in **one transaction**; a [`Processor`] then delivers those events to a
 //! [`Handler`] **at least once**, in **strict per-key order**, with retries, an optional fallback, and a
 //! visible FAILED state.
 //!
@@ -12,7 +12,7 @@
 //! fallback, FAILED) → [`operator`] (list, requeue, skip FAILED; stats) → [`purge`].
 //! Every database access goes through [`driver`]: one interface stating each operation's contract, and a
 //! module per database with its statements and their execution (`driver/postgres/`, `driver/sqlite/`,
-//! each a Cargo feature); the schemas are in `migrations/postgres/` and `migrations/sqlite/`.
+//! `driver/mysql/`, each a Cargo feature); the schemas are in `migrations/<database>/`.
 //!
 //! ```no_run
 //! use outbox_core::{Config, Handlers, HandlerError, NewRecord, Outbox, handler_fn};

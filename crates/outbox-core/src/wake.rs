@@ -2,7 +2,7 @@
 //! of at their next poll ([`Outbox::wake`]). In the producer's process the owners' processors hear it at
 //! once; on PostgreSQL the others hear it through `NOTIFY`, sent after the caller's commit (never inside
 //! it: `NOTIFY` in a transaction takes a lock every committing notifier queues on) and heard by one
-//! `LISTEN` connection per processor, which wakes only if it holds one of the partitions named.
+//! `LISTEN` connection per processor, which then fetches from the partitions named that it holds.
 //!
 //! Polling stays the correctness path: a wake-up is a hint that can be lost (a listener reconnecting, a
 //! producer that does not call `wake`), so a processor still polls, every `poll_interval`, or every

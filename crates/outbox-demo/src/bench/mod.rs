@@ -129,6 +129,7 @@ impl Sizes {
     }
 }
 
+#[derive(Clone)]
 struct Bench {
     /// PostgreSQL: the yardsticks, the statistics, the scenarios that start worker processes.
     pg: std::sync::Arc<Postgres>,
@@ -237,29 +238,13 @@ impl Bench {
 
     /// This bench with other sizes.
     fn resized(&self, sizes: Sizes) -> Bench {
-        Bench {
-            pg: self.pg.clone(),
-            db: self.db.clone(),
-            on_postgres: self.on_postgres,
-            outbox: self.outbox.clone(),
-            nats: self.nats.clone(),
-            database_url: self.database_url.clone(),
-            sizes,
-        }
+        Bench { sizes, ..self.clone() }
     }
 
     /// This bench on another database for the outbox (PostgreSQL still gives the yardsticks).
     #[cfg(any(feature = "sqlite", feature = "mysql"))]
     fn on(&self, db: Db) -> Bench {
-        Bench {
-            pg: self.pg.clone(),
-            db,
-            on_postgres: false,
-            outbox: self.outbox.clone(),
-            nats: self.nats.clone(),
-            database_url: self.database_url.clone(),
-            sizes: self.sizes,
-        }
+        Bench { db, on_postgres: false, ..self.clone() }
     }
 
     /// A table of the bench outbox on `db`.
@@ -284,7 +269,7 @@ impl Bench {
         Ok(client)
     }
 
-    /// keys × per_key records, 256-byte payloads, scheduled in transactions of 1,000.
+    /// keys × per_key records of the bench's payload size, scheduled in transactions of 1,000.
     async fn preload(&self) -> Result<Vec<Scheduled>, Failure> {
         let mut records = Vec::with_capacity(self.sizes.records());
         for _ in 0..self.sizes.per_key {

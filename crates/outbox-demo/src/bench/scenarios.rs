@@ -96,22 +96,16 @@ impl Bench {
                     .map_err(|e| Failure(format!("cannot start a worker process: {e}")))
             })
             .collect::<Result<_, _>>()?;
-        let mut started = Instant::now();
-        let drained = match self.wait_settled(count).await {
-            Ok(()) => match self.pg.release_backlog().await {
-                Ok(()) => {
-                    started = Instant::now();
-                    // As the producers of the backlog would have, once it is committed.
-                    match self.outbox.wake(&self.db, &scheduled).await {
-                        Ok(()) => self.wait_delivered(n).await,
-                        Err(e) => Err(e.into()),
-                    }
-                }
-                Err(e) => Err(e),
-            },
-            Err(e) => Err(e),
-        };
-        let elapsed = started.elapsed();
+        let drained = async {
+            self.wait_settled(count).await?;
+            self.pg.release_backlog().await?;
+            let started = Instant::now();
+            // As the producers of the backlog would have, once it is committed.
+            self.outbox.wake(&self.db, &scheduled).await?;
+            self.wait_delivered(n).await?;
+            Ok::<_, Failure>(started.elapsed())
+        }
+        .await;
         let peak_rss_kib = workers.iter().filter_map(|w| report::peak_rss_kib(w.id())).max().unwrap_or(0);
         // Stopped whatever happened, so no worker outlives the bench.
         for worker in &mut workers {
@@ -119,7 +113,7 @@ impl Bench {
             let _ = worker.wait();
         }
         let _ = std::fs::remove_file(&config);
-        drained?;
+        let elapsed = drained?;
         let rate = n as f64 / elapsed.as_secs_f64();
         Ok(Row {
             scenario,

@@ -92,10 +92,11 @@ pub(super) fn is_not_migrated(db: &dyn sqlx::error::DatabaseError) -> Option<boo
 
 /// Inserts records on the caller's connection (see `Conn::schedule`).
 ///
-/// A batch is one insert of a JSON list, in a transaction of sqlx's own (a savepoint inside the caller's transaction, or
-/// `BEGIN IMMEDIATE` on a bare connection), which sqlx rolls back if this future is dropped half way
-/// (say, by a timeout while waiting for the write lock). One record in the caller's transaction is one
-/// insert after drawing its number, with no savepoint: two statements instead of four.
+/// A batch is one insert of a JSON list, in a transaction of sqlx's own (a savepoint inside the
+/// caller's transaction, or `BEGIN IMMEDIATE` on a bare connection), which sqlx rolls back if this
+/// future is dropped half way (say, by a timeout while waiting for the write lock). One record in the
+/// caller's transaction is one insert after drawing its number, with no savepoint: two statements
+/// instead of four.
 pub(super) async fn schedule(
     conn: &mut SqliteConnection,
     s: &SqliteStatements,
