@@ -15,8 +15,10 @@ pub(super) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}_schema
 /// Takes `$1` sequence numbers; returns the last. The write takes the database write lock until commit.
 const TAKE_SEQS: &str = "UPDATE {s}_sequence SET last = last + $1 RETURNING last";
 
+/// One record, numbered one past the counter, which the insert's trigger then moves to it; returns the
+/// number.
 const INSERT: &str = "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers)
-VALUES ($1, $2, $3, $4, $5, $6, $7)";
+VALUES ($1, $2, $3, (SELECT last + 1 FROM {s}_sequence), $4, $5, $6) RETURNING seq";
 
 /// The records of `$1` (JSON `[[hex id, partition, key, type, hex payload, headers], …]`) in one
 /// statement, numbered in list order from `$2`.
