@@ -1,8 +1,9 @@
 //! Test support shared by the end-to-end tests (`tests/`), the fault tests' worker process
-//! (`src/bin/`) and other crates' tests: a real nats-server per test.
+//! (`src/bin/`) and other crates' tests: a real nats-server per test, a PostgreSQL cluster of a test's own.
 
 pub mod calls;
 pub mod nats;
+pub mod postgres;
 pub mod process;
 
 /// Wall-clock microseconds since the Unix epoch: the processes of one host share this clock, so a test

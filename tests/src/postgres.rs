@@ -1,0 +1,85 @@
+//! A PostgreSQL cluster of a test's own: `initdb` in a temporary directory, a free loopback port, the
+//! settings the test needs (say, `max_connections` for hundreds of instances), stopped when dropped.
+//! The machine's PostgreSQL binaries are used (`/usr/lib/postgresql/<version>/bin`, the newest); as root,
+//! the server runs as the `postgres` user, since PostgreSQL refuses to run as root.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::nats::free_port;
+
+pub struct PgCluster {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+}
+
+/// The newest installed server's binaries.
+fn bin() -> PathBuf {
+    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL's server binaries are not installed (/usr/lib/postgresql)")
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+        .filter(|p| p.join("initdb").exists())
+        .collect();
+    versions.sort_by_key(|p| p.parent().and_then(|v| v.file_name()?.to_str()?.parse::<u32>().ok()));
+    versions.pop().expect("no initdb under /usr/lib/postgresql/*/bin")
+}
+
+fn is_root() -> bool {
+    Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0\n"))
+}
+
+/// Runs a server binary, as `postgres` when this process is root.
+fn run(bin: &Path, program: &str, args: &[&str]) {
+    let program = bin.join(program);
+    let mut command = if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(&program);
+        c
+    } else {
+        Command::new(&program)
+    };
+    let status = command.args(args).stdout(Stdio::null()).status().unwrap();
+    assert!(status.success(), "{} {args:?} failed: {status}", program.display());
+}
+
+impl PgCluster {
+    /// Starts a new cluster with `settings` (`name=value`) on top of trust authentication.
+    pub fn start(settings: &[(&str, &str)]) -> PgCluster {
+        let bin = bin();
+        let dir = tempfile::Builder::new().prefix("outbox-pg-").tempdir().unwrap();
+        if is_root() {
+            let status = Command::new("chown").args(["postgres:", &dir.path().display().to_string()]).status().unwrap();
+            assert!(status.success(), "chown of {} to postgres failed", dir.path().display());
+        }
+        let data = dir.path().join("data").display().to_string();
+        run(&bin, "initdb", &["-D", &data, "-A", "trust", "-U", "postgres", "--no-sync"]);
+        let port = free_port();
+        let mut options = format!("-p {port} -k {} -c listen_addresses=127.0.0.1", dir.path().display());
+        for (name, value) in settings {
+            options.push_str(&format!(" -c {name}={value}"));
+        }
+        let log = dir.path().join("server.log").display().to_string();
+        run(&bin, "pg_ctl", &["-D", &data, "-l", &log, "-o", &options, "-w", "start"]);
+        PgCluster { port, dir, bin }
+    }
+
+    /// A URL for `database` (create it first, e.g. with [`PgCluster::create_database`]).
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    pub async fn create_database(&self, name: &str) {
+        let admin = sqlx::PgPool::connect(&self.url("postgres")).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).execute(&admin).await.unwrap();
+        admin.close().await;
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        let data = self.dir.path().join("data").display().to_string();
+        run(&self.bin, "pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
+    }
+}

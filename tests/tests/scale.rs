@@ -1,0 +1,170 @@
+//! The scale harness (ignored; run by hand): N clustered in-process nodes, each with its own pool,
+//! heartbeat and `LISTEN` connections, at default intervals, against a PostgreSQL cluster it starts
+//! itself. Per N it measures how long the cluster takes to balance after the nodes start, after one
+//! joins, after one leaves gracefully and after a quarter are killed, and what an idle instance costs
+//! the database (`pg_stat_statements`, split into fetches and cluster bookkeeping).
+//!
+//! ```sh
+//! OUTBOX_SCALE_NODES=1,8,32,64 ./scripts/test.sh -p outbox-tests --test scale -- --ignored --nocapture
+//! ```
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use outbox_cluster::{ClusterConfig, Node};
+use outbox_core::{ConnectOptions, Db, HandlerError, Handlers, InstanceId, Outbox, Route, handler_fn};
+use outbox_tests::postgres::PgCluster;
+use sqlx::PgPool;
+use tokio::time::Instant;
+
+const PARTITIONS: usize = 256;
+/// Connections in each node's pool (its heartbeat and `LISTEN` connections come on top).
+const POOL: u32 = 4;
+const LONG: Duration = Duration::from_secs(120);
+
+fn sizes() -> Vec<usize> {
+    let list = std::env::var("OUTBOX_SCALE_NODES").unwrap_or_else(|_| "1,8,32,64".into());
+    list.split(',').map(|n| n.trim().parse().expect("OUTBOX_SCALE_NODES: a list of node counts")).collect()
+}
+
+fn idle_secs() -> u64 {
+    std::env::var("OUTBOX_SCALE_IDLE_SECS").map_or(20, |s| s.parse().expect("OUTBOX_SCALE_IDLE_SECS: seconds"))
+}
+
+async fn start_node(url: &str) -> Node {
+    let db =
+        Db::connect_with(url, &ConnectOptions { max_connections: POOL, ..ConnectOptions::default() }).await.unwrap();
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) })));
+    Node::start(Outbox::new(outbox_core::Config::default()).unwrap(), db, handlers, ClusterConfig::default())
+        .await
+        .unwrap()
+}
+
+async fn owners(admin: &PgPool) -> BTreeMap<i16, Option<InstanceId>> {
+    let rows: Vec<(i16, Option<uuid::Uuid>)> =
+        sqlx::query_as("SELECT partition, owner FROM outbox.partitions").fetch_all(admin).await.unwrap();
+    rows.into_iter().map(|(p, owner)| (p, owner.map(InstanceId))).collect()
+}
+
+/// Every partition owned by one of `live`, each holding ⌊256/n⌋ or ⌈256/n⌉.
+fn balanced(owners: &BTreeMap<i16, Option<InstanceId>>, live: &BTreeSet<InstanceId>) -> bool {
+    let mut counts: BTreeMap<InstanceId, usize> = live.iter().map(|id| (*id, 0)).collect();
+    for owner in owners.values() {
+        match owner.and_then(|o| counts.get_mut(&o)) {
+            Some(count) => *count += 1,
+            None => return false,
+        }
+    }
+    let (low, high) = (PARTITIONS / live.len(), PARTITIONS.div_ceil(live.len()));
+    counts.values().all(|c| (low..=high).contains(c))
+}
+
+/// Seconds from `since` until the cluster is balanced over `nodes`.
+async fn until_balanced(admin: &PgPool, nodes: &[Node], since: Instant) -> f64 {
+    let live: BTreeSet<InstanceId> = nodes.iter().map(Node::id).collect();
+    loop {
+        if balanced(&owners(admin).await, &live) {
+            return since.elapsed().as_secs_f64();
+        }
+        assert!(since.elapsed() < LONG, "{} nodes did not balance within {LONG:?}", nodes.len());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Statements per second of an idle cluster over `secs`, per instance: (all, fetches, bookkeeping).
+async fn idle_load(admin: &PgPool, n: usize, secs: u64) -> (f64, f64, f64) {
+    sqlx::query("SELECT pg_stat_statements_reset()").execute(admin).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT query, calls FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
+         WHERE d.datname = current_database()",
+    )
+    .fetch_all(admin)
+    .await
+    .unwrap();
+    let (mut all, mut fetches, mut control) = (0, 0, 0);
+    for (query, calls) in rows {
+        // The harness's own statements: the reset and this read.
+        if query.contains("pg_stat_statements") {
+            continue;
+        }
+        all += calls;
+        if query.contains("WITH served AS") {
+            fetches += calls;
+        }
+        let head = query.trim_start().to_ascii_uppercase();
+        if ["BEGIN", "COMMIT", "ROLLBACK", "SET LOCAL"].iter().any(|c| head.starts_with(c)) {
+            control += calls;
+        }
+    }
+    let per = |calls: i64| calls as f64 / secs as f64 / n as f64;
+    (per(all), per(fetches), per(all - fetches - control))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "the scale harness: minutes per size; run by hand (see the module docs)"]
+async fn scale() {
+    let sizes = sizes();
+    let most = sizes.iter().max().copied().unwrap_or(1) + 1;
+    // Per node: its pool, a heartbeat and a LISTEN connection; and room for the harness.
+    let max_connections = (most * (POOL as usize + 2) + 20).to_string();
+    let cluster = PgCluster::start(&[
+        ("max_connections", &max_connections),
+        ("shared_preload_libraries", "pg_stat_statements"),
+        ("pg_stat_statements.track", "all"),
+    ]);
+    println!(
+        "nodes | start → balanced | join → balanced | leave → balanced | kill a quarter → balanced | idle statements/s per instance (fetches, bookkeeping) | connections"
+    );
+    for n in sizes {
+        let database = format!("scale_{n}");
+        cluster.create_database(&database).await;
+        let url = cluster.url(&database);
+        let admin = PgPool::connect(&url).await.unwrap();
+        sqlx::query("CREATE EXTENSION pg_stat_statements").execute(&admin).await.unwrap();
+        Outbox::new(outbox_core::Config::default()).unwrap().migrate(&Db::from(&admin)).await.unwrap();
+
+        let mut nodes = Vec::new();
+        for _ in 0..n {
+            nodes.push(start_node(&url).await);
+        }
+        let start = until_balanced(&admin, &nodes, Instant::now()).await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let (all, fetches, bookkeeping) = idle_load(&admin, n, idle_secs()).await;
+        let connections: (i64,) =
+            sqlx::query_as("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+                .fetch_one(&admin)
+                .await
+                .unwrap();
+
+        let joined = Instant::now();
+        nodes.push(start_node(&url).await);
+        let join = until_balanced(&admin, &nodes, joined).await;
+
+        let leaving = nodes.remove(0);
+        let left = Instant::now();
+        let shutdown = tokio::spawn(leaving.shutdown());
+        let leave = until_balanced(&admin, &nodes, left).await;
+        shutdown.await.unwrap().unwrap();
+
+        let killed = if nodes.len() > 1 { nodes.len().div_ceil(4) } else { 0 };
+        let crash = if killed > 0 {
+            let crashed = Instant::now();
+            for node in nodes.drain(..killed) {
+                node.kill();
+            }
+            format!("{:.1} s ({killed} killed)", until_balanced(&admin, &nodes, crashed).await)
+        } else {
+            "-".into()
+        };
+        println!(
+            "{n} | {start:.1} s | {join:.1} s | {leave:.1} s | {crash} | {all:.2} ({fetches:.2}, {bookkeeping:.2}) | {}",
+            connections.0 - 1
+        );
+        for node in nodes {
+            node.shutdown().await.unwrap();
+        }
+        admin.close().await;
+    }
+}
