@@ -436,7 +436,7 @@ mod tests {
     /// One record in the caller's transaction has no savepoint: when its insert fails, nothing of it is
     /// stored and the transaction goes on, its key's numbers still growing.
     #[tokio::test]
-    async fn a_single_record_that_fails_skips_only_its_number() {
+    async fn a_single_record_that_fails_stores_nothing_and_the_transaction_goes_on() {
         let (pool, outbox) = refusing("NEW.event_type = 'refused'").await;
         let mut tx = pool.begin().await.unwrap();
         let first = outbox.schedule(&mut tx, crate::NewRecord::new("k", "t", "1")).await.unwrap();
