@@ -6,12 +6,12 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
 use outbox_cluster::Node;
-use outbox_core::{HandlerError, Handlers, InstanceId, NewRecord, Outbox, Partition, Route, handler_fn};
+use outbox_core::{HandlerError, Handlers, InstanceId, NewRecord, Outbox, Route, handler_fn};
 use rand::RngExt;
 use tokio::time::Instant;
 
@@ -22,42 +22,6 @@ every_backend!(
 );
 
 const LONG: Duration = Duration::from_secs(60);
-
-/// Which instance is inside a handler for which partition; any overlap is a violation.
-#[derive(Default)]
-struct Exclusive {
-    inside: Mutex<BTreeMap<Partition, (String, usize)>>,
-    violations: Mutex<Vec<String>>,
-}
-
-struct Inside {
-    exclusive: Arc<Exclusive>,
-    partition: Partition,
-}
-
-impl Exclusive {
-    fn enter(self: &Arc<Self>, instance: &str, partition: Partition) -> Inside {
-        let mut inside = self.inside.lock().unwrap();
-        let entry = inside.entry(partition).or_insert_with(|| (instance.to_string(), 0));
-        if entry.0 != instance {
-            self.violations.lock().unwrap().push(format!("partition {partition}: {} and {instance}", entry.0));
-        }
-        entry.1 += 1;
-        Inside { exclusive: self.clone(), partition }
-    }
-}
-
-impl Drop for Inside {
-    fn drop(&mut self) {
-        let mut inside = self.exclusive.inside.lock().unwrap();
-        if let Some(entry) = inside.get_mut(&self.partition) {
-            entry.1 -= 1;
-            if entry.1 == 0 {
-                inside.remove(&self.partition);
-            }
-        }
-    }
-}
 
 /// Handlers recording each delivery and checking exclusivity; each call takes two awaits of up to
 /// `step_ms` each (as a handler that connects, then sends a request).

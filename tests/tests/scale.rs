@@ -2,19 +2,29 @@
 //! heartbeat and `LISTEN` connections, at default intervals, against a PostgreSQL cluster it starts
 //! itself. Per N it measures how long the cluster takes to balance after the nodes start, after one
 //! joins, after one leaves gracefully and after a quarter are killed, and what an idle instance costs
-//! the database (`pg_stat_statements`, split into fetches and cluster bookkeeping).
+//! the database (`pg_stat_statements`, split into fetches and cluster bookkeeping). Then it replaces
+//! every node one by one, gracefully, under a steady produce load, and checks what users would feel:
+//! nothing lost, each key in order, no two nodes inside one partition's handlers at once, no record
+//! delivered twice; and it reports the longest wait from commit to delivery.
 //!
 //! ```sh
 //! OUTBOX_SCALE_NODES=1,8,32,64 ./scripts/test.sh -p outbox-tests --test scale -- --ignored --nocapture
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::{BTreeMap, BTreeSet};
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
+use common::{Exclusive, Sink, wait_for};
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{ConnectOptions, Db, HandlerError, Handlers, InstanceId, Outbox, Route, handler_fn};
+use outbox_core::{
+    ConnectOptions, Db, HandlerError, Handlers, InstanceId, NewRecord, Outbox, Record, Route, handler_fn,
+};
 use outbox_tests::postgres::PgCluster;
+use rand::RngExt;
 use sqlx::PgPool;
 use tokio::time::Instant;
 
@@ -32,13 +42,31 @@ fn idle_secs() -> u64 {
     std::env::var("OUTBOX_SCALE_IDLE_SECS").map_or(20, |s| s.parse().expect("OUTBOX_SCALE_IDLE_SECS: seconds"))
 }
 
-async fn start_node(url: &str) -> Node {
+/// What the nodes' handlers saw: every delivery, and which node was inside which partition's handler.
+#[derive(Clone, Default)]
+struct Seen {
+    sink: Arc<Sink>,
+    exclusive: Arc<Exclusive>,
+}
+
+/// A node named `node-{number}`, its handler taking a millisecond (so that two nodes inside one
+/// partition's handlers at once would overlap in time).
+async fn start_node(url: &str, number: usize, seen: &Seen) -> Node {
     let db =
         Db::connect_with(url, &ConnectOptions { max_connections: POOL, ..ConnectOptions::default() }).await.unwrap();
-    let handlers = Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) })));
-    Node::start(Outbox::new(outbox_core::Config::default()).unwrap(), db, handlers, ClusterConfig::default())
-        .await
-        .unwrap()
+    let name = format!("node-{number}");
+    let (sink, exclusive, me) = (seen.sink.clone(), seen.exclusive.clone(), name.clone());
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r: Record| {
+        let (sink, exclusive, me) = (sink.clone(), exclusive.clone(), me.clone());
+        async move {
+            let _inside = exclusive.enter(&me, r.partition);
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            sink.record(&r);
+            Ok::<(), HandlerError>(())
+        }
+    })));
+    let config = ClusterConfig { name, ..ClusterConfig::default() };
+    Node::start(Outbox::new(outbox_core::Config::default()).unwrap(), db, handlers, config).await.unwrap()
 }
 
 async fn owners(admin: &PgPool) -> BTreeMap<i16, Option<InstanceId>> {
@@ -102,6 +130,70 @@ async fn idle_load(admin: &PgPool, n: usize, secs: u64) -> (f64, f64, f64) {
     (per(all), per(fetches), per(all - fetches - control))
 }
 
+/// Records committed at `RATE` per second, one per transaction over 10,000 keys, each woken after its
+/// commit, until `stop`; when each was committed.
+async fn produce(admin: PgPool, stop: tokio_util::sync::CancellationToken) -> HashMap<uuid::Uuid, Instant> {
+    const RATE: u64 = 200;
+    let outbox = Outbox::new(outbox_core::Config::default()).unwrap();
+    let db = Db::from(admin);
+    let mut committed = HashMap::new();
+    let mut ticker = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
+    while !stop.is_cancelled() {
+        ticker.tick().await;
+        let key = format!("key-{}", rand::rng().random_range(0..10_000));
+        let mut tx = db.begin().await.unwrap();
+        let scheduled = outbox.schedule(&mut tx, NewRecord::new(key, "t", "x")).await.unwrap();
+        tx.commit().await.unwrap();
+        committed.insert(scheduled.id, Instant::now());
+        outbox.wake(&db, &[scheduled]).await.unwrap();
+    }
+    committed
+}
+
+/// Replaces each of `nodes` (start a new one, then stop the old one gracefully) under a steady produce
+/// load; checks that nothing was lost, each key's records came in order and no partition was inside two
+/// nodes' handlers at once. Returns (records, duplicate deliveries, longest commit → delivery in s).
+async fn rolling_restart(
+    url: &str,
+    admin: &PgPool,
+    nodes: &mut Vec<Node>,
+    numbers: &mut usize,
+    seen: &Seen,
+) -> (usize, usize, f64) {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let producer = tokio::spawn(produce(admin.clone(), stop.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for _ in 0..nodes.len() {
+        *numbers += 1;
+        nodes.push(start_node(url, *numbers, seen).await);
+        nodes.remove(0).shutdown().await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.cancel();
+    let committed = producer.await.unwrap();
+    wait_for("every record committed during the restart delivered", LONG, || async {
+        let delivered: BTreeSet<uuid::Uuid> = seen.sink.all().iter().map(|d| d.id).collect();
+        committed.keys().all(|id| delivered.contains(id))
+    })
+    .await;
+    let deliveries = seen.sink.all();
+    let mut first: HashMap<uuid::Uuid, Instant> = HashMap::new();
+    let mut keys: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for d in &deliveries {
+        if committed.contains_key(&d.id) && !first.contains_key(&d.id) {
+            first.insert(d.id, d.at);
+            keys.entry(d.key.clone()).or_default().push(d.seq);
+        }
+    }
+    for (key, seqs) in &keys {
+        assert!(seqs.is_sorted(), "key {key} delivered out of order: {seqs:?}");
+    }
+    assert_eq!(*seen.exclusive.violations.lock().unwrap(), Vec::<String>::new(), "two nodes inside one partition");
+    let longest = committed.iter().map(|(id, at)| first[id].saturating_duration_since(*at)).max().unwrap_or_default();
+    let duplicates = deliveries.iter().filter(|d| committed.contains_key(&d.id)).count() - committed.len();
+    (committed.len(), duplicates, longest.as_secs_f64())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "the scale harness: minutes per size; run by hand (see the module docs)"]
 async fn scale() {
@@ -115,7 +207,7 @@ async fn scale() {
         ("pg_stat_statements.track", "all"),
     ]);
     println!(
-        "nodes | start → balanced | join → balanced | leave → balanced | kill a quarter → balanced | idle statements/s per instance (fetches, bookkeeping) | connections"
+        "nodes | start → balanced | join → balanced | leave → balanced | kill a quarter → balanced | idle statements/s per instance (fetches, bookkeeping) | connections | rolling restart at 200 records/s: records, duplicates, longest commit → delivery"
     );
     for n in sizes {
         let database = format!("scale_{n}");
@@ -125,9 +217,12 @@ async fn scale() {
         sqlx::query("CREATE EXTENSION pg_stat_statements").execute(&admin).await.unwrap();
         Outbox::new(outbox_core::Config::default()).unwrap().migrate(&Db::from(&admin)).await.unwrap();
 
+        let seen = Seen::default();
+        let mut numbers = 0;
         let mut nodes = Vec::new();
-        for _ in 0..n {
-            nodes.push(start_node(&url).await);
+        while numbers < n {
+            numbers += 1;
+            nodes.push(start_node(&url, numbers, &seen).await);
         }
         let start = until_balanced(&admin, &nodes, Instant::now()).await;
         tokio::time::sleep(Duration::from_secs(5)).await;
@@ -139,7 +234,8 @@ async fn scale() {
                 .unwrap();
 
         let joined = Instant::now();
-        nodes.push(start_node(&url).await);
+        numbers += 1;
+        nodes.push(start_node(&url, numbers, &seen).await);
         let join = until_balanced(&admin, &nodes, joined).await;
 
         let leaving = nodes.remove(0);
@@ -158,10 +254,18 @@ async fn scale() {
         } else {
             "-".into()
         };
+        // Back to n nodes, balanced, before the rolling restart.
+        while nodes.len() < n {
+            numbers += 1;
+            nodes.push(start_node(&url, numbers, &seen).await);
+        }
+        until_balanced(&admin, &nodes, Instant::now()).await;
+        let (records, duplicates, longest) = rolling_restart(&url, &admin, &mut nodes, &mut numbers, &seen).await;
         println!(
-            "{n} | {start:.1} s | {join:.1} s | {leave:.1} s | {crash} | {all:.2} ({fetches:.2}, {bookkeeping:.2}) | {}",
+            "{n} | {start:.1} s | {join:.1} s | {leave:.1} s | {crash} | {all:.2} ({fetches:.2}, {bookkeeping:.2}) | {} | {records}, {duplicates}, {longest:.1} s",
             connections.0 - 1
         );
+        assert_eq!(duplicates, 0, "a graceful rolling restart delivers nothing twice");
         for node in nodes {
             node.shutdown().await.unwrap();
         }

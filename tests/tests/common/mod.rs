@@ -8,12 +8,13 @@ mod driver;
 #[allow(unused_imports)]
 pub use outbox_tests::nats;
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Config, Db, DbRow, Epoch, Handlers, InstanceId, NewRecord, Outbox, Record, Tx, Value};
+use outbox_core::{Config, Db, DbRow, Epoch, Handlers, InstanceId, NewRecord, Outbox, Partition, Record, Tx, Value};
 use sqlx::AssertSqlSafe;
 use tokio::time::Instant;
 
@@ -184,6 +185,42 @@ impl Sink {
     /// The key's deliveries as positions in its own sequence (see [`ranks`]).
     pub fn ranks_of(&self, key: &str) -> Vec<i64> {
         ranks(&self.seqs_of(key))
+    }
+}
+
+/// Which instance is inside a handler for which partition; any overlap is a violation.
+#[derive(Default)]
+pub struct Exclusive {
+    inside: Mutex<BTreeMap<Partition, (String, usize)>>,
+    pub violations: Mutex<Vec<String>>,
+}
+
+pub struct Inside {
+    exclusive: Arc<Exclusive>,
+    partition: Partition,
+}
+
+impl Exclusive {
+    pub fn enter(self: &Arc<Self>, instance: &str, partition: Partition) -> Inside {
+        let mut inside = self.inside.lock().unwrap();
+        let entry = inside.entry(partition).or_insert_with(|| (instance.to_string(), 0));
+        if entry.0 != instance {
+            self.violations.lock().unwrap().push(format!("partition {partition}: {} and {instance}", entry.0));
+        }
+        entry.1 += 1;
+        Inside { exclusive: self.clone(), partition }
+    }
+}
+
+impl Drop for Inside {
+    fn drop(&mut self) {
+        let mut inside = self.exclusive.inside.lock().unwrap();
+        if let Some(entry) = inside.get_mut(&self.partition) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                inside.remove(&self.partition);
+            }
+        }
     }
 }
 
