@@ -1,10 +1,11 @@
 //! Test support shared by the end-to-end tests (`tests/`), the fault tests' worker process
-//! (`src/bin/`) and other crates' tests: a real nats-server per test, a PostgreSQL cluster of a test's own.
+//! (`src/bin/`) and other crates' tests: a real nats-server per test, a PostgreSQL cluster of a test's own, a TCP proxy that adds latency.
 
 pub mod calls;
 pub mod nats;
 pub mod postgres;
 pub mod process;
+pub mod proxy;
 
 /// Wall-clock microseconds since the Unix epoch: the processes of one host share this clock, so a test
 /// can compare the times its worker processes log.

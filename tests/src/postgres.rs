@@ -13,6 +13,8 @@ pub struct PgCluster {
     pub port: u16,
     dir: tempfile::TempDir,
     bin: PathBuf,
+    /// Whether the server's commands run as `postgres` (this process is root).
+    as_postgres: bool,
 }
 
 /// The newest installed server's binaries.
@@ -30,10 +32,10 @@ fn is_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0\n"))
 }
 
-/// Runs a server binary, as `postgres` when this process is root.
-fn run(bin: &Path, program: &str, args: &[&str]) {
+/// Runs a server binary, as `postgres` if asked.
+fn run(bin: &Path, as_postgres: bool, program: &str, args: &[&str]) {
     let program = bin.join(program);
-    let mut command = if is_root() {
+    let mut command = if as_postgres {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--"]).arg(&program);
         c
@@ -47,22 +49,22 @@ fn run(bin: &Path, program: &str, args: &[&str]) {
 impl PgCluster {
     /// Starts a new cluster with `settings` (`name=value`) on top of trust authentication.
     pub fn start(settings: &[(&str, &str)]) -> PgCluster {
-        let bin = bin();
+        let (bin, as_postgres) = (bin(), is_root());
         let dir = tempfile::Builder::new().prefix("outbox-pg-").tempdir().unwrap();
-        if is_root() {
+        if as_postgres {
             let status = Command::new("chown").args(["postgres:", &dir.path().display().to_string()]).status().unwrap();
             assert!(status.success(), "chown of {} to postgres failed", dir.path().display());
         }
         let data = dir.path().join("data").display().to_string();
-        run(&bin, "initdb", &["-D", &data, "-A", "trust", "-U", "postgres", "--no-sync"]);
+        run(&bin, as_postgres, "initdb", &["-D", &data, "-A", "trust", "-U", "postgres", "--no-sync"]);
         let port = free_port();
         let mut options = format!("-p {port} -k {} -c listen_addresses=127.0.0.1", dir.path().display());
         for (name, value) in settings {
             options.push_str(&format!(" -c {name}={value}"));
         }
         let log = dir.path().join("server.log").display().to_string();
-        run(&bin, "pg_ctl", &["-D", &data, "-l", &log, "-o", &options, "-w", "start"]);
-        PgCluster { port, dir, bin }
+        run(&bin, as_postgres, "pg_ctl", &["-D", &data, "-l", &log, "-o", &options, "-w", "start"]);
+        PgCluster { port, dir, bin, as_postgres }
     }
 
     /// A URL for `database` (create it first, e.g. with [`PgCluster::create_database`]).
@@ -80,6 +82,6 @@ impl PgCluster {
 impl Drop for PgCluster {
     fn drop(&mut self) {
         let data = self.dir.path().join("data").display().to_string();
-        run(&self.bin, "pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
+        run(&self.bin, self.as_postgres, "pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
     }
 }

@@ -5,10 +5,11 @@
 //! the database (`pg_stat_statements`, split into fetches and cluster bookkeeping). Then it replaces
 //! every node one by one, gracefully, under a steady produce load, and checks what users would feel:
 //! nothing lost, each key in order, no two nodes inside one partition's handlers at once, no record
-//! delivered twice; and it reports the longest wait from commit to delivery.
+//! delivered twice; and it reports the longest wait from commit to delivery. Each run can add latency
+//! each way between the nodes and the database (a TCP proxy), as between real pods and their database.
 //!
 //! ```sh
-//! OUTBOX_SCALE_NODES=1,8,32,64 ./scripts/test.sh -p outbox-tests --test scale -- --ignored --nocapture
+//! OUTBOX_SCALE_NODES=1,8,32,64 OUTBOX_SCALE_LATENCY_MS=0,2,10,50 ./scripts/test.sh -p outbox-tests --test scale -- --ignored --nocapture
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -24,6 +25,7 @@ use outbox_core::{
     ConnectOptions, Db, HandlerError, Handlers, InstanceId, NewRecord, Outbox, Record, Route, handler_fn,
 };
 use outbox_tests::postgres::PgCluster;
+use outbox_tests::proxy::DelayProxy;
 use rand::RngExt;
 use sqlx::PgPool;
 use tokio::time::Instant;
@@ -36,6 +38,12 @@ const LONG: Duration = Duration::from_secs(120);
 fn sizes() -> Vec<usize> {
     let list = std::env::var("OUTBOX_SCALE_NODES").unwrap_or_else(|_| "1,8,32,64".into());
     list.split(',').map(|n| n.trim().parse().expect("OUTBOX_SCALE_NODES: a list of node counts")).collect()
+}
+
+/// Milliseconds added each way between the nodes and the database (a TCP proxy), one run per value.
+fn latencies() -> Vec<u64> {
+    let list = std::env::var("OUTBOX_SCALE_LATENCY_MS").unwrap_or_else(|_| "0".into());
+    list.split(',').map(|ms| ms.trim().parse().expect("OUTBOX_SCALE_LATENCY_MS: a list of milliseconds")).collect()
 }
 
 fn idle_secs() -> u64 {
@@ -207,68 +215,77 @@ async fn scale() {
         ("pg_stat_statements.track", "all"),
     ]);
     println!(
-        "nodes | start → balanced | join → balanced | leave → balanced | kill a quarter → balanced | idle statements/s per instance (fetches, bookkeeping) | connections | rolling restart at 200 records/s: records, duplicates, longest commit → delivery"
+        "latency each way | nodes | start → balanced | join → balanced | leave → balanced | kill a quarter → balanced | idle statements/s per instance (fetches, bookkeeping) | connections | rolling restart at 200 records/s: records, duplicates, longest commit → delivery"
     );
-    for n in sizes {
-        let database = format!("scale_{n}");
-        cluster.create_database(&database).await;
-        let url = cluster.url(&database);
-        let admin = PgPool::connect(&url).await.unwrap();
-        sqlx::query("CREATE EXTENSION pg_stat_statements").execute(&admin).await.unwrap();
-        Outbox::new(outbox_core::Config::default()).unwrap().migrate(&Db::from(&admin)).await.unwrap();
-
-        let seen = Seen::default();
-        let mut numbers = 0;
-        let mut nodes = Vec::new();
-        while numbers < n {
-            numbers += 1;
-            nodes.push(start_node(&url, numbers, &seen).await);
+    for latency_ms in latencies() {
+        for &n in &sizes {
+            measure(&cluster, latency_ms, n).await;
         }
-        let start = until_balanced(&admin, &nodes, Instant::now()).await;
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        let (all, fetches, bookkeeping) = idle_load(&admin, n, idle_secs()).await;
-        let connections: (i64,) =
-            sqlx::query_as("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
-                .fetch_one(&admin)
-                .await
-                .unwrap();
+    }
+}
 
-        let joined = Instant::now();
+/// One row of the table: `n` nodes, `latency_ms` each way between them and the database.
+async fn measure(cluster: &PgCluster, latency_ms: u64, n: usize) {
+    let database = format!("scale_{latency_ms}ms_{n}");
+    cluster.create_database(&database).await;
+    let admin = PgPool::connect(&cluster.url(&database)).await.unwrap();
+    // The nodes reach the database through the proxy; the harness and the producer directly.
+    let proxy = DelayProxy::start(cluster.port, Duration::from_millis(latency_ms)).await;
+    let url = format!("postgres://postgres@127.0.0.1:{}/{database}", proxy.port);
+    sqlx::query("CREATE EXTENSION pg_stat_statements").execute(&admin).await.unwrap();
+    Outbox::new(outbox_core::Config::default()).unwrap().migrate(&Db::from(&admin)).await.unwrap();
+
+    let seen = Seen::default();
+    let mut numbers = 0;
+    let mut nodes = Vec::new();
+    while numbers < n {
         numbers += 1;
         nodes.push(start_node(&url, numbers, &seen).await);
-        let join = until_balanced(&admin, &nodes, joined).await;
-
-        let leaving = nodes.remove(0);
-        let left = Instant::now();
-        let shutdown = tokio::spawn(leaving.shutdown());
-        let leave = until_balanced(&admin, &nodes, left).await;
-        shutdown.await.unwrap().unwrap();
-
-        let killed = if nodes.len() > 1 { nodes.len().div_ceil(4) } else { 0 };
-        let crash = if killed > 0 {
-            let crashed = Instant::now();
-            for node in nodes.drain(..killed) {
-                node.kill();
-            }
-            format!("{:.1} s ({killed} killed)", until_balanced(&admin, &nodes, crashed).await)
-        } else {
-            "-".into()
-        };
-        // Back to n nodes, balanced, before the rolling restart.
-        while nodes.len() < n {
-            numbers += 1;
-            nodes.push(start_node(&url, numbers, &seen).await);
-        }
-        until_balanced(&admin, &nodes, Instant::now()).await;
-        let (records, duplicates, longest) = rolling_restart(&url, &admin, &mut nodes, &mut numbers, &seen).await;
-        println!(
-            "{n} | {start:.1} s | {join:.1} s | {leave:.1} s | {crash} | {all:.2} ({fetches:.2}, {bookkeeping:.2}) | {} | {records}, {duplicates}, {longest:.1} s",
-            connections.0 - 1
-        );
-        assert_eq!(duplicates, 0, "a graceful rolling restart delivers nothing twice");
-        for node in nodes {
-            node.shutdown().await.unwrap();
-        }
-        admin.close().await;
     }
+    let start = until_balanced(&admin, &nodes, Instant::now()).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (all, fetches, bookkeeping) = idle_load(&admin, n, idle_secs()).await;
+    let connections: (i64,) =
+        sqlx::query_as("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+
+    let joined = Instant::now();
+    numbers += 1;
+    nodes.push(start_node(&url, numbers, &seen).await);
+    let join = until_balanced(&admin, &nodes, joined).await;
+
+    let leaving = nodes.remove(0);
+    let left = Instant::now();
+    let shutdown = tokio::spawn(leaving.shutdown());
+    let leave = until_balanced(&admin, &nodes, left).await;
+    shutdown.await.unwrap().unwrap();
+
+    let killed = if nodes.len() > 1 { nodes.len().div_ceil(4) } else { 0 };
+    let crash = if killed > 0 {
+        let crashed = Instant::now();
+        for node in nodes.drain(..killed) {
+            node.kill();
+        }
+        format!("{:.1} s ({killed} killed)", until_balanced(&admin, &nodes, crashed).await)
+    } else {
+        "-".into()
+    };
+    // Back to n nodes, balanced, before the rolling restart.
+    while nodes.len() < n {
+        numbers += 1;
+        nodes.push(start_node(&url, numbers, &seen).await);
+    }
+    until_balanced(&admin, &nodes, Instant::now()).await;
+    let (records, duplicates, longest) = rolling_restart(&url, &admin, &mut nodes, &mut numbers, &seen).await;
+    println!(
+        "{latency_ms} ms | {n} | {start:.1} s | {join:.1} s | {leave:.1} s | {crash} | {all:.2} ({fetches:.2}, {bookkeeping:.2}) | {} | {records}, {duplicates}, {longest:.1} s",
+        connections.0 - 1
+    );
+    assert_eq!(duplicates, 0, "a graceful rolling restart delivers nothing twice");
+    for node in nodes {
+        node.shutdown().await.unwrap();
+    }
+    admin.close().await;
 }
