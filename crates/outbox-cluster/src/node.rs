@@ -10,15 +10,16 @@
 //!   handler calls) and registers again under a new instance id, starting with no partitions;
 //! - **ownership**: every `rebalance_interval`, the leader (the live instance with the smallest id)
 //!   computes the balanced targets ([`rebalance`](crate::rebalance)) and writes those that changed; each
-//!   instance then stops fetching the partitions targeted elsewhere, releases them once none of their
-//!   records is in flight (release-before-acquire), and acquires the partitions targeted at it that are
-//!   free or whose owner's lease has expired; the latter it hands to the processor only after a quiet
-//!   period of two heartbeat intervals (the previous owner's, or its own if longer);
+//!   instance then stops fetching the partitions targeted elsewhere, releases them the moment none of
+//!   their records is in flight (release-before-acquire), and acquires the partitions targeted at it
+//!   that are free or whose owner's lease has expired; the latter it hands to the processor only after a
+//!   quiet period of two heartbeat intervals (the previous owner's, or its own if longer). Each step
+//!   nudges the instances that must take the next one, so a handover does not wait for their rounds;
 //! - **processor** and **purge** from `outbox-core`.
 //!
 //! Graceful shutdown: mark the instance draining, stop fetching, finish and complete in-flight records,
-//! write targets without it, release every partition (epoch + 1) and deregister, so the others take the
-//! partitions at their next round instead of after the stale timeout.
+//! write targets without it, release every partition (epoch + 1), nudge their new targets and
+//! deregister, so the others take the partitions at once instead of after the stale timeout.
 //!
 //! # Exclusive delivery, and what it rests on
 //! An instance's lease lasts `stale_timeout` minus two heartbeat intervals after each renewal
@@ -60,6 +61,7 @@ use crate::registry::{self, Heartbeat};
 /// A running node. Dropping it without [`Node::shutdown`] stops nothing; call `shutdown` (or
 /// [`Node::kill`] in tests) to end it.
 pub struct Node {
+    outbox: Outbox,
     store: Store,
     assignment: watch::Receiver<Assignment>,
     stop_processor: CancellationToken,
@@ -87,11 +89,11 @@ impl Node {
         let processor = tokio::spawn(processor.run(stop_processor.clone()));
         let heartbeat = Heartbeat { store: store.clone(), config: config.clone(), assign: assign.clone() };
         background.spawn(heartbeat.run(stop_background.clone()));
-        let ownership = Ownership { store: store.clone(), config, assign, busy };
+        let ownership = Ownership { outbox: outbox.clone(), store: store.clone(), config, assign, busy };
         background.spawn(ownership.run(stop_background.clone()));
         background.spawn(outbox.clone().run_purge(store.db().clone(), stop_background.clone()));
         background.close();
-        Ok(Node { store, assignment, stop_processor, stop_background, background, processor })
+        Ok(Node { outbox, store, assignment, stop_processor, stop_background, background, processor })
     }
 
     /// This instance's id (a new one after the instance was declared dead and registered again).
@@ -117,7 +119,7 @@ impl Node {
         self.stop_background.cancel();
         self.background.wait().await;
         let id = self.assignment.borrow().instance;
-        let handed_over = ownership::hand_over(&self.store, id).await;
+        let handed_over = ownership::hand_over(&self.outbox, &self.store, id).await;
         if handed_over.is_ok() {
             info!(instance = %id, "instance stopped and deregistered");
         }

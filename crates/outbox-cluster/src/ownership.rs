@@ -2,16 +2,21 @@
 //! instance releases what is targeted elsewhere once nothing of it is in flight (release-before-acquire)
 //! and acquires what is targeted at it, free or of a dead owner. Every acquisition and release bumps
 //! the partition's epoch; the processor fences every write with the (owner, epoch) it was given.
+//!
+//! A handover does not wait for tickers: whoever changes a target nudges the instances that must act
+//! (the owner that must let go, or the new target of a free partition), a release nudges the
+//! partition's new target, and a new instance nudges the leader ([`Outbox::nudge`]). A partition given
+//! up is released the moment its last record in flight is completed. The tickers stay the safety net.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Assignment, Epoch, Epochs, InstanceId, Partition};
+use outbox_core::{Assignment, Epoch, Epochs, InstanceId, Outbox, Partition};
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::config::ClusterConfig;
 use crate::driver::Store;
@@ -21,6 +26,7 @@ use crate::stored::{PartitionRow, View};
 
 /// The ownership task of one node.
 pub(crate) struct Ownership {
+    pub(crate) outbox: Outbox,
     pub(crate) store: Store,
     pub(crate) config: ClusterConfig,
     pub(crate) assign: Arc<watch::Sender<Assignment>>,
@@ -31,17 +37,20 @@ pub(crate) struct Ownership {
 /// What the ownership task carries from one round to the next, for one instance id.
 struct Rounds {
     instance: InstanceId,
-    /// Partitions taken away from the processor in an earlier round, waiting to be released.
-    giving_up: BTreeSet<Partition>,
+    /// Partitions taken out of the processor's assignment, to release once none of their records is in
+    /// flight: each at its epoch, with the instance it is targeted at.
+    giving_up: BTreeMap<Partition, (Epoch, Option<InstanceId>)>,
     /// Partitions taken from a dead owner, held back from the processor until their quiet period ends.
     quiet: BTreeMap<Partition, (Epoch, Instant)>,
     /// When this instance, as the leader, last reaped expired instance rows.
     reaped: Option<Instant>,
+    /// Whether a round has run under this id (after its first, a new instance nudges the leader).
+    started: bool,
 }
 
 impl Rounds {
     fn new(instance: InstanceId) -> Self {
-        Self { instance, giving_up: BTreeSet::new(), quiet: BTreeMap::new(), reaped: None }
+        Self { instance, giving_up: BTreeMap::new(), quiet: BTreeMap::new(), reaped: None, started: false }
     }
 }
 
@@ -49,15 +58,26 @@ impl Ownership {
     pub(crate) async fn run(self, shutdown: CancellationToken) {
         let mut ticker = tokio::time::interval(self.config.rebalance_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut nudges = self.outbox.nudges();
+        let mut busy = self.busy.clone();
         let mut rounds = Rounds::new(self.assign.borrow().instance);
         loop {
             let quiet_ends = rounds.quiet.values().map(|&(_, until)| until).min();
-            tokio::select! {
+            let whole_round = tokio::select! {
                 () = shutdown.cancelled() => return,
-                _ = ticker.tick() => {}
+                _ = ticker.tick() => true,
                 // A stolen partition's quiet period is over: hand it to the processor now.
-                () = sleep_until_opt(quiet_ends) => {}
-            }
+                () = sleep_until_opt(quiet_ends) => true,
+                nudge = nudges.next() => {
+                    if !nudge.names(self.assign.borrow().instance) {
+                        continue;
+                    }
+                    debug!(instance = %self.assign.borrow().instance, "nudged: running an ownership round now");
+                    true
+                }
+                // Records of a partition being given up were completed: it may be free to release.
+                Ok(()) = busy.changed(), if !rounds.giving_up.is_empty() => false,
+            };
             let current = self.assign.borrow().clone();
             if !current.is_live() {
                 continue;
@@ -65,64 +85,48 @@ impl Ownership {
             if rounds.instance != current.instance {
                 rounds = Rounds::new(current.instance);
             }
-            if let Err(e) = self.round(&mut rounds).await {
+            let done =
+                if whole_round { self.round(&mut rounds).await } else { self.release_drained(&mut rounds).await };
+            if let Err(e) = done {
                 warn!(instance = %current.instance, error = %e, "ownership round failed");
             }
         }
     }
 
-    /// One round: rebalance (leader only), release, acquire, publish the assignment (unless the instance
-    /// registered again meanwhile: this round's view is then stale).
+    /// One round: rebalance (leader only), acquire, publish the assignment (unless the instance
+    /// registered again meanwhile: this round's view is then stale), release what was given up and is
+    /// no longer in flight.
     async fn round(&self, rounds: &mut Rounds) -> Result<()> {
-        let id = rounds.instance;
+        let (id, began) = (rounds.instance, Instant::now());
         let View { live, partitions: rows } = self.store.view().await?;
-        let targets: Targets = if live.first() == Some(&id) {
+        let leader = live.first() == Some(&id);
+        let targets: Targets = if leader {
             // Housekeeping for the cluster, once per stale timeout: forget instances whose lease expired
             // two stale timeouts ago (their partitions have moved on long since).
             if rounds.reaped.is_none_or(|at| at.elapsed() >= self.config.stale_timeout) {
                 self.store.reap(self.config.stale_timeout * 2).await?;
                 rounds.reaped = Some(Instant::now());
             }
-            rebalance_targets(&self.store, id, &live, &rows).await?
+            rebalance_targets(&self.outbox, &self.store, id, &live, &rows).await?
         } else {
             rows.iter().filter_map(|r| r.target.map(|t| (r.partition, t))).collect()
         };
         let mine = |p: &Partition| targets.get(p) == Some(&id);
 
-        // Release what the processor stopped fetching in an earlier round and has nothing in flight.
-        // Waiting one round closes the gap between a dispatch and its appearance in `busy`.
-        let in_flight = self.busy.borrow().clone();
-        let release: Epochs = rows
-            .iter()
-            .filter(|r| r.owner == Some(id))
-            .filter(|r| {
-                rounds.giving_up.contains(&r.partition) && !mine(&r.partition) && !in_flight.contains(&r.partition)
-            })
-            .map(|r| (r.partition, r.epoch))
-            .collect();
-        let mut changed = !release.is_empty();
-        if changed {
-            release_partitions(&self.store, id, &release, "rebalance").await?;
-        }
+        // What this round read is what this instance owns, with what it takes now (no other instance
+        // takes its partitions while its lease is live).
+        let mut owned: Epochs = rows.iter().filter(|r| r.owner == Some(id)).map(|r| (r.partition, r.epoch)).collect();
         if rows.iter().any(|r| mine(&r.partition) && r.owner != Some(id)) {
             for (partition, epoch, quiet) in self.acquire(id).await? {
-                changed = true;
+                owned.insert(partition, epoch);
                 if let Some(quiet) = quiet {
                     rounds.quiet.insert(partition, (epoch, Instant::now() + quiet));
                 }
             }
         }
-
-        // What this round read is what this instance owns unless it released or took partitions (no
-        // other instance takes them while its lease is live).
-        let owned = if changed {
-            self.store.owned(id).await?
-        } else {
-            rows.iter().filter(|r| r.owner == Some(id)).map(|r| (r.partition, r.epoch)).collect()
-        };
-        rounds.giving_up = owned.keys().copied().filter(|p| !mine(p)).collect();
         rounds.quiet.retain(|p, (epoch, until)| owned.get(p) == Some(epoch) && *until > Instant::now());
-        let keep: Epochs = owned.into_iter().filter(|(p, _)| mine(p) && !rounds.quiet.contains_key(p)).collect();
+        let keep: Epochs =
+            owned.iter().filter(|(p, _)| mine(p) && !rounds.quiet.contains_key(p)).map(|(&p, &e)| (p, e)).collect();
         metrics::gauge!("outbox_owned_partitions").set(keep.len() as f64);
         metrics::gauge!("outbox_live_instances").set(live.len() as f64);
         self.assign.send_if_modified(|current| {
@@ -132,6 +136,40 @@ impl Ownership {
             }
             changed
         });
+        // Out of the assignment now; released below once nothing of them is in flight.
+        rounds.giving_up = owned
+            .into_iter()
+            .filter(|(p, _)| !mine(p))
+            .map(|(p, epoch)| (p, (epoch, targets.get(&p).copied())))
+            .collect();
+        self.release_drained(rounds).await?;
+        if !rounds.started {
+            rounds.started = true;
+            // A new instance: the leader need not wait for its own round to give it a share.
+            if let Some(&leader) = live.first().filter(|&&leader| leader != id) {
+                nudge(&self.outbox, &self.store, [leader]).await;
+            }
+        }
+        metrics::histogram!("outbox_ownership_round_seconds", "leader" => leader.to_string())
+            .record(began.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    /// Releases the partitions given up that have nothing in flight any more (read after the
+    /// assignment without them was sent, so none of their records can be dispatched), and nudges the
+    /// instances they go to.
+    async fn release_drained(&self, rounds: &mut Rounds) -> Result<()> {
+        let busy = self.busy.borrow().clone();
+        let release: Epochs =
+            rounds.giving_up.iter().filter(|(p, _)| !busy.contains(p)).map(|(&p, &(epoch, _))| (p, epoch)).collect();
+        if release.is_empty() {
+            return Ok(());
+        }
+        let freed = release_partitions(&self.store, rounds.instance, &release, "rebalance").await?;
+        let to = freed.iter().filter_map(|p| rounds.giving_up.get(p).and_then(|&(_, to)| to));
+        let to: BTreeSet<InstanceId> = to.collect();
+        rounds.giving_up.retain(|p, _| !release.contains_key(p));
+        nudge(&self.outbox, &self.store, to).await;
         Ok(())
     }
 
@@ -171,7 +209,10 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
 }
 
 /// Computes the targets from the database's view and writes those that changed; returns them all.
+/// Nudges who must act on a change: a live owner, to let go; the new target of a partition that is
+/// free or whose owner is dead, to take it (the rest are nudged by their owner's release).
 async fn rebalance_targets(
+    outbox: &Outbox,
     store: &Store,
     me: InstanceId,
     live: &[InstanceId],
@@ -192,26 +233,47 @@ async fn rebalance_targets(
     if !changed.is_empty() {
         metrics::counter!("outbox_rebalances_total").increment(1);
         info!(instance = %me, live = live.len(), moved = changed.len(), "rebalanced: partition targets changed");
+        let acts = changed.iter().filter_map(|&p| {
+            let owner = rows.iter().find(|r| r.partition == p).and_then(|r| r.owner).filter(is_live);
+            owner.or(targets.get(&p).copied())
+        });
+        let acts: BTreeSet<InstanceId> = acts.filter(|&id| id != me).collect();
+        nudge(outbox, store, acts).await;
     }
     Ok(targets)
 }
 
-/// Releases `partitions` (at their epochs); logs each one that was still ours.
-async fn release_partitions(store: &Store, me: InstanceId, partitions: &Epochs, reason: &'static str) -> Result<()> {
-    for partition in store.release(me, partitions).await? {
-        info!(partition, instance = %me, reason, "partition released");
+/// Nudges the ownership rounds of `instances`; a nudge that cannot be sent costs only their wait for
+/// their next round.
+async fn nudge(outbox: &Outbox, store: &Store, instances: impl IntoIterator<Item = InstanceId>) {
+    let instances: Vec<InstanceId> = instances.into_iter().collect();
+    if let Err(e) = outbox.nudge(store.db(), &instances).await {
+        warn!(instances = instances.len(), error = %e, "could not nudge instances; they act at their next round");
     }
-    Ok(())
 }
 
-/// A graceful exit: points the targets at the remaining instances (so they acquire at their next
-/// round), releases the partitions `me` owns and deregisters it.
-pub(crate) async fn hand_over(store: &Store, me: InstanceId) -> Result<()> {
-    let View { live, partitions: rows } = store.view().await?;
-    if !live.is_empty() {
-        rebalance_targets(store, me, &live, &rows).await?;
+/// Releases `partitions` (at their epochs); logs and returns each one that was still ours.
+async fn release_partitions(
+    store: &Store,
+    me: InstanceId,
+    partitions: &Epochs,
+    reason: &'static str,
+) -> Result<Vec<Partition>> {
+    let freed = store.release(me, partitions).await?;
+    for partition in &freed {
+        info!(partition, instance = %me, reason, "partition released");
     }
+    Ok(freed)
+}
+
+/// A graceful exit: points the targets at the remaining instances, releases the partitions `me` owns,
+/// nudges their new targets (so they take them now, not at their next round) and deregisters `me`.
+pub(crate) async fn hand_over(outbox: &Outbox, store: &Store, me: InstanceId) -> Result<()> {
+    let View { live, partitions: rows } = store.view().await?;
+    let targets =
+        if live.is_empty() { Targets::new() } else { rebalance_targets(outbox, store, me, &live, &rows).await? };
     let owned = store.owned(me).await?;
-    release_partitions(store, me, &owned, "graceful shutdown").await?;
+    let freed = release_partitions(store, me, &owned, "graceful shutdown").await?;
+    nudge(outbox, store, freed.iter().filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
     store.deregister(me).await
 }

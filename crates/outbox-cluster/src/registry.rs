@@ -57,7 +57,10 @@ impl Heartbeat {
             let sent = Deadline::now();
             let renewal = conn.renew(&self.store, id, lease(&self.config));
             match tokio::time::timeout(self.config.lease(), renewal).await {
-                Ok(Ok(Some(remaining))) => self.extend_lease(id, sent.after(remaining)),
+                Ok(Ok(Some(remaining))) => {
+                    metrics::histogram!("outbox_heartbeat_seconds").record(sent.instant().elapsed().as_secs_f64());
+                    self.extend_lease(id, sent.after(remaining));
+                }
                 Ok(Ok(None)) => self.declared_dead(id).await,
                 Ok(Err(e)) => {
                     warn!(instance = %id, error = %e, "heartbeat failed; reconnecting");

@@ -66,6 +66,7 @@ pub use processor::{MAX_ERROR_BYTES, Processor};
 pub use record::{Headers, MAX_EVENT_TYPE_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled};
 pub use retry::{Backoff, RetryPolicy};
 pub use stored::{FailedFilter, FailedRecord, PartitionStats};
+pub use wake::{Nudge, Nudges};
 
 /// The outbox: validated configuration and the statements built for its schema. Cheap to clone.
 #[derive(Debug, Clone)]

@@ -7,10 +7,17 @@
 //! Polling stays the correctness path: a wake-up is a hint that can be lost (a listener reconnecting, a
 //! producer that does not call `wake`), so a processor still polls, every `poll_interval`, or every
 //! `listen_poll_interval` while its `LISTEN` connection is up.
+//!
+//! Nudges travel the same way for the ownership layer ([`Outbox::nudge`]): they name instances whose
+//! ownership round should run now rather than at its next tick, because partitions they own or are
+//! meant to take moved. Rounds on their tickers stay the correctness path there too.
+
+use std::sync::Arc;
 
 use tokio::sync::broadcast;
 
 use crate::Outbox;
+use crate::assignment::InstanceId;
 use crate::driver::Db;
 use crate::error::Result;
 use crate::partition::Partition;
@@ -63,10 +70,64 @@ impl Partitions {
     }
 }
 
-/// The wake-ups of one [`Outbox`] (and its clones) in this process.
+/// What a notice tells other processes.
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))] // notices travel only through PostgreSQL
+pub(crate) enum Message<'a> {
+    /// These partitions have new records.
+    Wake(Partitions),
+    /// These instances should run their ownership rounds now.
+    Nudge(&'a [InstanceId]),
+}
+
+/// The two kinds of notice, each on a channel of its own.
+#[cfg(any(feature = "postgres", test))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Channel {
+    /// New records in some partitions, for the processors.
+    Wake,
+    /// Some instances' ownership rounds should run now.
+    Nudge,
+}
+
+/// The instances a nudge names: some, or every one (after nudges may have been missed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Nudge(Option<Arc<[InstanceId]>>);
+
+impl Nudge {
+    const EVERYONE: Nudge = Nudge(None);
+
+    /// Whether instance `id` should run its ownership round now.
+    pub fn names(&self, id: InstanceId) -> bool {
+        self.0.as_ref().is_none_or(|ids| ids.contains(&id))
+    }
+}
+
+/// This process's end of the nudges of one [`Outbox`] (see [`Outbox::nudges`]).
+#[derive(Debug)]
+pub struct Nudges(broadcast::Receiver<Nudge>);
+
+impl Nudges {
+    /// The next nudge (one naming everyone if some were missed); pending forever once the outbox is gone.
+    pub async fn next(&mut self) -> Nudge {
+        match self.0.recv().await {
+            Ok(nudge) => nudge,
+            Err(broadcast::error::RecvError::Lagged(_)) => Nudge::EVERYONE,
+            Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+        }
+    }
+}
+
+/// At most this many instance ids go in one `NOTIFY` (32 hex digits each; PostgreSQL's payloads stop
+/// short of 8,000 bytes).
+#[cfg(any(feature = "postgres", test))]
+const IDS_PER_NOTICE: usize = 200;
+
+/// The wake-ups and nudges of one [`Outbox`] (and its clones) in this process.
 #[derive(Debug)]
 pub(crate) struct Wakeups {
     sender: broadcast::Sender<Partitions>,
+    nudges: broadcast::Sender<Nudge>,
     /// Names this `Outbox`'s notices, so its listeners pass over the ones it sent: its processors
     /// heard those when they were sent, and hearing them again would fetch twice per commit.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))] // notices travel only through PostgreSQL
@@ -76,7 +137,11 @@ pub(crate) struct Wakeups {
 impl Default for Wakeups {
     fn default() -> Self {
         // A processor that falls this far behind hears `ALL` instead (one extra fetch).
-        Self { sender: broadcast::channel(1024).0, origin: uuid::Uuid::now_v7().as_u128() }
+        Self {
+            sender: broadcast::channel(1024).0,
+            nudges: broadcast::channel(64).0,
+            origin: uuid::Uuid::now_v7().as_u128(),
+        }
     }
 }
 
@@ -90,27 +155,64 @@ impl Wakeups {
         Listener(self.sender.subscribe())
     }
 
-    /// The text that tells other processes about `partitions`: this outbox's origin (32 hex digits),
-    /// then the set (64).
-    #[cfg(any(feature = "postgres", test))]
-    pub(crate) fn notice(&self, partitions: Partitions) -> String {
-        format!("{:032x}{}", self.origin, partitions.to_hex())
+    #[cfg(feature = "postgres")]
+    /// What a listener that has just (re)connected tells this process: notices sent while it was not
+    /// listening were lost, so every processor looks at every partition and every round runs.
+    pub(crate) fn missed(&self) {
+        self.send(Partitions::ALL);
+        let _ = self.nudges.send(Nudge::EVERYONE);
     }
 
-    /// A notice heard from the database: wakes this process's processors, unless this outbox sent it
-    /// or it is malformed.
+    /// The notices that tell other processes `message`, each with its channel: this outbox's origin
+    /// (32 hex digits), then the partition set (64), or up to [`IDS_PER_NOTICE`] instance ids (32 each).
     #[cfg(any(feature = "postgres", test))]
-    pub(crate) fn heard(&self, notice: &str) {
-        let parsed = notice
-            .get(..32)
-            .zip(notice.get(32..))
-            .and_then(|(origin, set)| Some((u128::from_str_radix(origin, 16).ok()?, Partitions::from_hex(set)?)));
-        match parsed {
-            Some((origin, _)) if origin == self.origin => {}
-            Some((_, partitions)) => self.send(partitions),
-            None => tracing::debug!(notice, "ignored a malformed wake-up"),
+    pub(crate) fn notices(&self, message: Message<'_>) -> Vec<(Channel, String)> {
+        let origin = format!("{:032x}", self.origin);
+        match message {
+            Message::Wake(partitions) => vec![(Channel::Wake, format!("{origin}{}", partitions.to_hex()))],
+            Message::Nudge(ids) => ids
+                .chunks(IDS_PER_NOTICE)
+                .map(|chunk| {
+                    let ids: String = chunk.iter().map(|id| id.0.simple().to_string()).collect();
+                    (Channel::Nudge, format!("{origin}{ids}"))
+                })
+                .collect(),
         }
     }
+
+    /// A notice heard from the database on `channel`: wakes this process's processors or nudges its
+    /// ownership rounds, unless this outbox sent it (they heard it then) or it is malformed.
+    #[cfg(any(feature = "postgres", test))]
+    pub(crate) fn heard(&self, channel: Channel, notice: &str) {
+        let Some((origin, body)) = notice.split_at_checked(32) else {
+            tracing::debug!(notice, "ignored a malformed notice");
+            return;
+        };
+        if u128::from_str_radix(origin, 16).ok() == Some(self.origin) {
+            return;
+        }
+        match channel {
+            Channel::Wake => match Partitions::from_hex(body) {
+                Some(partitions) => self.send(partitions),
+                None => tracing::debug!(notice, "ignored a malformed wake-up"),
+            },
+            Channel::Nudge => match parse_ids(body) {
+                Some(ids) => {
+                    let _ = self.nudges.send(Nudge(Some(ids.into())));
+                }
+                None => tracing::debug!(notice, "ignored a malformed nudge"),
+            },
+        }
+    }
+}
+
+/// Instance ids of 32 hex digits each, back to back; `None` if anything else is there.
+#[cfg(any(feature = "postgres", test))]
+fn parse_ids(text: &str) -> Option<Vec<InstanceId>> {
+    if !text.is_ascii() || !text.len().is_multiple_of(32) {
+        return None;
+    }
+    (0..text.len() / 32).map(|i| uuid::Uuid::try_parse(&text[i * 32..(i + 1) * 32]).ok().map(InstanceId)).collect()
 }
 
 /// One processor's end of the wake-ups.
@@ -160,7 +262,26 @@ impl Outbox {
             return Ok(());
         }
         self.wakeups().send(partitions);
-        db.notify(self.statements(), self.wakeups(), partitions).await
+        db.notify(self.statements(), self.wakeups(), Message::Wake(partitions)).await
+    }
+
+    /// Asks the ownership rounds of `instances` to run now instead of at their next tick: the cluster
+    /// layer's hint that partitions they own, or are meant to take, have moved. Rounds of this `Outbox`
+    /// in this process hear it at once; on PostgreSQL it also sends `NOTIFY` on `<schema>.nudge`, heard
+    /// by the `LISTEN` connection of every other process's processor. A nudge that is lost costs only
+    /// the wait for the next round.
+    pub async fn nudge(&self, db: impl Into<Db>, instances: &[InstanceId]) -> Result<()> {
+        if instances.is_empty() {
+            return Ok(());
+        }
+        let _ = self.wakeups().nudges.send(Nudge(Some(instances.into())));
+        db.into().notify(self.statements(), self.wakeups(), Message::Nudge(instances)).await
+    }
+
+    /// The nudges this process hears for this `Outbox`: those sent here, and on PostgreSQL those heard
+    /// from other processes while a processor of this `Outbox` runs (its `LISTEN` connection hears them).
+    pub fn nudges(&self) -> Nudges {
+        Nudges(self.wakeups().nudges.subscribe())
     }
 }
 
@@ -168,7 +289,8 @@ impl Outbox {
 mod tests {
     use proptest::prelude::*;
 
-    use super::{Partitions, Wakeups};
+    use super::{Channel, Message, Partitions, Wakeups};
+    use crate::assignment::InstanceId;
 
     proptest! {
         #[test]
@@ -193,14 +315,46 @@ mod tests {
         let (at_sender, mut at_other) = (sender.subscribe(), other.subscribe());
         let mut set = Partitions::default();
         set.insert(7);
-        let notice = sender.notice(set);
-        sender.heard(&notice);
-        other.heard(&notice);
-        other.heard("not a notice");
-        other.heard(&notice[..90]);
+        let [(channel, notice)] = &sender.notices(Message::Wake(set))[..] else { panic!("one notice") };
+        assert_eq!(*channel, Channel::Wake);
+        sender.heard(Channel::Wake, notice);
+        other.heard(Channel::Wake, notice);
+        other.heard(Channel::Wake, "not a notice");
+        other.heard(Channel::Wake, &notice[..90]);
         assert_eq!(at_other.next().await, set);
         assert!(at_other.0.is_empty(), "a malformed notice woke a processor");
         assert!(at_sender.0.is_empty(), "an outbox heard its own notice again");
+    }
+
+    /// A nudge names the instances it was sent to, in as many notices as their ids need, and reaches
+    /// every other outbox, not the one that sent it.
+    #[tokio::test]
+    async fn a_nudge_names_its_instances_across_notices() {
+        let (sender, other) = (Wakeups::default(), Wakeups::default());
+        let (mut at_sender, mut at_other) = (sender.nudges.subscribe(), other.nudges.subscribe());
+        let ids: Vec<InstanceId> = (0..450).map(|_| InstanceId::new()).collect();
+        let notices: Vec<String> = sender
+            .notices(Message::Nudge(&ids))
+            .into_iter()
+            .map(|(channel, notice)| {
+                assert_eq!(channel, Channel::Nudge);
+                notice
+            })
+            .collect();
+        assert_eq!(notices.len(), 3);
+        assert!(notices.iter().all(|n| n.len() < 8000), "a NOTIFY payload must stay under 8,000 bytes");
+        let mut named = Vec::new();
+        for notice in &notices {
+            sender.heard(Channel::Nudge, notice);
+            other.heard(Channel::Nudge, notice);
+            let nudge = at_other.recv().await.unwrap();
+            named.extend(ids.iter().copied().filter(|id| nudge.names(*id)));
+        }
+        assert_eq!(named, ids);
+        other.heard(Channel::Nudge, &notices[0][..40]);
+        other.heard(Channel::Nudge, &notices[0].replace('0', "x"));
+        assert!(at_other.is_empty(), "a malformed nudge named someone");
+        assert!(at_sender.try_recv().is_err(), "an outbox heard its own nudge again");
     }
 
     #[test]

@@ -33,7 +33,7 @@ use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};
 use crate::migrate::Migration;
 use crate::stored::{FailedFilter, FailedRecord, Found, NewRow, Outcome, PartitionStats, Request, Written};
-use crate::wake::{Partitions, Wakeups};
+use crate::wake::{Message, Wakeups};
 
 /// Runs `$body` with `$pool` bound to the backend's pool (or connection) and `$s` to its statements.
 macro_rules! dispatch {
@@ -263,27 +263,27 @@ impl Db {
         }
     }
 
-    /// Tells the processors of other processes that `partitions` have new records: one `NOTIFY` on
-    /// PostgreSQL; nothing where the database has no such channel (they find the records by polling).
-    /// `wakeups` words the notice (see `wake.rs`).
-    pub(crate) async fn notify(
-        &self,
-        statements: &Statements,
-        wakeups: &Wakeups,
-        partitions: Partitions,
-    ) -> Result<()> {
+    /// Tells the listeners of other processes `message`, in the notices `wakeups` words (see
+    /// `wake.rs`): `NOTIFY` on PostgreSQL; nothing where the database has no such channel (they find out
+    /// by polling, or at their next round).
+    pub(crate) async fn notify(&self, statements: &Statements, wakeups: &Wakeups, message: Message<'_>) -> Result<()> {
         match self {
             #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => pool_of(pool, &statements.postgres).notify(&wakeups.notice(partitions)).await,
+            Db::Postgres(pool) => {
+                for (channel, notice) in wakeups.notices(message) {
+                    pool_of(pool, &statements.postgres).notify(channel, &notice).await?;
+                }
+                Ok(())
+            }
             #[allow(unreachable_patterns)] // in a build with PostgreSQL alone
             _ => {
-                let _ = (statements, wakeups, partitions);
+                let _ = (statements, wakeups, message);
                 Ok(())
             }
         }
     }
 
-    /// Whether [`Db::listen`] can hear other processes' wake-ups here (PostgreSQL).
+    /// Whether [`Db::listen`] can hear other processes' notices here (PostgreSQL).
     pub(crate) fn can_listen(&self) -> bool {
         #[cfg(feature = "postgres")]
         return matches!(self, Db::Postgres(_));
@@ -291,9 +291,9 @@ impl Db {
         false
     }
 
-    /// Hears other processes' wake-ups on a connection of its own and passes them to `wakeups`, until
-    /// the connection is lost (`Ok`) or cannot be made; `listening` is true while it listens. Right
-    /// after it starts listening it sends a wake-up for every partition (earlier ones were not heard).
+    /// Hears other processes' wake-ups and nudges on a connection of its own and passes them to
+    /// `wakeups`, until the connection is lost (`Ok`) or cannot be made; `listening` is true while it
+    /// listens. Right after it starts listening it tells `wakeups` that earlier notices were missed.
     /// Returns at once where the database cannot listen.
     pub(crate) async fn listen(
         &self,

@@ -18,7 +18,7 @@
 //! deliver, comes from an [`Assignment`] watch channel fed by the ownership layer (`outbox-cluster`).
 //! When a partition leaves the assignment the processor stops fetching it at once and its runs stop
 //! before their next record; [`Processor::busy_partitions`] tells when its in-flight records are done,
-//! so the partition can be released (release-before-acquire).
+//! so the partition can be released at once (release-before-acquire).
 //!
 //! # What is exclusive
 //! A handler call starts only while the assignment grants the record's partition at its epoch and the
@@ -75,8 +75,10 @@ impl Processor {
         Self { outbox, db: db.into(), handlers: Arc::new(handlers), assignment, busy: watch::Sender::default() }
     }
 
-    /// Partitions with records in flight (delivering or awaiting completion). A partition that left the
-    /// assignment can be released once it is absent here.
+    /// Partitions with records in flight (delivering or awaiting completion). A partition taken out of
+    /// the assignment can be released once it is absent here, as read after that assignment was sent:
+    /// records are dispatched and published here under one look at the assignment, so none of that
+    /// partition's will be dispatched any more.
     pub fn busy_partitions(&self) -> watch::Receiver<BTreeSet<Partition>> {
         self.busy.subscribe()
     }
@@ -135,8 +137,11 @@ impl Processor {
                 }
                 (request, found) = poll_opt(&mut state.fetch) => {
                     state.fetch = None;
-                    state.on_fetched(&request, found, &self.assignment.borrow(), &context);
+                    // The borrow holds back a new assignment until the dispatched keys are published.
+                    let current = self.assignment.borrow();
+                    state.on_fetched(&request, found, &current, &context);
                     self.publish_busy(&state.in_flight);
+                    drop(current);
                 }
                 completed = poll_opt(&mut state.completion) => {
                     state.completion = None;

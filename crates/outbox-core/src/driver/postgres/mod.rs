@@ -11,7 +11,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::watch;
-use tracing::info;
+use tracing::{debug, info};
 use uuid::Uuid;
 
 pub use self::statements::PgStatements;
@@ -22,7 +22,7 @@ use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
     FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, StatsRow, Verdict, Written,
 };
-use crate::wake::{Partitions, Wakeups};
+use crate::wake::{Channel, Wakeups};
 
 /// The migrations of the PostgreSQL schema, in order.
 pub const MIGRATIONS: &[Migration] = &[
@@ -115,8 +115,8 @@ async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>> {
 }
 
 impl Driver<'_, PgPool, PgStatements> {
-    pub(crate) async fn notify(&self, notice: &str) -> Result<()> {
-        sqlx::query(statements::NOTIFY).bind(&self.statements.wake_channel).bind(notice).execute(self.pool).await?;
+    pub(crate) async fn notify(&self, channel: Channel, notice: &str) -> Result<()> {
+        sqlx::query(statements::NOTIFY).bind(self.statements.channel(channel)).bind(notice).execute(self.pool).await?;
         Ok(())
     }
 
@@ -125,12 +125,16 @@ impl Driver<'_, PgPool, PgStatements> {
     pub(crate) async fn listen(&self, wakeups: &Wakeups, listening: &watch::Sender<bool>) -> Result<()> {
         let own = PgPoolOptions::new().max_connections(1).connect_lazy_with((*self.pool.connect_options()).clone());
         let mut listener = PgListener::connect_with(&own).await?;
-        listener.listen(&self.statements.wake_channel).await?;
+        let channels = [Channel::Wake, Channel::Nudge];
+        listener.listen_all(channels.map(|c| self.statements.channel(c))).await?;
         listening.send_replace(true);
-        // Wake-ups sent before this connection listened are lost: look once at everything.
-        wakeups.send(Partitions::ALL);
+        // Notices sent before this connection listened are lost: look once at everything.
+        wakeups.missed();
         while let Some(notification) = listener.try_recv().await? {
-            wakeups.heard(notification.payload());
+            match channels.into_iter().find(|&c| self.statements.channel(c) == notification.channel()) {
+                Some(channel) => wakeups.heard(channel, notification.payload()),
+                None => debug!(channel = notification.channel(), "ignored a notice on an unknown channel"),
+            }
         }
         Ok(())
     }

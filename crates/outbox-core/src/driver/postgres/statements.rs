@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use crate::wake::Channel;
+
 /// The fence: lock the partition rows this worker believes it owns, under the instance ids and at the
 /// epochs it believes it holds them, `FOR SHARE`. An epoch bump (release, steal) waits for the share
 /// lock, and a zombie's statement that races a bump re-checks the row after the bump commits and
@@ -217,8 +219,10 @@ pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";
 #[derive(Debug)]
 pub struct PgStatements {
     schema: String,
-    /// The schema's wake-up channel, `<schema>.wake` (no schema name holds a dot, so none collide).
-    pub(crate) wake_channel: String,
+    /// The schema's channels, `<schema>.wake` and `<schema>.nudge` (no schema name holds a dot, so none
+    /// collide).
+    wake_channel: String,
+    nudge_channel: String,
     pub(crate) schedule: Arc<str>,
     pub(crate) schedule_one: Arc<str>,
     pub(crate) prune_keys: Arc<str>,
@@ -254,6 +258,7 @@ impl PgStatements {
         Self {
             schema: schema.to_string(),
             wake_channel: format!("{schema}.wake"),
+            nudge_channel: format!("{schema}.nudge"),
             schedule: build(SCHEDULE),
             schedule_one: build(SCHEDULE_ONE),
             prune_keys: build(PRUNE_KEYS),
@@ -266,6 +271,14 @@ impl PgStatements {
             stats: build(STATS),
             purge: build(PURGE),
             migrations_table: build(MIGRATIONS_TABLE),
+        }
+    }
+
+    /// The name of `channel` for this schema.
+    pub(crate) fn channel(&self, channel: Channel) -> &str {
+        match channel {
+            Channel::Wake => &self.wake_channel,
+            Channel::Nudge => &self.nudge_channel,
         }
     }
 
