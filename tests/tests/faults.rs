@@ -94,10 +94,22 @@ impl Worker {
         }
     }
 
-    /// SIGSTOP for `duration`, then SIGCONT. The pause is stamped once `kill` has returned: the process
-    /// is stopped by then, so a call that started earlier may have been running when it stopped.
+    /// SIGSTOP for `duration`, then SIGCONT. The pause is stamped once every thread of the process shows
+    /// as stopped in `/proc` (`kill` returns before a thread running on another core has stopped), so a
+    /// call that started earlier may have been running when it stopped.
     async fn pause(&self, duration: Duration) -> Pause {
         self.signal("-STOP");
+        let tasks = format!("/proc/{}/task", self.child.0.id());
+        let stopped = || {
+            std::fs::read_dir(&tasks).unwrap().all(|task| {
+                let stat = std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap_or_default();
+                // The state follows the command name, which is in parentheses.
+                stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
+            })
+        };
+        while !stopped() {
+            tokio::time::sleep(Duration::from_micros(100)).await;
+        }
         let stopped_us = wall_micros();
         tokio::time::sleep(duration).await;
         self.signal("-CONT");

@@ -17,9 +17,10 @@
 //!   nudges the instances that must take the next one, so a handover does not wait for their rounds;
 //! - **processor** and **purge** from `outbox-core`.
 //!
-//! Graceful shutdown: mark the instance draining, stop fetching, finish and complete in-flight records,
-//! write targets without it, release every partition (epoch + 1), nudge their new targets and
-//! deregister, so the others take the partitions at once instead of after the stale timeout.
+//! Graceful shutdown: mark the instance draining; its ownership task writes targets without it and
+//! hands each partition over as in a rebalance (stop fetching it, release it once its records in
+//! flight are completed, nudge its new target); then stop, release whatever is left and deregister. So
+//! the others take the partitions at once instead of after the stale timeout.
 //!
 //! # Exclusive delivery, and what it rests on
 //! An instance's lease lasts `stale_timeout` minus two heartbeat intervals after each renewal
@@ -64,6 +65,8 @@ pub struct Node {
     outbox: Outbox,
     store: Store,
     assignment: watch::Receiver<Assignment>,
+    leaving: CancellationToken,
+    holds_none: watch::Receiver<bool>,
     stop_processor: CancellationToken,
     stop_background: CancellationToken,
     background: TaskTracker,
@@ -89,11 +92,31 @@ impl Node {
         let processor = tokio::spawn(processor.run(stop_processor.clone()));
         let heartbeat = Heartbeat { store: store.clone(), config: config.clone(), assign: assign.clone() };
         background.spawn(heartbeat.run(stop_background.clone()));
-        let ownership = Ownership { outbox: outbox.clone(), store: store.clone(), config, assign, busy };
+        let leaving = CancellationToken::new();
+        let holds_none = Arc::new(watch::Sender::new(false));
+        let ownership = Ownership {
+            outbox: outbox.clone(),
+            store: store.clone(),
+            config,
+            assign,
+            busy,
+            leaving: leaving.clone(),
+            holds_none: holds_none.clone(),
+        };
         background.spawn(ownership.run(stop_background.clone()));
         background.spawn(outbox.clone().run_purge(store.db().clone(), stop_background.clone()));
         background.close();
-        Ok(Node { outbox, store, assignment, stop_processor, stop_background, background, processor })
+        Ok(Node {
+            outbox,
+            store,
+            assignment,
+            leaving,
+            holds_none: holds_none.subscribe(),
+            stop_processor,
+            stop_background,
+            background,
+            processor,
+        })
     }
 
     /// This instance's id (a new one after the instance was declared dead and registered again).
@@ -106,13 +129,23 @@ impl Node {
         self.assignment.clone()
     }
 
-    /// Graceful stop: finish and complete in-flight records (bounded by the outbox `shutdown_timeout`),
-    /// release all partitions, deregister. Every task is stopped whatever a step returns; the first error
-    /// is returned.
-    pub async fn shutdown(self) -> Result<()> {
-        let drained = self.store.drain(self.id()).await;
-        if let Err(e) = &drained {
-            warn!(instance = %self.id(), error = %e, "could not mark the instance draining; stopping anyway");
+    /// Graceful stop: hand each partition over as soon as its records in flight are completed, then
+    /// stop, release whatever is left and deregister (all bounded by the outbox `shutdown_timeout`).
+    /// Every task is stopped whatever a step returns; the first error is returned.
+    pub async fn shutdown(mut self) -> Result<()> {
+        let id = self.id();
+        let drained = self.store.drain(id).await;
+        match &drained {
+            Ok(()) => {
+                // The ownership task points the targets elsewhere and releases partition by partition,
+                // while the processor finishes each one's records.
+                self.leaving.cancel();
+                let timeout = self.outbox.config().shutdown_timeout;
+                if tokio::time::timeout(timeout, self.holds_none.wait_for(|&none| none)).await.is_err() {
+                    warn!(instance = %id, ?timeout, "partitions not all handed over in time; releasing the rest at stop");
+                }
+            }
+            Err(e) => warn!(instance = %id, error = %e, "could not mark the instance draining; stopping anyway"),
         }
         self.stop_processor.cancel();
         let processed = self.processor.await.map_err(|e| Error::Task(e.to_string())).and_then(|r| Ok(r?));

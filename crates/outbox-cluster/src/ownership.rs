@@ -32,6 +32,11 @@ pub(crate) struct Ownership {
     pub(crate) assign: Arc<watch::Sender<Assignment>>,
     /// Partitions with records in flight in the processor.
     pub(crate) busy: watch::Receiver<BTreeSet<Partition>>,
+    /// Cancelled when the instance leaves gracefully (after it was marked draining): its rounds then
+    /// point its partitions' targets at the others and hand them over one by one, as in a rebalance.
+    pub(crate) leaving: CancellationToken,
+    /// Whether the last round or release left this instance owning nothing.
+    pub(crate) holds_none: Arc<watch::Sender<bool>>,
 }
 
 /// What the ownership task carries from one round to the next, for one instance id.
@@ -46,11 +51,20 @@ struct Rounds {
     reaped: Option<Instant>,
     /// Whether a round has run under this id (after its first, a new instance nudges the leader).
     started: bool,
+    /// Whether a round has run since the instance began to leave.
+    leaving: bool,
 }
 
 impl Rounds {
     fn new(instance: InstanceId) -> Self {
-        Self { instance, giving_up: BTreeMap::new(), quiet: BTreeMap::new(), reaped: None, started: false }
+        Self {
+            instance,
+            giving_up: BTreeMap::new(),
+            quiet: BTreeMap::new(),
+            reaped: None,
+            started: false,
+            leaving: false,
+        }
     }
 }
 
@@ -77,6 +91,10 @@ impl Ownership {
                 }
                 // Records of a partition being given up were completed: it may be free to release.
                 Ok(()) = busy.changed(), if !rounds.giving_up.is_empty() => false,
+                () = self.leaving.cancelled(), if !rounds.leaving => {
+                    rounds.leaving = true;
+                    true
+                }
             };
             let current = self.assign.borrow().clone();
             if !current.is_live() {
@@ -100,7 +118,11 @@ impl Ownership {
         let (id, began) = (rounds.instance, Instant::now());
         let View { live, partitions: rows } = self.store.view().await?;
         let leader = live.first() == Some(&id);
-        let targets: Targets = if leader {
+        let targets: Targets = if self.leaving.is_cancelled() {
+            // Leaving (no longer counted live): its partitions go to the others without waiting for the
+            // leader.
+            rebalance_targets(&self.outbox, &self.store, id, &live, &rows).await?
+        } else if leader {
             // Housekeeping for the cluster, once per stale timeout: forget instances whose lease expired
             // two stale timeouts ago (their partitions have moved on long since).
             if rounds.reaped.is_none_or(|at| at.elapsed() >= self.config.stale_timeout) {
@@ -170,6 +192,9 @@ impl Ownership {
         let to: BTreeSet<InstanceId> = to.collect();
         rounds.giving_up.retain(|p, _| !release.contains_key(p));
         nudge(&self.outbox, &self.store, to).await;
+        if rounds.giving_up.is_empty() && self.assign.borrow().epochs.is_empty() {
+            self.holds_none.send_replace(true);
+        }
         Ok(())
     }
 
