@@ -1,12 +1,18 @@
 //! The scale harness (ignored; run by hand): N clustered in-process nodes, each with its own pool,
 //! heartbeat and `LISTEN` connections, at default intervals, against a PostgreSQL cluster it starts
-//! itself. Per N it measures how long the cluster takes to balance after the nodes start, after one
-//! joins, after one leaves gracefully and after a quarter are killed, and what an idle instance costs
-//! the database (`pg_stat_statements`, split into fetches and cluster bookkeeping). Then it replaces
-//! every node one by one, gracefully, under a steady produce load, and checks what users would feel:
-//! nothing lost, each key in order, no two nodes inside one partition's handlers at once, no record
-//! delivered twice; and it reports the longest wait from commit to delivery. Each run can add latency
-//! each way between the nodes and the database (a TCP proxy), as between real pods and their database.
+//! itself. Per N it measures:
+//! - how long the cluster takes to balance after the nodes start, after one joins, after one leaves
+//!   gracefully and after a quarter are killed;
+//! - what an instance costs the database idle and under a produce load (`OUTBOX_SCALE_RATE` records/s,
+//!   one per transaction): statements (`pg_stat_statements`: fetches, cluster bookkeeping, what only the
+//!   leader runs) and the database's time executing them;
+//! - the heartbeats' round trips and the ownership rounds' durations (the library's own histograms);
+//! - a rolling restart: every node replaced one by one, gracefully, under 200 records/s, checking what
+//!   users would feel (nothing lost, each key in order, no two nodes inside one partition's handlers at
+//!   once, no record delivered twice) and reporting the wait from commit to delivery.
+//!
+//! Each run can add latency each way between the nodes and the database (a TCP proxy), as between real
+//! pods and their database. `RUST_LOG` shows the nodes' logs.
 //!
 //! ```sh
 //! OUTBOX_SCALE_NODES=1,8,32,64 OUTBOX_SCALE_LATENCY_MS=0,2,10,50 ./scripts/test.sh -p outbox-tests --test scale -- --ignored --nocapture
@@ -20,6 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Exclusive, Sink, wait_for};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use outbox_cluster::{ClusterConfig, Node};
 use outbox_core::{
     ConnectOptions, Db, HandlerError, Handlers, InstanceId, NewRecord, Outbox, Record, Route, handler_fn,
@@ -46,8 +53,14 @@ fn latencies() -> Vec<u64> {
     list.split(',').map(|ms| ms.trim().parse().expect("OUTBOX_SCALE_LATENCY_MS: a list of milliseconds")).collect()
 }
 
+/// How long the idle and the loaded windows last.
 fn idle_secs() -> u64 {
     std::env::var("OUTBOX_SCALE_IDLE_SECS").map_or(20, |s| s.parse().expect("OUTBOX_SCALE_IDLE_SECS: seconds"))
+}
+
+/// Records per second of the loaded window.
+fn load_rate() -> u64 {
+    std::env::var("OUTBOX_SCALE_RATE").map_or(1000, |s| s.parse().expect("OUTBOX_SCALE_RATE: records per second"))
 }
 
 /// What the nodes' handlers saw: every delivery, and which node was inside which partition's handler.
@@ -108,44 +121,138 @@ async fn until_balanced(admin: &PgPool, nodes: &[Node], since: Instant) -> f64 {
     }
 }
 
-/// Statements per second of an idle cluster over `secs`, per instance: (all, fetches, bookkeeping).
-async fn idle_load(admin: &PgPool, n: usize, secs: u64) -> (f64, f64, f64) {
+/// What a statement seen by `pg_stat_statements` was for, by its text.
+#[derive(PartialEq)]
+enum Kind {
+    Fetch,
+    /// Heartbeats and ownership rounds; `leader`: statements only the leader runs (targets, reaping).
+    Cluster {
+        leader: bool,
+    },
+    /// The harness's producer: its inserts and its wake-ups.
+    Producer,
+    /// Transaction control, the processors' and the producer's alike.
+    Control,
+    Other,
+}
+
+fn kind(query: &str) -> Kind {
+    let q = query.trim_start();
+    let head = q.to_ascii_uppercase();
+    if q.starts_with("WITH served AS") {
+        Kind::Fetch
+    } else if q.contains("SET target_owner") || q.starts_with("DELETE FROM outbox.instances WHERE expires_at") {
+        Kind::Cluster { leader: true }
+    } else if q.contains("outbox.instances")
+        || ["SELECT partition, owner, epoch, target_owner", "WITH taken AS", "UPDATE outbox.partitions p SET owner"]
+            .iter()
+            .any(|c| q.starts_with(c))
+    {
+        Kind::Cluster { leader: false }
+    } else if q.starts_with("WITH locked AS") || q.contains("pg_notify") {
+        Kind::Producer
+    } else if ["BEGIN", "COMMIT", "ROLLBACK", "SET LOCAL"].iter().any(|c| head.starts_with(c)) {
+        Kind::Control
+    } else {
+        Kind::Other
+    }
+}
+
+/// The nodes' statements per second over a window, per instance (and the leader's own in total), and
+/// the milliseconds per second the database spent executing them, per instance.
+struct Load {
+    all: f64,
+    fetches: f64,
+    cluster: f64,
+    leader: f64,
+    busy_ms: f64,
+    /// Records per second the harness's producer committed.
+    produced: f64,
+}
+
+/// The nodes' statements over the next `secs`: everything but the harness's own reads and its
+/// producer's statements (each of its records costs a `BEGIN` and a `COMMIT` besides).
+async fn load(admin: &PgPool, n: usize, secs: u64) -> Load {
     sqlx::query("SELECT pg_stat_statements_reset()").execute(admin).await.unwrap();
     tokio::time::sleep(Duration::from_secs(secs)).await;
-    let rows: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT query, calls FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
-         WHERE d.datname = current_database()",
+    let rows: Vec<(String, i64, f64)> = sqlx::query_as(
+        "SELECT query, calls, total_exec_time FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
+         WHERE d.datname = current_database() AND query NOT LIKE '%pg_stat_statements%'",
     )
     .fetch_all(admin)
     .await
     .unwrap();
-    let (mut all, mut fetches, mut control) = (0, 0, 0);
-    for (query, calls) in rows {
-        // The harness's own statements: the reset and this read.
-        if query.contains("pg_stat_statements") {
-            continue;
+    let (mut all, mut fetches, mut cluster, mut leader, mut produced, mut busy_ms) = (0, 0, 0, 0, 0, 0.0);
+    for (query, calls, ms) in rows {
+        match kind(&query) {
+            Kind::Producer => {
+                if query.trim_start().starts_with("WITH locked AS") {
+                    produced += calls;
+                }
+                continue;
+            }
+            Kind::Fetch => fetches += calls,
+            Kind::Cluster { leader: only } => {
+                cluster += calls;
+                if only {
+                    leader += calls;
+                }
+            }
+            Kind::Control | Kind::Other => {}
         }
         all += calls;
-        if query.contains("WITH served AS") {
-            fetches += calls;
-        }
-        let head = query.trim_start().to_ascii_uppercase();
-        if ["BEGIN", "COMMIT", "ROLLBACK", "SET LOCAL"].iter().any(|c| head.starts_with(c)) {
-            control += calls;
-        }
+        busy_ms += ms;
     }
     let per = |calls: i64| calls as f64 / secs as f64 / n as f64;
-    (per(all), per(fetches), per(all - fetches - control))
+    Load {
+        all: per(all - 2 * produced),
+        fetches: per(fetches),
+        cluster: per(cluster),
+        leader: leader as f64 / secs as f64,
+        busy_ms: busy_ms / secs as f64 / n as f64,
+        produced: produced as f64 / secs as f64,
+    }
 }
 
-/// Records committed at `RATE` per second, one per transaction over 10,000 keys, each woken after its
+/// The values the library's histograms recorded since the last snapshot (which a snapshot clears).
+struct Recorded(Vec<(metrics::Key, Vec<f64>)>);
+
+impl Recorded {
+    fn take(snapshotter: &Snapshotter) -> Self {
+        let histograms = snapshotter.snapshot().into_vec().into_iter().filter_map(|(key, _, _, value)| match value {
+            DebugValue::Histogram(v) => Some((key.key().clone(), v.into_iter().map(|x| x.into_inner()).collect())),
+            _ => None,
+        });
+        Self(histograms.collect())
+    }
+
+    /// The values of histogram `name` (with the label `label`, if given), sorted.
+    fn of(&self, name: &str, label: Option<(&str, &str)>) -> Vec<f64> {
+        let labelled =
+            |key: &metrics::Key| label.is_none_or(|(k, v)| key.labels().any(|l| l.key() == k && l.value() == v));
+        let mut values: Vec<f64> =
+            self.0.iter().filter(|(key, _)| key.name() == name && labelled(key)).flat_map(|(_, v)| v.clone()).collect();
+        values.sort_by(f64::total_cmp);
+        values
+    }
+}
+
+/// "p50 / p99 / max" in milliseconds, or "–" when nothing was recorded.
+fn quantiles(values: &[f64]) -> String {
+    let at = |q: f64| values[((values.len() - 1) as f64 * q).round() as usize] * 1000.0;
+    if values.is_empty() {
+        return "–".into();
+    }
+    format!("{:.1} / {:.1} / {:.1} ms", at(0.5), at(0.99), at(1.0))
+}
+
+/// Records committed at `rate` per second, one per transaction over 10,000 keys, each woken after its
 /// commit, until `stop`; when each was committed.
-async fn produce(admin: PgPool, stop: tokio_util::sync::CancellationToken) -> HashMap<uuid::Uuid, Instant> {
-    const RATE: u64 = 200;
+async fn produce(admin: PgPool, rate: u64, stop: tokio_util::sync::CancellationToken) -> HashMap<uuid::Uuid, Instant> {
     let outbox = Outbox::new(outbox_core::Config::default()).unwrap();
     let db = Db::from(admin);
     let mut committed = HashMap::new();
-    let mut ticker = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
+    let mut ticker = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
     while !stop.is_cancelled() {
         ticker.tick().await;
         let key = format!("key-{}", rand::rng().random_range(0..10_000));
@@ -160,22 +267,27 @@ async fn produce(admin: PgPool, stop: tokio_util::sync::CancellationToken) -> Ha
 
 /// Replaces each of `nodes` (start a new one, then stop the old one gracefully) under a steady produce
 /// load; checks that nothing was lost, each key's records came in order and no partition was inside two
-/// nodes' handlers at once. Returns (records, duplicate deliveries, longest commit → delivery in s).
+/// nodes' handlers at once. Returns (records, duplicate deliveries, each record's commit → delivery, each
+/// graceful shutdown's duration), in seconds, sorted.
 async fn rolling_restart(
     url: &str,
     admin: &PgPool,
     nodes: &mut Vec<Node>,
     numbers: &mut usize,
     seen: &Seen,
-) -> (usize, usize, f64) {
+) -> (usize, usize, Vec<f64>, Vec<f64>) {
     let stop = tokio_util::sync::CancellationToken::new();
-    let producer = tokio::spawn(produce(admin.clone(), stop.clone()));
+    let producer = tokio::spawn(produce(admin.clone(), 200, stop.clone()));
     tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut shutdowns = Vec::new();
     for _ in 0..nodes.len() {
         *numbers += 1;
         nodes.push(start_node(url, *numbers, seen).await);
+        let began = Instant::now();
         nodes.remove(0).shutdown().await.unwrap();
+        shutdowns.push(began.elapsed().as_secs_f64());
     }
+    shutdowns.sort_by(f64::total_cmp);
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.cancel();
     let committed = producer.await.unwrap();
@@ -197,14 +309,20 @@ async fn rolling_restart(
         assert!(seqs.is_sorted(), "key {key} delivered out of order: {seqs:?}");
     }
     assert_eq!(*seen.exclusive.violations.lock().unwrap(), Vec::<String>::new(), "two nodes inside one partition");
-    let longest = committed.iter().map(|(id, at)| first[id].saturating_duration_since(*at)).max().unwrap_or_default();
+    let mut waits: Vec<f64> =
+        committed.iter().map(|(id, at)| first[id].saturating_duration_since(*at).as_secs_f64()).collect();
+    waits.sort_by(f64::total_cmp);
     let duplicates = deliveries.iter().filter(|d| committed.contains_key(&d.id)).count() - committed.len();
-    (committed.len(), duplicates, longest.as_secs_f64())
+    (committed.len(), duplicates, waits, shutdowns)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "the scale harness: minutes per size; run by hand (see the module docs)"]
 async fn scale() {
+    common::logs();
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().unwrap();
     let sizes = sizes();
     let most = sizes.iter().max().copied().unwrap_or(1) + 1;
     // Per node: its pool, a heartbeat and a LISTEN connection; and room for the harness.
@@ -214,18 +332,15 @@ async fn scale() {
         ("shared_preload_libraries", "pg_stat_statements"),
         ("pg_stat_statements.track", "all"),
     ]);
-    println!(
-        "latency each way | nodes | start → balanced | join → balanced | leave → balanced | kill a quarter → balanced | idle statements/s per instance (fetches, bookkeeping) | connections | rolling restart at 200 records/s: records, duplicates, longest commit → delivery"
-    );
     for latency_ms in latencies() {
         for &n in &sizes {
-            measure(&cluster, latency_ms, n).await;
+            measure(&cluster, &snapshotter, latency_ms, n).await;
         }
     }
 }
 
-/// One row of the table: `n` nodes, `latency_ms` each way between them and the database.
-async fn measure(cluster: &PgCluster, latency_ms: u64, n: usize) {
+/// One run: `n` nodes, `latency_ms` each way between them and the database; prints what it measured.
+async fn measure(cluster: &PgCluster, snapshotter: &Snapshotter, latency_ms: u64, n: usize) {
     let database = format!("scale_{latency_ms}ms_{n}");
     cluster.create_database(&database).await;
     let admin = PgPool::connect(&cluster.url(&database)).await.unwrap();
@@ -244,12 +359,31 @@ async fn measure(cluster: &PgCluster, latency_ms: u64, n: usize) {
     }
     let start = until_balanced(&admin, &nodes, Instant::now()).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let (all, fetches, bookkeeping) = idle_load(&admin, n, idle_secs()).await;
+    let _ = snapshotter.snapshot();
+    let idle = load(&admin, n, idle_secs()).await;
+    let idle_metrics = Recorded::take(snapshotter);
+    let heartbeats = idle_metrics.of("outbox_heartbeat_seconds", None);
+    let leader_rounds = idle_metrics.of("outbox_ownership_round_seconds", Some(("leader", "true")));
+    let other_rounds = idle_metrics.of("outbox_ownership_round_seconds", Some(("leader", "false")));
     let connections: (i64,) =
         sqlx::query_as("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
             .fetch_one(&admin)
             .await
             .unwrap();
+
+    let stop = tokio_util::sync::CancellationToken::new();
+    let producer = tokio::spawn(produce(admin.clone(), load_rate(), stop.clone()));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let _ = snapshotter.snapshot();
+    let loaded = load(&admin, n, idle_secs()).await;
+    let loaded_heartbeats = Recorded::take(snapshotter).of("outbox_heartbeat_seconds", None);
+    stop.cancel();
+    let committed = producer.await.unwrap();
+    wait_for("the loaded window's records delivered", LONG, || async {
+        let delivered: BTreeSet<uuid::Uuid> = seen.sink.all().iter().map(|d| d.id).collect();
+        committed.keys().all(|id| delivered.contains(id))
+    })
+    .await;
 
     let joined = Instant::now();
     numbers += 1;
@@ -270,7 +404,7 @@ async fn measure(cluster: &PgCluster, latency_ms: u64, n: usize) {
         }
         format!("{:.1} s ({killed} killed)", until_balanced(&admin, &nodes, crashed).await)
     } else {
-        "-".into()
+        "–".into()
     };
     // Back to n nodes, balanced, before the rolling restart.
     while nodes.len() < n {
@@ -278,10 +412,43 @@ async fn measure(cluster: &PgCluster, latency_ms: u64, n: usize) {
         nodes.push(start_node(&url, numbers, &seen).await);
     }
     until_balanced(&admin, &nodes, Instant::now()).await;
-    let (records, duplicates, longest) = rolling_restart(&url, &admin, &mut nodes, &mut numbers, &seen).await;
+    // Partitions taken from the killed nodes are delivered only after their quiet period: wait for it,
+    // so that it does not count as the restart's.
+    wait_for("every partition handed to a processor", LONG, || async {
+        nodes.iter().map(|node| node.assignment().borrow().epochs.len()).sum::<usize>() == PARTITIONS
+    })
+    .await;
+    let _ = snapshotter.snapshot();
+    let (records, duplicates, waits, shutdowns) = rolling_restart(&url, &admin, &mut nodes, &mut numbers, &seen).await;
+    let restart_heartbeats = Recorded::take(snapshotter).of("outbox_heartbeat_seconds", None);
     println!(
-        "{latency_ms} ms | {n} | {start:.1} s | {join:.1} s | {leave:.1} s | {crash} | {all:.2} ({fetches:.2}, {bookkeeping:.2}) | {} | {records}, {duplicates}, {longest:.1} s",
-        connections.0 - 1
+        "\n## {n} nodes, {latency_ms} ms each way\n\
+         - balanced after: start {start:.1} s, one joining {join:.1} s, one leaving {leave:.1} s, a quarter killed {crash}\n\
+         - idle, statements/s per instance: {:.2} (fetches {:.2}, cluster {:.2}), executing {:.3} ms/s; the leader's own (targets, reaping): {:.2}/s\n\
+         - {:.0} records/s (one per transaction), statements/s per instance: {:.2} (fetches {:.2}, cluster {:.2}), executing {:.2} ms/s; {:.0} statements/s in all\n\
+         - heartbeat round trip p50 / p99 / max: idle {}, loaded {}, rolling restart {}\n\
+         - ownership round p50 / p99 / max: the leader's {}, the others' {}\n\
+         - connections: {}\n\
+         - rolling restart at 200 records/s: {records} records, {duplicates} duplicates, commit → delivery p50 / p99 / max {}; each shutdown {}",
+        idle.all,
+        idle.fetches,
+        idle.cluster,
+        idle.busy_ms,
+        idle.leader,
+        loaded.produced,
+        loaded.all,
+        loaded.fetches,
+        loaded.cluster,
+        loaded.busy_ms,
+        loaded.all * n as f64,
+        quantiles(&heartbeats),
+        quantiles(&loaded_heartbeats),
+        quantiles(&restart_heartbeats),
+        quantiles(&leader_rounds),
+        quantiles(&other_rounds),
+        connections.0 - 1,
+        quantiles(&waits),
+        quantiles(&shutdowns),
     );
     assert_eq!(duplicates, 0, "a graceful rolling restart delivers nothing twice");
     for node in nodes {
