@@ -12,7 +12,8 @@
 //!   once, no record delivered twice) and reporting the wait from commit to delivery.
 //!
 //! Each run can add latency each way between the nodes and the database (a TCP proxy), as between real
-//! pods and their database. `RUST_LOG` shows the nodes' logs.
+//! pods and their database. `RUST_LOG` shows the nodes' logs. `OUTBOX_SCALE_PROCESSES=K` adds, per
+//! latency, a spot check with K separate worker processes (balance after start, join, leave, crash).
 //!
 //! ```sh
 //! OUTBOX_SCALE_NODES=1,8,32,64 OUTBOX_SCALE_LATENCY_MS=0,2,10,50 ./scripts/test.sh -p outbox-tests --test scale -- --ignored --nocapture
@@ -44,7 +45,9 @@ const LONG: Duration = Duration::from_secs(120);
 
 fn sizes() -> Vec<usize> {
     let list = std::env::var("OUTBOX_SCALE_NODES").unwrap_or_else(|_| "1,8,32,64".into());
-    list.split(',').map(|n| n.trim().parse().expect("OUTBOX_SCALE_NODES: a list of node counts")).collect()
+    // Empty: no in-process runs (for the process spot check alone).
+    let sizes = list.split(',').filter(|n| !n.trim().is_empty());
+    sizes.map(|n| n.trim().parse().expect("OUTBOX_SCALE_NODES: a list of node counts")).collect()
 }
 
 /// Milliseconds added each way between the nodes and the database (a TCP proxy), one run per value.
@@ -325,8 +328,11 @@ async fn scale() {
     recorder.install().unwrap();
     let sizes = sizes();
     let most = sizes.iter().max().copied().unwrap_or(1) + 1;
-    // Per node: its pool, a heartbeat and a LISTEN connection; and room for the harness.
-    let max_connections = (most * (POOL as usize + 2) + 20).to_string();
+    // Per node: its pool, a heartbeat and a LISTEN connection; per worker process the same with the
+    // default pool of `Db::connect`; and room for the harness.
+    let per_process = outbox_core::ConnectOptions::default().max_connections as usize + 2;
+    let spot = processes().map_or(0, |k| (k + 1) * per_process);
+    let max_connections = (most * (POOL as usize + 2) + spot + 20).to_string();
     let cluster = PgCluster::start(&[
         ("max_connections", &max_connections),
         ("shared_preload_libraries", "pg_stat_statements"),
@@ -336,7 +342,80 @@ async fn scale() {
         for &n in &sizes {
             measure(&cluster, &snapshotter, latency_ms, n).await;
         }
+        if let Some(k) = processes() {
+            spot_check_processes(&cluster, latency_ms, k).await;
+        }
     }
+}
+
+/// Seconds from `since` until `expected` instances are live (and not draining) and balanced.
+async fn processes_balanced(admin: &PgPool, expected: usize, since: Instant) -> f64 {
+    loop {
+        let ids: Vec<(uuid::Uuid,)> =
+            sqlx::query_as("SELECT id FROM outbox.instances WHERE expires_at > now() AND NOT draining")
+                .fetch_all(admin)
+                .await
+                .unwrap();
+        let ids: BTreeSet<InstanceId> = ids.into_iter().map(|(id,)| InstanceId(id)).collect();
+        if ids.len() == expected && balanced(&owners(admin).await, &ids) {
+            return since.elapsed().as_secs_f64();
+        }
+        assert!(since.elapsed() < LONG, "{expected} processes did not balance within {LONG:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Worker processes for the spot check (`OUTBOX_SCALE_PROCESSES`), if asked for.
+fn processes() -> Option<usize> {
+    std::env::var("OUTBOX_SCALE_PROCESSES").ok().map(|k| k.parse().expect("OUTBOX_SCALE_PROCESSES: a count"))
+}
+
+/// The spot check with separate processes: `k` worker processes (`outbox-test-worker`, default
+/// intervals), each with its own pools and `LISTEN` connection; how long the cluster takes to balance
+/// after they start, after one more joins, after one leaves (SIGTERM) and after a quarter are killed
+/// (SIGKILL). Balance is read from the database: the live instances and who owns each partition. Their
+/// logs: `outbox-scale-process-*.log` in the temporary directory.
+async fn spot_check_processes(cluster: &PgCluster, latency_ms: u64, k: usize) {
+    let database = format!("scale_{latency_ms}ms_{k}_processes");
+    cluster.create_database(&database).await;
+    let admin = PgPool::connect(&cluster.url(&database)).await.unwrap();
+    let proxy = DelayProxy::start(cluster.port, Duration::from_millis(latency_ms)).await;
+    let url = format!("postgres://postgres@127.0.0.1:{}/{database}", proxy.port);
+    Outbox::new(outbox_core::Config::default()).unwrap().migrate(&Db::from(&admin)).await.unwrap();
+    let start = |number: usize| {
+        let name = format!("process-{number}");
+        // Kept after the run, to read when a process misbehaves.
+        let log = std::fs::File::create(std::env::temp_dir().join(format!("outbox-scale-{name}.log"))).unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-test-worker"))
+            .envs([("DATABASE_URL", url.as_str()), ("WORKER_NAME", name.as_str())])
+            .envs([("HEARTBEAT", "2s"), ("STALE", "10s"), ("REBALANCE", "2s"), ("POLL", "100ms")])
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        outbox_tests::process::Process(child)
+    };
+    let began = Instant::now();
+    let mut workers: Vec<_> = (1..=k).map(start).collect();
+    let started = processes_balanced(&admin, k, began).await;
+    let joined = Instant::now();
+    workers.push(start(k + 1));
+    let join = processes_balanced(&admin, k + 1, joined).await;
+    let left = Instant::now();
+    let leaving = workers.remove(0);
+    std::process::Command::new("kill").args(["-TERM", &leaving.0.id().to_string()]).status().unwrap();
+    let leave = processes_balanced(&admin, k, left).await;
+    let killed = k.div_ceil(4);
+    let crashed = Instant::now();
+    workers.drain(..killed);
+    let crash = processes_balanced(&admin, k - killed, crashed).await;
+    println!(
+        "\n## {k} worker processes, {latency_ms} ms each way\n\
+         - balanced after: start {started:.1} s (processes starting included), one joining {join:.1} s, one leaving {leave:.1} s, a quarter killed {crash:.1} s ({killed} killed)"
+    );
+    drop(workers);
+    drop(leaving);
+    admin.close().await;
 }
 
 /// One run: `n` nodes, `latency_ms` each way between them and the database; prints what it measured.
