@@ -44,6 +44,7 @@ pub mod driver;
 pub mod error;
 pub mod handler;
 pub mod migrate;
+mod notice;
 pub mod operator;
 pub mod partition;
 pub mod processor;
@@ -61,12 +62,12 @@ pub use config::{Completion, Config};
 pub use driver::{Conn, ConnectOptions, Db, DbRow, Tx, Value};
 pub use error::{Error, Result};
 pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handlers, Route, fallback_fn, handler_fn};
+pub use notice::{Nudge, Nudges};
 pub use partition::{PARTITIONS, Partition, partition_of};
 pub use processor::{MAX_ERROR_BYTES, Processor};
 pub use record::{Headers, MAX_EVENT_TYPE_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled};
 pub use retry::{Backoff, RetryPolicy};
 pub use stored::{FailedFilter, FailedRecord, PartitionStats};
-pub use wake::{Nudge, Nudges};
 
 /// The outbox: validated configuration and the statements built for its schema. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -78,7 +79,7 @@ pub struct Outbox {
 struct Inner {
     config: Config,
     statements: driver::Statements,
-    wakeups: wake::Wakeups,
+    wakeups: notice::Wakeups,
 }
 
 impl Outbox {
@@ -87,7 +88,7 @@ impl Outbox {
         config.validate()?;
         let keep = config.completion == Completion::Keep;
         let statements = driver::Statements::new(&config.schema, config.stop_on_first_failure, keep);
-        Ok(Self { inner: Arc::new(Inner { config, statements, wakeups: wake::Wakeups::default() }) })
+        Ok(Self { inner: Arc::new(Inner { config, statements, wakeups: notice::Wakeups::default() }) })
     }
 
     /// The configuration.
@@ -110,7 +111,7 @@ impl Outbox {
         &self.inner.statements
     }
 
-    pub(crate) fn wakeups(&self) -> &wake::Wakeups {
+    pub(crate) fn wakeups(&self) -> &notice::Wakeups {
         &self.inner.wakeups
     }
 

@@ -6,8 +6,8 @@ use uuid::Uuid;
 use crate::Outbox;
 use crate::driver::Db;
 use crate::error::{Error, Result};
+use crate::notice::Partitions;
 pub use crate::stored::{FailedFilter, FailedRecord, PartitionStats};
-use crate::wake::Partitions;
 
 impl Outbox {
     /// Lists FAILED records in (partition, key, seq) order.

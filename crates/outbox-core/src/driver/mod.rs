@@ -32,8 +32,8 @@ use uuid::Uuid;
 use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};
 use crate::migrate::Migration;
+use crate::notice::{Message, Wakeups};
 use crate::stored::{FailedFilter, FailedRecord, Found, NewRow, Outcome, PartitionStats, Request, Written};
-use crate::wake::{Message, Wakeups};
 
 /// Runs `$body` with `$pool` bound to the backend's pool (or connection) and `$s` to its statements.
 macro_rules! dispatch {

@@ -8,9 +8,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::assignment::{Assignment, Epoch, InstanceId};
 use crate::config::Config;
+use crate::notice::Partitions;
 use crate::partition::Partition;
 use crate::stored::Request;
-use crate::wake::Partitions;
 
 /// The fetch requests of one processor, and what it remembers between them.
 #[derive(Debug, Default)]

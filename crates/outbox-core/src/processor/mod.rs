@@ -56,9 +56,9 @@ use crate::config::Config;
 use crate::driver::Db;
 use crate::error::{Error, Result};
 use crate::handler::Handlers;
+use crate::notice::Partitions;
 use crate::partition::Partition;
 use crate::stored::{Found, Outcome, Request, Verdict};
-use crate::wake::Partitions;
 
 /// Delivers the records of the assigned partitions. See the [module docs](self).
 pub struct Processor {

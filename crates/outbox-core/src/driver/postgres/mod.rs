@@ -19,10 +19,10 @@ use super::{ConnectOptions, Driver, count, millis, statement};
 use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
+use crate::notice::{Channel, Wakeups};
 use crate::stored::{
     FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, StatsRow, Verdict, Written,
 };
-use crate::wake::{Channel, Wakeups};
 
 /// The migrations of the PostgreSQL schema, in order.
 pub const MIGRATIONS: &[Migration] = &[

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::wake::Channel;
+use crate::notice::Channel;
 
 /// The fence: lock the partition rows this worker believes it owns, under the instance ids and at the
 /// epochs it believes it holds them, `FOR SHARE`. An epoch bump (release, steal) waits for the share
