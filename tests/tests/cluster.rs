@@ -20,6 +20,7 @@ every_backend!(
     a_crashed_instances_partitions_move_on_after_its_lease,
     a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition,
     a_handover_does_not_wait_for_the_rounds,
+    a_node_that_owns_nothing_stops_without_waiting,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -167,6 +168,21 @@ async fn hands_over_without_rounds(db: &TestDb, first: &Outbox, second: &Outbox)
             "key-{k}: every record once, in order"
         );
     }
+}
+
+/// A node stopped before it was given any partition has nothing to hand over: its shutdown does not
+/// wait for a handover (here up to a minute, the outbox's `shutdown_timeout`).
+async fn a_node_that_owns_nothing_stops_without_waiting(db: TestDb) {
+    logs();
+    let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_secs(60)).await;
+    let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
+    let a = start_named(&outbox, &db, "a", &sink, &exclusive).await;
+    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    let b = start_named(&outbox, &db, "b", &sink, &exclusive).await;
+    let stopped = tokio::time::timeout(Duration::from_secs(20), b.shutdown()).await;
+    assert!(stopped.is_ok(), "a node's shutdown waited for a handover of nothing");
+    stopped.unwrap().unwrap();
+    a.shutdown().await.unwrap();
 }
 
 async fn a_crashed_instances_partitions_move_on_after_its_lease(db: TestDb) {

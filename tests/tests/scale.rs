@@ -134,14 +134,12 @@ enum Kind {
     },
     /// The harness's producer: its inserts and its wake-ups.
     Producer,
-    /// Transaction control, the processors' and the producer's alike.
-    Control,
+    /// Anything else: the processors' completions, and transaction control (the producer's too).
     Other,
 }
 
 fn kind(query: &str) -> Kind {
     let q = query.trim_start();
-    let head = q.to_ascii_uppercase();
     if q.starts_with("WITH served AS") {
         Kind::Fetch
     } else if q.contains("SET target_owner") || q.starts_with("DELETE FROM outbox.instances WHERE expires_at") {
@@ -154,8 +152,6 @@ fn kind(query: &str) -> Kind {
         Kind::Cluster { leader: false }
     } else if q.starts_with("WITH locked AS") || q.contains("pg_notify") {
         Kind::Producer
-    } else if ["BEGIN", "COMMIT", "ROLLBACK", "SET LOCAL"].iter().any(|c| head.starts_with(c)) {
-        Kind::Control
     } else {
         Kind::Other
     }
@@ -201,7 +197,7 @@ async fn load(admin: &PgPool, n: usize, secs: u64) -> Load {
                     leader += calls;
                 }
             }
-            Kind::Control | Kind::Other => {}
+            Kind::Other => {}
         }
         all += calls;
         busy_ms += ms;

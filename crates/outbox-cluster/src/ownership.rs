@@ -35,7 +35,7 @@ pub(crate) struct Ownership {
     /// Cancelled when the instance leaves gracefully (after it was marked draining): its rounds then
     /// point its partitions' targets at the others and hand them over one by one, as in a rebalance.
     pub(crate) leaving: CancellationToken,
-    /// Whether the last round or release left this instance owning nothing.
+    /// Whether this instance owns nothing, as of its last round or release.
     pub(crate) holds_none: Arc<watch::Sender<bool>>,
 }
 
@@ -184,17 +184,16 @@ impl Ownership {
         let busy = self.busy.borrow().clone();
         let release: Epochs =
             rounds.giving_up.iter().filter(|(p, _)| !busy.contains(p)).map(|(&p, &(epoch, _))| (p, epoch)).collect();
-        if release.is_empty() {
-            return Ok(());
+        if !release.is_empty() {
+            let freed = release_partitions(&self.store, rounds.instance, &release, "rebalance").await?;
+            let to = freed.iter().filter_map(|p| rounds.giving_up.get(p).and_then(|&(_, to)| to));
+            let to: BTreeSet<InstanceId> = to.collect();
+            rounds.giving_up.retain(|p, _| !release.contains_key(p));
+            nudge(&self.outbox, &self.store, to).await;
         }
-        let freed = release_partitions(&self.store, rounds.instance, &release, "rebalance").await?;
-        let to = freed.iter().filter_map(|p| rounds.giving_up.get(p).and_then(|&(_, to)| to));
-        let to: BTreeSet<InstanceId> = to.collect();
-        rounds.giving_up.retain(|p, _| !release.contains_key(p));
-        nudge(&self.outbox, &self.store, to).await;
-        if rounds.giving_up.is_empty() && self.assign.borrow().epochs.is_empty() {
-            self.holds_none.send_replace(true);
-        }
+        // Nothing handed to the processor, held back or being given up.
+        let none = rounds.giving_up.is_empty() && rounds.quiet.is_empty() && self.assign.borrow().epochs.is_empty();
+        self.holds_none.send_replace(none);
         Ok(())
     }
 
@@ -298,7 +297,9 @@ pub(crate) async fn hand_over(outbox: &Outbox, store: &Store, me: InstanceId) ->
     let targets =
         if live.is_empty() { Targets::new() } else { rebalance_targets(outbox, store, me, &live, &rows).await? };
     let owned = store.owned(me).await?;
-    let freed = release_partitions(store, me, &owned, "graceful shutdown").await?;
+    // Usually empty: the leaving rounds handed everything over already.
+    let freed =
+        if owned.is_empty() { Vec::new() } else { release_partitions(store, me, &owned, "graceful shutdown").await? };
     nudge(outbox, store, freed.iter().filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
     store.deregister(me).await
 }
