@@ -73,7 +73,9 @@ pub enum Db {
     MySql(sqlx::MySqlPool),
 }
 
-/// How [`Db::connect_with`] sizes and waits for its pool.
+/// How [`Db::connect_with`] sizes and waits for its pool. Its pools ping a connection before handing it
+/// out only if it sat idle for [`PING_IF_IDLE_FOR`] (sqlx's own default pings on every acquire: a round
+/// trip per statement). A pool of the application's, passed in as a [`Db`], keeps its own settings.
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {
     /// Connections in the pool.
@@ -377,9 +379,29 @@ fn server(backend: &str, database: Option<&str>, host: &str, port: u16) -> Strin
     }
 }
 
-/// A pool of `options`' size and wait, for any backend.
+/// A pooled connection idle this long is pinged before it is handed out; one used more recently is not.
+/// sqlx pings on every acquire by default, a round trip that was a fifth of a wake-up's latency; a
+/// connection that dies anyway fails its statement with a transient error, which the library retries.
+pub const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
+
+/// A pool of `options`' size and wait, for any backend, pinging only connections idle for
+/// [`PING_IF_IDLE_FOR`].
 fn sized<DB: sqlx::Database>(options: &ConnectOptions) -> sqlx::pool::PoolOptions<DB> {
-    sqlx::pool::PoolOptions::new().max_connections(options.max_connections).acquire_timeout(options.acquire_timeout)
+    use futures::FutureExt;
+    use sqlx::Connection;
+    sqlx::pool::PoolOptions::new()
+        .max_connections(options.max_connections)
+        .acquire_timeout(options.acquire_timeout)
+        .test_before_acquire(false)
+        .before_acquire(|conn: &mut DB::Connection, meta| {
+            async move {
+                if meta.idle_for >= PING_IF_IDLE_FOR {
+                    conn.ping().await?;
+                }
+                Ok(true)
+            }
+            .boxed()
+        })
 }
 
 /// The application's values as a backend's arguments.

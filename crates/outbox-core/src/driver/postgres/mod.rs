@@ -392,6 +392,20 @@ mod tests {
         let _ = Outbox::new(Config::default()).unwrap();
     }
 
+    /// A pooled connection the server closed while it sat idle fails its ping before it is handed out
+    /// and is replaced (the library's pools ping only connections idle for `PING_IF_IDLE_FOR`).
+    #[sqlx::test(migrations = false)]
+    async fn a_connection_closed_while_idle_is_replaced(pool: PgPool) {
+        let options = crate::driver::ConnectOptions { max_connections: 1, ..Default::default() };
+        let ours: PgPool =
+            crate::driver::sized(&options).connect_with(pool.connect_options().as_ref().clone()).await.unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&ours).await.unwrap();
+        sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&pool).await.unwrap();
+        tokio::time::sleep(crate::driver::PING_IF_IDLE_FOR + std::time::Duration::from_millis(200)).await;
+        let replaced: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&ours).await.unwrap();
+        assert_ne!(replaced, pid);
+    }
+
     /// A fetch or completion dropped at any point, even while its `BEGIN` is in flight, leaves no
     /// transaction open on the pooled connection (sqlx's own `begin` does: transact-rs/sqlx#4393).
     #[sqlx::test(migrations = false)]
