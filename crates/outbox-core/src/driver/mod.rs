@@ -285,6 +285,20 @@ impl Db {
         }
     }
 
+    /// A pool of its own for a processor's fetches, where the backend needs one (the processor closes it
+    /// when it stops; `None`: fetch through this pool). On PostgreSQL, one connection (opened lazily,
+    /// with this pool's settings) with JIT compilation off for its session, so the fetch is one
+    /// statement: its planned cost rises with the table's statistics past `jit_above_cost`, and
+    /// compiling it cost many times the query.
+    pub(crate) fn fetch_pool(&self) -> Option<Db> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => Some(Db::Postgres(postgres::fetch_pool(pool))),
+            #[allow(unreachable_patterns)] // in a build with PostgreSQL alone
+            _ => None,
+        }
+    }
+
     /// Whether [`Db::listen`] can hear other processes' notices here (PostgreSQL).
     pub(crate) fn can_listen(&self) -> bool {
         #[cfg(feature = "postgres")]
@@ -321,7 +335,7 @@ impl Db {
     /// run's payloads stay within `budget` (the head always comes); at most `limit` heads. Only of
     /// partitions whose row still shows `request.instance` as owner at the requested epoch, and only
     /// while that instance's lease is live by database time. `Found::last_served` names each partition's
-    /// last head in walk order.
+    /// last head in walk order. The processor runs it on its [`Db::fetch_pool`].
     pub(crate) async fn fetch(&self, statements: &Statements, request: &Request) -> Result<Found> {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).fetch(request).await)
     }

@@ -90,7 +90,17 @@ impl Processor {
     /// # Cancel safety
     /// Dropping the future abandons in-flight deliveries without completing them; they are redelivered.
     #[instrument(skip_all, fields(instance = %self.assignment.borrow().instance))]
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<()> {
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let own = self.db.fetch_pool();
+        let fetches = own.clone().unwrap_or_else(|| self.db.clone());
+        let stopped = self.deliver(shutdown, &fetches).await;
+        if let Some(own) = own {
+            own.close().await;
+        }
+        stopped
+    }
+
+    async fn deliver(mut self, shutdown: CancellationToken, fetches: &Db) -> Result<()> {
         let config = self.outbox.config().clone();
         let context = Arc::new(Context {
             handlers: self.handlers.clone(),
@@ -112,7 +122,7 @@ impl Processor {
             if !current.is_live() {
                 state.cancels.lease_ran_out(state.in_flight.len());
             }
-            state.start_fetch(&self.outbox, &self.db, &current);
+            state.start_fetch(&self.outbox, fetches, &current);
             state.start_completion(&self.outbox, &self.db);
             if state.stop_deadline.is_some() && state.is_idle() {
                 info!("processor stopped: in-flight records completed");

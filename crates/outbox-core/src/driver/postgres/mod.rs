@@ -102,8 +102,15 @@ pub(super) async fn schedule(
         .await?)
 }
 
-/// Starts a transaction for the processor's statements, with JIT compilation off: the planner prices the
-/// fetch's loose index scan far above `jit_above_cost`, and compiling it cost many times the query.
+/// One connection of its own for the processor's fetches, with JIT off for its session (see
+/// `Db::fetch_pool`); opened at the first fetch, and again after it is lost.
+pub(super) fn fetch_pool(pool: &PgPool) -> PgPool {
+    let options = ConnectOptions { max_connections: 1, acquire_timeout: pool.options().get_acquire_timeout() };
+    super::sized(&options).connect_lazy_with((*pool.connect_options()).clone().options([("jit", "off")]))
+}
+
+/// Starts a transaction for the processor's completions, with JIT compilation off (see
+/// `Db::fetch_pool`).
 ///
 /// Cancel-safe: the `BEGIN` runs on a task of its own. sqlx 0.9's `begin` is not (a future dropped while
 /// `BEGIN` is in flight leaves its connection inside a transaction: transact-rs/sqlx#4393).
@@ -177,7 +184,6 @@ impl Driver<'_, PgPool, PgStatements> {
         let partitions: Vec<i16> = request.partitions.iter().map(|p| i16::from(p.0)).collect();
         let epochs: Vec<Epoch> = request.partitions.iter().map(|p| p.1).collect();
         let cursors: Vec<Option<&str>> = request.partitions.iter().map(|p| p.2.as_deref()).collect();
-        let mut tx = begin(self.pool).await?;
         let rows: Vec<FetchedRow> = sqlx::query_as(statement(&self.statements.fetch))
             .bind(&partitions)
             .bind(&epochs)
@@ -187,9 +193,8 @@ impl Driver<'_, PgPool, PgStatements> {
             .bind(count(request.limit))
             .bind(count(request.followers))
             .bind(count(request.budget))
-            .fetch_all(&mut *tx)
+            .fetch_all(self.pool)
             .await?;
-        tx.commit().await?;
         // The statement already cut each run to the byte budget; group them by key.
         let mut runs: HashMap<String, Vec<FetchedRow>> = HashMap::new();
         for row in rows {
@@ -378,9 +383,13 @@ mod tests {
         assert_eq!(kept, 1, "pending records are kept");
     }
 
-    /// The processor's statements run with JIT off, and the pooled connection gets its setting back.
+    /// The processor's statements run with JIT off (fetches on a connection of their own, completions in
+    /// transactions), and the application's pool keeps its setting.
     #[sqlx::test(migrations = false)]
-    async fn processor_transactions_run_without_jit(pool: PgPool) {
+    async fn processor_statements_run_without_jit(pool: PgPool) {
+        let fetches = super::fetch_pool(&pool);
+        let fetching: String = sqlx::query_scalar("SHOW jit").fetch_one(&fetches).await.unwrap();
+        assert_eq!(fetching, "off");
         let mut tx = super::begin(&pool).await.unwrap();
         let inside: String = sqlx::query_scalar("SHOW jit").fetch_one(&mut *tx).await.unwrap();
         tx.commit().await.unwrap();
@@ -389,6 +398,7 @@ mod tests {
         let default: String =
             sqlx::query_scalar("SELECT reset_val FROM pg_settings WHERE name = 'jit'").fetch_one(&pool).await.unwrap();
         assert_eq!(after, default);
+        assert_eq!(default, "on", "this test needs a database where JIT is on by default");
         let _ = Outbox::new(Config::default()).unwrap();
     }
 
