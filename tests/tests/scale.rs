@@ -324,11 +324,11 @@ async fn scale() {
     recorder.install().unwrap();
     let sizes = sizes();
     let most = sizes.iter().max().copied().unwrap_or(1) + 1;
-    // Per node: its pool, a heartbeat and a LISTEN connection; per worker process the same with the
-    // default pool of `Db::connect`; and room for the harness.
-    let per_process = outbox_core::ConnectOptions::default().max_connections as usize + 2;
+    // Per node: its pool, a heartbeat, a LISTEN and a fetch connection; per worker process the same with
+    // the default pool of `Db::connect`; and room for the harness.
+    let per_process = outbox_core::ConnectOptions::default().max_connections as usize + 3;
     let spot = processes().map_or(0, |k| (k + 1) * per_process);
-    let max_connections = (most * (POOL as usize + 2) + spot + 20).to_string();
+    let max_connections = (most * (POOL as usize + 3) + spot + 20).to_string();
     let cluster = PgCluster::start(&[
         ("max_connections", &max_connections),
         ("shared_preload_libraries", "pg_stat_statements"),
