@@ -309,6 +309,7 @@ async fn published_messages_carry_the_record_headers_and_the_payload_unchanged()
         headers: [("traceparent".to_string(), "00-abc-def-01".to_string())].into(),
         attempts: 0,
         created_at: chrono::Utc::now(),
+        deliver_at: None,
         epoch: outbox_core::Epoch(4),
     };
     handler.handle(&record).await.unwrap();

@@ -55,6 +55,24 @@ pub enum Error {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// A [`Delay::After`](crate::Delay::After) longer than [`MAX_DELAY`](crate::MAX_DELAY).
+    #[error("delay of {delay:?} for key {key:?} is longer than the {max:?} accepted")]
+    DelayTooLong {
+        /// Key of the rejected record.
+        key: String,
+        /// The delay asked for.
+        delay: std::time::Duration,
+        /// The limit.
+        max: std::time::Duration,
+    },
+    /// A [`Delay::At`](crate::Delay::At) after the year 9999, which not every database can store.
+    #[error("delivery time {at} for key {key:?} is after the year 9999")]
+    DeliverAtTooLate {
+        /// Key of the rejected record.
+        key: String,
+        /// The time asked for.
+        at: chrono::DateTime<chrono::Utc>,
+    },
     /// A payload could not be serialised to JSON.
     #[error("payload for key {key:?} could not be serialised to JSON: {source}")]
     Json {

@@ -65,7 +65,7 @@ pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handle
 pub use notice::{Nudge, Nudges};
 pub use partition::{PARTITIONS, Partition, partition_of};
 pub use processor::{MAX_ERROR_BYTES, Processor};
-pub use record::{Headers, MAX_EVENT_TYPE_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled};
+pub use record::{Delay, Headers, MAX_DELAY, MAX_EVENT_TYPE_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled};
 pub use retry::{Backoff, RetryPolicy};
 pub use stored::{FailedFilter, FailedRecord, PartitionStats};
 

@@ -2,6 +2,7 @@
 //! PostgreSQL's channels, and their delivery to this process's processors and ownership rounds.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::broadcast;
 
@@ -15,6 +16,13 @@ pub(crate) struct Partitions([u64; 4]);
 impl Partitions {
     /// Every partition: what a processor is told when wake-ups may have been missed.
     pub(crate) const ALL: Partitions = Partitions([u64::MAX; 4]);
+
+    /// Just `p`.
+    pub(crate) fn of(p: Partition) -> Self {
+        let mut set = Self::default();
+        set.insert(p);
+        set
+    }
 
     pub(crate) fn insert(&mut self, p: Partition) {
         self.0[usize::from(p / 64)] |= 1 << (p % 64);
@@ -55,12 +63,45 @@ impl Partitions {
     }
 }
 
+/// A wake-up: these partitions have records due now, or due `after` from now (records scheduled for
+/// later).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Wake {
+    pub(crate) partitions: Partitions,
+    pub(crate) after: Duration,
+}
+
+impl Wake {
+    /// Records due now in `partitions`.
+    pub(crate) fn now(partitions: Partitions) -> Self {
+        Self { partitions, after: Duration::ZERO }
+    }
+
+    /// Its text form: the partition set, then `+` and the milliseconds to wait, if any.
+    #[cfg(any(feature = "postgres", test))]
+    fn to_text(self) -> String {
+        match self.after.as_millis() {
+            0 => self.partitions.to_hex(),
+            ms => format!("{}+{ms}", self.partitions.to_hex()),
+        }
+    }
+
+    #[cfg(any(feature = "postgres", test))]
+    fn from_text(text: &str) -> Option<Self> {
+        let (set, after) = match text.split_once('+') {
+            Some((set, ms)) => (set, Duration::from_millis(ms.parse().ok()?)),
+            None => (text, Duration::ZERO),
+        };
+        Some(Self { partitions: Partitions::from_hex(set)?, after })
+    }
+}
+
 /// What a notice tells other processes.
 #[derive(Debug, Clone, Copy)]
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))] // notices travel only through PostgreSQL
 pub(crate) enum Message<'a> {
-    /// These partitions have new records.
-    Wake(Partitions),
+    /// These partitions have new records, due now or later.
+    Wake(&'a [Wake]),
     /// These instances should run their ownership rounds now.
     Nudge(&'a [InstanceId]),
 }
@@ -108,10 +149,14 @@ impl Nudges {
 #[cfg(any(feature = "postgres", test))]
 const IDS_PER_NOTICE: usize = 200;
 
+/// At most this many wake-ups go in one `NOTIFY` (up to 86 characters each, comma-separated).
+#[cfg(any(feature = "postgres", test))]
+const WAKES_PER_NOTICE: usize = 80;
+
 /// The wake-ups and nudges of one [`Outbox`](crate::Outbox) (and its clones) in this process.
 #[derive(Debug)]
 pub(crate) struct Wakeups {
-    sender: broadcast::Sender<Partitions>,
+    sender: broadcast::Sender<Wake>,
     nudges: broadcast::Sender<Nudge>,
     /// Names this `Outbox`'s notices, so its listeners pass over the ones it sent: its processors
     /// heard those when they were sent, and hearing them again would fetch twice per commit.
@@ -131,9 +176,9 @@ impl Default for Wakeups {
 }
 
 impl Wakeups {
-    pub(crate) fn send(&self, partitions: Partitions) {
+    pub(crate) fn send(&self, wake: Wake) {
         // No processor in this process: nothing to wake.
-        let _ = self.sender.send(partitions);
+        let _ = self.sender.send(wake);
     }
 
     pub(crate) fn subscribe(&self) -> Listener {
@@ -154,17 +199,24 @@ impl Wakeups {
     /// What a listener that has just (re)connected tells this process: notices sent while it was not
     /// listening were lost, so every processor looks at every partition and every round runs.
     pub(crate) fn missed(&self) {
-        self.send(Partitions::ALL);
+        self.send(Wake::now(Partitions::ALL));
         let _ = self.nudges.send(Nudge::EVERYONE);
     }
 
     /// The notices that tell other processes `message`, each with its channel: this outbox's origin
-    /// (32 hex digits), then the partition set (64), or up to [`IDS_PER_NOTICE`] instance ids (32 each).
+    /// (32 hex digits), then up to [`WAKES_PER_NOTICE`] wake-ups (comma-separated), or up to
+    /// [`IDS_PER_NOTICE`] instance ids (32 hex digits each).
     #[cfg(any(feature = "postgres", test))]
     pub(crate) fn notices(&self, message: Message<'_>) -> Vec<(Channel, String)> {
         let origin = format!("{:032x}", self.origin);
         match message {
-            Message::Wake(partitions) => vec![(Channel::Wake, format!("{origin}{}", partitions.to_hex()))],
+            Message::Wake(wakes) => wakes
+                .chunks(WAKES_PER_NOTICE)
+                .map(|chunk| {
+                    let wakes: Vec<String> = chunk.iter().map(|w| w.to_text()).collect();
+                    (Channel::Wake, format!("{origin}{}", wakes.join(",")))
+                })
+                .collect(),
             Message::Nudge(ids) => ids
                 .chunks(IDS_PER_NOTICE)
                 .map(|chunk| {
@@ -187,8 +239,8 @@ impl Wakeups {
             return;
         }
         match channel {
-            Channel::Wake => match Partitions::from_hex(body) {
-                Some(partitions) => self.send(partitions),
+            Channel::Wake => match body.split(',').map(Wake::from_text).collect::<Option<Vec<_>>>() {
+                Some(wakes) => wakes.into_iter().for_each(|wake| self.send(wake)),
                 None => tracing::debug!(notice, "ignored a malformed wake-up"),
             },
             Channel::Nudge => match parse_ids(body) {
@@ -211,15 +263,15 @@ fn parse_ids(text: &str) -> Option<Vec<InstanceId>> {
 }
 
 /// One processor's end of the wake-ups.
-pub(crate) struct Listener(broadcast::Receiver<Partitions>);
+pub(crate) struct Listener(broadcast::Receiver<Wake>);
 
 impl Listener {
-    /// The partitions of the next wake-up (`ALL` if some were missed); pending forever once the sender
-    /// is gone (never, while the outbox lives).
-    pub(crate) async fn next(&mut self) -> Partitions {
+    /// The next wake-up (every partition, now, if some were missed); pending forever once the sender is
+    /// gone (never, while the outbox lives).
+    pub(crate) async fn next(&mut self) -> Wake {
         match self.0.recv().await {
-            Ok(partitions) => partitions,
-            Err(broadcast::error::RecvError::Lagged(_)) => Partitions::ALL,
+            Ok(wake) => wake,
+            Err(broadcast::error::RecvError::Lagged(_)) => Wake::now(Partitions::ALL),
             Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
         }
     }
@@ -229,7 +281,9 @@ impl Listener {
 mod tests {
     use proptest::prelude::*;
 
-    use super::{Channel, Message, Partitions, Wakeups};
+    use std::time::Duration;
+
+    use super::{Channel, Message, Partitions, Wake, Wakeups};
     use crate::assignment::InstanceId;
 
     proptest! {
@@ -255,15 +309,42 @@ mod tests {
         let (at_sender, mut at_other) = (sender.subscribe(), other.subscribe());
         let mut set = Partitions::default();
         set.insert(7);
-        let [(channel, notice)] = &sender.notices(Message::Wake(set))[..] else { panic!("one notice") };
+        let wake = [Wake::now(set)];
+        let [(channel, notice)] = &sender.notices(Message::Wake(&wake))[..] else { panic!("one notice") };
         assert_eq!(*channel, Channel::Wake);
         sender.heard(Channel::Wake, notice);
         other.heard(Channel::Wake, notice);
         other.heard(Channel::Wake, "not a notice");
         other.heard(Channel::Wake, &notice[..90]);
-        assert_eq!(at_other.next().await, set);
+        other.heard(Channel::Wake, &format!("{notice}+soon"));
+        assert_eq!(at_other.next().await, wake[0]);
         assert!(at_other.0.is_empty(), "a malformed notice woke a processor");
         assert!(at_sender.0.is_empty(), "an outbox heard its own notice again");
+    }
+
+    /// Wake-ups for records due later carry their wait, many to a notice and every notice within
+    /// PostgreSQL's payload limit, and arrive as sent.
+    #[tokio::test]
+    async fn wake_ups_for_later_carry_their_wait() {
+        let (sender, other) = (Wakeups::default(), Wakeups::default());
+        let mut at_other = other.subscribe();
+        let wakes: Vec<Wake> = (0..200_u64)
+            .map(|i| {
+                let mut set = Partitions::default();
+                set.insert(u8::try_from(i % 256).unwrap());
+                set.insert(u8::try_from(i * 7 % 256).unwrap());
+                Wake { partitions: set, after: Duration::from_millis(i * 1_000_000_007) }
+            })
+            .collect();
+        let notices = sender.notices(Message::Wake(&wakes));
+        assert_eq!(notices.len(), 3);
+        assert!(notices.iter().all(|(_, n)| n.len() < 8000), "a NOTIFY payload must stay under 8,000 bytes");
+        for (channel, notice) in &notices {
+            other.heard(*channel, notice);
+        }
+        for wake in &wakes {
+            assert_eq!(at_other.next().await, *wake);
+        }
     }
 
     /// A nudge names the instances it was sent to, in as many notices as their ids need, and reaches

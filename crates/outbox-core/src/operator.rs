@@ -6,7 +6,7 @@ use uuid::Uuid;
 use crate::Outbox;
 use crate::driver::Db;
 use crate::error::{Error, Result};
-use crate::notice::Partitions;
+use crate::notice::{Partitions, Wake};
 pub use crate::stored::{FailedFilter, FailedRecord, PartitionStats};
 
 impl Outbox {
@@ -45,7 +45,7 @@ impl Outbox {
     /// the partition is not at hand) rather than leave the key to the next idle poll. Already done, so
     /// a failed wake-up is only logged.
     async fn wake_after_resolving(&self, db: &Db) {
-        if let Err(e) = self.wake_partitions(db, Partitions::ALL).await {
+        if let Err(e) = self.send_wakes(db, &[Wake::now(Partitions::ALL)]).await {
             warn!(error = %e, "wake-up after resolving FAILED records not sent; owners find them at their next poll");
         }
     }

@@ -1,8 +1,10 @@
 //! The record model: what a caller schedules ([`NewRecord`]) and what a handler receives ([`Record`]).
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use bytes::Bytes;
+use chrono::{DateTime, Datelike, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -20,6 +22,19 @@ pub const MAX_EVENT_TYPE_BYTES: usize = 256;
 /// Record headers (e.g. trace context), carried to the handler unchanged. Ordered for stable output.
 pub type Headers = BTreeMap<String, String>;
 
+/// Longest accepted [`Delay::After`]: far enough for any reminder, near enough that every database's
+/// time type holds the result.
+pub const MAX_DELAY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// When a record may first be delivered, if not at once. Both are judged by the database's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delay {
+    /// Not before this time (a time already past: at once).
+    At(DateTime<Utc>),
+    /// Not before this long after the scheduling transaction's database time.
+    After(Duration),
+}
+
 /// A record to schedule inside the caller's transaction.
 #[derive(Debug, Clone)]
 pub struct NewRecord {
@@ -31,12 +46,20 @@ pub struct NewRecord {
     pub payload: Bytes,
     /// Headers, delivered unchanged.
     pub headers: Headers,
+    /// When it may first be delivered; `None`: at once.
+    pub delay: Option<Delay>,
 }
 
 impl NewRecord {
     /// A record with raw payload bytes.
     pub fn new(key: impl Into<String>, event_type: impl Into<String>, payload: impl Into<Bytes>) -> Self {
-        Self { key: key.into(), event_type: event_type.into(), payload: payload.into(), headers: Headers::new() }
+        Self {
+            key: key.into(),
+            event_type: event_type.into(),
+            payload: payload.into(),
+            headers: Headers::new(),
+            delay: None,
+        }
     }
 
     /// A record whose payload is `value` serialised as JSON.
@@ -53,6 +76,20 @@ impl NewRecord {
     /// Adds a header.
     pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Delivers the record no earlier than `at` (the database's clock). With stop-on-first-failure on, the
+    /// key's later records wait for it (strict per-key order); with it off, they go ahead.
+    pub fn deliver_at(mut self, at: impl Into<DateTime<Utc>>) -> Self {
+        self.delay = Some(Delay::At(at.into()));
+        self
+    }
+
+    /// Delivers the record no earlier than `delay` after the scheduling transaction's database time; see
+    /// [`NewRecord::deliver_at`].
+    pub fn deliver_after(mut self, delay: Duration) -> Self {
+        self.delay = Some(Delay::After(delay));
         self
     }
 
@@ -77,6 +114,16 @@ impl NewRecord {
         if self.payload.len() > max_payload_bytes {
             return Err(Error::PayloadTooLarge { key: key.clone(), len: self.payload.len(), max: max_payload_bytes });
         }
+        if let Some(Delay::After(delay)) = self.delay
+            && delay > MAX_DELAY
+        {
+            return Err(Error::DelayTooLong { key: key.clone(), delay, max: MAX_DELAY });
+        }
+        if let Some(Delay::At(at)) = self.delay
+            && at.year() > MAX_YEAR
+        {
+            return Err(Error::DeliverAtTooLate { key: key.clone(), at });
+        }
         for (name, value) in &self.headers {
             let bad = |reason| Err(Error::BadHeader { key: key.clone(), name: name.clone(), reason });
             if name.is_empty() {
@@ -97,6 +144,9 @@ impl NewRecord {
         partition_of(&self.key)
     }
 }
+
+/// The last year a [`Delay::At`] may fall in (MySQL's `DATETIME` ends with it).
+const MAX_YEAR: i32 = 9999;
 
 /// A stored record as handed to a handler.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,7 +170,9 @@ pub struct Record {
     /// Failed deliveries so far (0 on the first delivery).
     pub attempts: i32,
     /// When the record was scheduled (the scheduling transaction's start, database time).
-    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub created_at: DateTime<Utc>,
+    /// When it was scheduled to be delivered at, if later than `created_at` (see [`NewRecord::delay`]).
+    pub deliver_at: Option<DateTime<Utc>>,
     /// The partition's ownership epoch this delivery runs under: a fencing token that grows with every
     /// change of owner, for targets that want to reject deliveries from a superseded owner.
     pub epoch: Epoch,
@@ -135,6 +187,8 @@ pub struct Scheduled {
     pub partition: Partition,
     /// Its per-key sequence number.
     pub seq: i64,
+    /// When it may first be delivered, as asked ([`NewRecord::delay`]).
+    pub delay: Option<Delay>,
 }
 
 #[cfg(test)]
@@ -162,5 +216,12 @@ mod tests {
         }
         assert!(matches!(check(NewRecord::new("k", "t", "").header("h", "a\r\nb")), Err(Error::BadHeader { .. })));
         assert!(check(NewRecord::new("k", "t", "").header("traceparent", "00-ab-cd-01")).is_ok());
+        assert!(check(NewRecord::new("k", "t", "").deliver_after(MAX_DELAY)).is_ok());
+        assert!(matches!(
+            check(NewRecord::new("k", "t", "").deliver_after(MAX_DELAY + Duration::from_secs(1))),
+            Err(Error::DelayTooLong { .. })
+        ));
+        let late = chrono::TimeZone::with_ymd_and_hms(&Utc, 10_000, 1, 1, 0, 0, 0).unwrap();
+        assert!(matches!(check(NewRecord::new("k", "t", "").deliver_at(late)), Err(Error::DeliverAtTooLate { .. })));
     }
 }

@@ -9,7 +9,7 @@ use uuid::Uuid;
 use crate::Outbox;
 use crate::driver::Conn;
 use crate::error::{Error, Result};
-use crate::record::{NewRecord, Scheduled};
+use crate::record::{Delay, NewRecord, Scheduled};
 use crate::stored::NewRow;
 
 impl Outbox {
@@ -55,6 +55,14 @@ impl Outbox {
                 event_type: &record.event_type,
                 payload: &record.payload,
                 headers,
+                deliver_at: match record.delay {
+                    Some(Delay::At(at)) => Some(at),
+                    _ => None,
+                },
+                deliver_after_ms: match record.delay {
+                    Some(Delay::After(after)) => Some(crate::driver::millis(after)),
+                    _ => None,
+                },
             });
         }
         if records.is_empty() {
@@ -65,9 +73,10 @@ impl Outbox {
         metrics::counter!("outbox_records_scheduled_total").increment(written.len() as u64);
         let seq_of: HashMap<Uuid, i64> = written.into_iter().collect();
         rows.iter()
-            .map(|row| {
+            .zip(records)
+            .map(|(row, record)| {
                 let seq = seq_of.get(&row.id).copied().ok_or(Error::Database(sqlx::Error::RowNotFound))?;
-                Ok(Scheduled { id: row.id, partition: row.partition, seq })
+                Ok(Scheduled { id: row.id, partition: row.partition, seq, delay: record.delay })
             })
             .collect()
     }

@@ -24,6 +24,10 @@ pub(crate) struct NewRow<'a> {
     pub(crate) payload: &'a [u8],
     /// The headers as JSON text.
     pub(crate) headers: String,
+    /// Not to be delivered before this database time…
+    pub(crate) deliver_at: Option<DateTime<Utc>>,
+    /// …or this many milliseconds after the scheduling transaction's database time.
+    pub(crate) deliver_after_ms: Option<i64>,
 }
 
 /// What one fetch asks for.
@@ -57,6 +61,7 @@ pub(crate) struct FetchedRow {
     pub(crate) attempts: i32,
     pub(crate) requeues: i32,
     pub(crate) created_at: DateTime<Utc>,
+    pub(crate) deliver_at: Option<DateTime<Utc>>,
     /// Not FAILED and not waiting for a retry.
     pub(crate) due: bool,
     /// A head's place in the walk (increasing in the order keys were served); `None` for followers.
@@ -109,6 +114,7 @@ impl Found {
                     headers: row.headers.0,
                     attempts: row.attempts,
                     created_at: row.created_at,
+                    deliver_at: row.deliver_at,
                     epoch,
                 };
                 run.push(Fetched { record, instance: request.instance, requeues: row.requeues });
@@ -222,7 +228,8 @@ pub(crate) struct Outcome {
     /// Operator requeues of the record when it was fetched: a failure is written only if the record
     /// has not been requeued since (a late retry of a FAILED write must not undo a requeue).
     pub(crate) requeues: i32,
-    pub(crate) created_at: DateTime<Utc>,
+    /// Since when the record was due: scheduled, or its `deliver_at` (for the delivery latency).
+    pub(crate) due_since: DateTime<Utc>,
     pub(crate) verdict: Verdict,
 }
 
@@ -331,11 +338,14 @@ pub struct FailedFilter {
 pub struct PartitionStats {
     /// Partition.
     pub partition: Partition,
-    /// Records waiting for delivery (including those backing off).
+    /// Records waiting for delivery (including those backing off), not counting those scheduled for later.
     pub pending: i64,
+    /// Records scheduled for later ([`NewRecord::delay`](crate::NewRecord::delay)) whose time has not come.
+    pub scheduled: i64,
     /// FAILED records.
     pub failed: i64,
-    /// Age of the oldest pending record, by database time.
+    /// How long the oldest pending record has waited since it was due (scheduled, or its delivery
+    /// time), by database time.
     pub oldest_pending: Option<Duration>,
 }
 
@@ -345,6 +355,7 @@ pub(crate) struct StatsRow {
     #[sqlx(try_from = "i16")]
     partition: Partition,
     pending: i64,
+    scheduled: i64,
     failed: i64,
     oldest_pending_secs: Option<f64>,
 }
@@ -354,6 +365,7 @@ impl From<StatsRow> for PartitionStats {
         PartitionStats {
             partition: row.partition,
             pending: row.pending,
+            scheduled: row.scheduled,
             failed: row.failed,
             oldest_pending: row.oldest_pending_secs.map(|s| Duration::from_secs_f64(s.max(0.0))),
         }

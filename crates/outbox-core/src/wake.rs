@@ -12,17 +12,22 @@
 //! ownership round should run now rather than at its next tick, because partitions they own or are
 //! meant to take moved. Rounds on their tickers stay the correctness path there too.
 
+use std::collections::BTreeMap;
+use std::time::Duration;
+
 use crate::Outbox;
 use crate::assignment::InstanceId;
 use crate::driver::Db;
 use crate::error::Result;
-use crate::notice::{Message, Nudges, Partitions};
-use crate::record::Scheduled;
+use crate::notice::{Message, Nudges, Partitions, Wake};
+use crate::record::{Delay, Scheduled};
 
 impl Outbox {
-    /// Wakes the owners of `scheduled`'s partitions so they deliver now rather than at their next poll.
-    /// Call it after the transaction that scheduled them has committed (before, the records are not yet
-    /// visible, and the owner looks in vain).
+    /// Wakes the owners of `scheduled`'s partitions so they deliver now rather than at their next poll;
+    /// for records scheduled for later, when their time comes (by this host's clock; a processor that
+    /// stops meanwhile, or misses it, leaves them to its successor's poll). Call it after the transaction
+    /// that scheduled them has committed (before, the records are not yet visible, and the owner looks
+    /// in vain).
     ///
     /// Processors of this `Outbox` in this process hear it at once. On PostgreSQL it also sends one
     /// `NOTIFY` (its own statement, after the caller's commit), heard by the processors of every other
@@ -39,19 +44,31 @@ impl Outbox {
     /// # Ok(()) }
     /// ```
     pub async fn wake(&self, db: impl Into<Db>, scheduled: &[Scheduled]) -> Result<()> {
-        let mut partitions = Partitions::default();
+        // Per wait (0: due now), the partitions with records due then.
+        let mut by_wait: BTreeMap<Duration, Partitions> = BTreeMap::new();
+        let now = chrono::Utc::now();
         for s in scheduled {
-            partitions.insert(s.partition);
+            let wait = match s.delay {
+                None => Duration::ZERO,
+                Some(Delay::After(after)) => after,
+                Some(Delay::At(at)) => (at - now).to_std().unwrap_or_default(),
+            };
+            // Whole milliseconds, rounded up: a processor woken early finds nothing and waits for its poll.
+            let millis = u64::try_from(wait.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX);
+            by_wait.entry(Duration::from_millis(millis)).or_default().insert(s.partition);
         }
-        self.wake_partitions(&db.into(), partitions).await
+        let wakes: Vec<Wake> = by_wait.into_iter().map(|(after, partitions)| Wake { partitions, after }).collect();
+        self.send_wakes(&db.into(), &wakes).await
     }
 
-    pub(crate) async fn wake_partitions(&self, db: &Db, partitions: Partitions) -> Result<()> {
-        if partitions.is_empty() {
+    pub(crate) async fn send_wakes(&self, db: &Db, wakes: &[Wake]) -> Result<()> {
+        if wakes.is_empty() {
             return Ok(());
         }
-        self.wakeups().send(partitions);
-        db.notify(self.statements(), self.wakeups(), Message::Wake(partitions)).await
+        for &wake in wakes {
+            self.wakeups().send(wake);
+        }
+        db.notify(self.statements(), self.wakeups(), Message::Wake(wakes)).await
     }
 
     /// Asks the ownership rounds of `instances` to run now instead of at their next tick: the cluster

@@ -82,11 +82,12 @@ pub async fn status(ctx: &Context) -> Result<(), Failure> {
         println!("  {owner:<16} {:>3} partitions  epochs {lo}..={hi}  [{}{more}]", parts.len(), first.join(", "));
     }
     let pending: i64 = stats.iter().map(|s| s.pending).sum();
+    let scheduled: i64 = stats.iter().map(|s| s.scheduled).sum();
     let failed: i64 = stats.iter().map(|s| s.failed).sum();
     let oldest = stats.iter().filter_map(|s| s.oldest_pending).max();
     println!("backlog");
     println!(
-        "  pending {pending}  FAILED {failed}  oldest pending {}",
+        "  pending {pending}  scheduled for later {scheduled}  FAILED {failed}  oldest pending {}",
         oldest.map_or("-".into(), |d| format!("{d:.1?}"))
     );
     let mut busiest: Vec<_> = stats.iter().filter(|s| s.pending > 0).collect();

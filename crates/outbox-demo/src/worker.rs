@@ -57,7 +57,8 @@ pub async fn run(ctx: &Context, args: WorkerArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Pending and FAILED records per partition and the oldest pending age, every 5 s.
+/// Pending and scheduled-for-later records per partition, FAILED records and the oldest pending age,
+/// every 5 s.
 async fn backlog_gauges(outbox: outbox_core::Outbox, db: outbox_core::Db) {
     let mut reported: BTreeSet<u8> = BTreeSet::new();
     let mut ticker = tokio::time::interval(Duration::from_secs(5));
@@ -73,9 +74,11 @@ async fn backlog_gauges(outbox: outbox_core::Outbox, db: outbox_core::Db) {
         let now: BTreeSet<u8> = stats.iter().map(|s| s.partition).collect();
         for gone in reported.difference(&now) {
             metrics::gauge!("outbox_pending_records", "partition" => gone.to_string()).set(0.0);
+            metrics::gauge!("outbox_scheduled_records", "partition" => gone.to_string()).set(0.0);
         }
         for s in &stats {
             metrics::gauge!("outbox_pending_records", "partition" => s.partition.to_string()).set(s.pending as f64);
+            metrics::gauge!("outbox_scheduled_records", "partition" => s.partition.to_string()).set(s.scheduled as f64);
         }
         let failed: i64 = stats.iter().map(|s| s.failed).sum();
         metrics::gauge!("outbox_failed_records").set(failed as f64);

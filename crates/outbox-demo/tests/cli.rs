@@ -156,7 +156,7 @@ async fn two_workers_produce_verify_and_status(
 
     let status = env.ok(&["status"]);
     assert!(status.contains("w1") && status.contains("w2") && status.contains("128 partitions"), "{status}");
-    assert!(status.contains("pending 0  FAILED 0"), "{status}");
+    assert!(status.contains("pending 0  scheduled for later 0  FAILED 0"), "{status}");
     (w1, w2)
 }
 

@@ -126,6 +126,7 @@ mod tests {
             headers: Default::default(),
             attempts: 0,
             created_at: chrono::Utc::now(),
+            deliver_at: None,
             epoch: outbox_core::Epoch(1),
         }
     }

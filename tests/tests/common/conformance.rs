@@ -83,6 +83,7 @@ pub async fn run<T: Target>(outbox: &Outbox, pool: &super::TestDb, target: &T) {
         headers: Default::default(),
         attempts: 0,
         created_at: chrono::Utc::now(),
+        deliver_at: None,
         epoch: outbox_core::Epoch(1),
     };
     let handler = target.handler();

@@ -151,7 +151,7 @@ async fn complete_says_what_it_wrote_and_what_the_fence_held(pool: PgPool) {
             key: "k".into(),
             attempts: 1,
             requeues: 0,
-            created_at: chrono::Utc::now(),
+            due_since: chrono::Utc::now(),
             verdict: Verdict::Failed { error: "permanent: no".into() },
         };
         let first = db.complete(outbox.statements(), std::slice::from_ref(&outcome)).await.unwrap();

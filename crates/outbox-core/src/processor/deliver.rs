@@ -90,7 +90,7 @@ async fn deliver(handlers: &Handlers, config: &Config, fetched: &Fetched) -> Out
         key: record.key.clone(),
         attempts,
         requeues: fetched.requeues,
-        created_at: record.created_at,
+        due_since: record.deliver_at.unwrap_or(record.created_at),
         verdict,
     }
 }

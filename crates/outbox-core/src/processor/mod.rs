@@ -56,7 +56,7 @@ use crate::config::Config;
 use crate::driver::Db;
 use crate::error::{Error, Result};
 use crate::handler::Handlers;
-use crate::notice::Partitions;
+use crate::notice::{Partitions, Wake};
 use crate::partition::Partition;
 use crate::stored::{Found, Outcome, Request, Verdict};
 
@@ -160,9 +160,9 @@ impl Processor {
                 }
                 () = tokio::time::sleep_until(state.complete_not_before),
                     if !state.outcomes.is_empty() && state.completion.is_none() => {}
-                () = sleep_until_opt(state.next_due) => { state.next_due = None; state.wanted = Partitions::ALL; }
+                () = sleep_until_opt(state.timers.first_key_value().map(|(&at, _)| at)) => state.timers_due(),
                 () = tokio::time::sleep_until(state.next_poll), if state.fetch.is_none() => state.poll_due(),
-                partitions = woken.next() => state.wanted.extend(partitions),
+                wake = woken.next() => state.on_woken(wake),
                 () = sleep_until_opt(lease_deadline) => {}
                 changed = self.assignment.changed(), if state.assignment_open => {
                     if changed.is_err() {
@@ -211,7 +211,9 @@ struct State {
     cancels: Cancels,
     /// The partitions the next fetch reads (of those held): `ALL` for a poll.
     wanted: Partitions,
-    next_due: Option<Instant>,
+    /// Partitions to read later, when records there fall due: retries written here, and records
+    /// scheduled for later that a wake-up announced. At most [`MAX_TIMERS`]; polls find the rest.
+    timers: BTreeMap<Instant, Partitions>,
     next_poll: Instant,
     last_found: Option<Instant>,
     stop_deadline: Option<Instant>,
@@ -237,7 +239,7 @@ impl State {
             fenced: BTreeMap::new(),
             cancels: Cancels::default(),
             wanted: Partitions::ALL,
-            next_due: None,
+            timers: BTreeMap::new(),
             last_found: None,
             stop_deadline: None,
             assignment_open: true,
@@ -349,8 +351,7 @@ impl State {
             if written.ids.contains(&outcome.id) {
                 record_metrics(&outcome);
                 if let Verdict::Retry { delay, .. } = outcome.verdict {
-                    let due = Instant::now() + delay;
-                    self.next_due = Some(self.next_due.map_or(due, |d| d.min(due)));
+                    self.wake_at(Instant::now() + delay, Partitions::of(outcome.partition));
                 }
             } else if written.held.contains(&outcome.grant()) {
                 debug!(record = %outcome.id, key = %outcome.key, partition = outcome.partition,
@@ -383,6 +384,29 @@ impl State {
             .retain(|(p, instance, epoch), _| current.instance == *instance && current.epochs.get(p) == Some(epoch));
         self.fetches.retain(|p| current.epochs.contains_key(&p));
         self.wanted = Partitions::ALL;
+    }
+
+    fn on_woken(&mut self, wake: Wake) {
+        if wake.after.is_zero() {
+            self.wanted.extend(wake.partitions);
+        } else {
+            self.wake_at(Instant::now() + wake.after, wake.partitions);
+        }
+    }
+
+    fn wake_at(&mut self, at: Instant, partitions: Partitions) {
+        self.timers.entry(at).or_default().extend(partitions);
+        if self.timers.len() > MAX_TIMERS {
+            self.timers.pop_last();
+        }
+    }
+
+    /// The timers that are due join the next fetch.
+    fn timers_due(&mut self) {
+        let later = self.timers.split_off(&(Instant::now() + Duration::from_nanos(1)));
+        for partitions in std::mem::replace(&mut self.timers, later).into_values() {
+            self.wanted.extend(partitions);
+        }
     }
 
     fn poll_due(&mut self) {
@@ -470,8 +494,9 @@ fn record_metrics(outcome: &Outcome) {
         Verdict::Delivered | Verdict::Fallback => {
             let how = outcome.verdict.completed_as();
             metrics::counter!("outbox_records_completed_total", "outcome" => how).increment(1);
-            // Scheduling transaction start (database clock) to completion (host clock).
-            let latency = (chrono::Utc::now() - outcome.created_at).to_std().unwrap_or_default();
+            // Due (the scheduling transaction's start or the delivery time asked for, database clock) to
+            // completion (host clock).
+            let latency = (chrono::Utc::now() - outcome.due_since).to_std().unwrap_or_default();
             metrics::histogram!("outbox_delivery_latency_seconds").record(latency.as_secs_f64());
         }
         Verdict::Retry { .. } => metrics::counter!("outbox_records_retried_total").increment(1),
@@ -481,6 +506,9 @@ fn record_metrics(outcome: &Outcome) {
 
 /// How long after the last fetch that found records the processor keeps polling at the active rate.
 const ACTIVE_WINDOW: Duration = Duration::from_secs(1);
+
+/// Timers a processor keeps at most (see `State::timers`).
+const MAX_TIMERS: usize = 4096;
 
 /// How long the wake-up listener waits before connecting again.
 const LISTEN_RETRY: Duration = Duration::from_secs(1);

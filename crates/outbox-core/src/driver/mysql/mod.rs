@@ -26,8 +26,14 @@ use crate::stored::{
 };
 
 /// The migrations of the MySQL schema, in order (`{s}` is the table prefix, `{bin}` the key collation).
-pub const MIGRATIONS: &[Migration] =
-    &[Migration { version: 1, name: "initial", sql: include_str!("../../../../../migrations/mysql/0001_initial.sql") }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "initial", sql: include_str!("../../../../../migrations/mysql/0001_initial.sql") },
+    Migration {
+        version: 2,
+        name: "delivery_times",
+        sql: include_str!("../../../../../migrations/mysql/0002_delivery_times.sql"),
+    },
+];
 
 /// How long a migrator waits for another one of the same schema (`GET_LOCK`).
 const MIGRATION_LOCK_WAIT_SECS: i64 = 300;
@@ -114,11 +120,14 @@ pub(super) async fn schedule(
     rows: &[NewRow<'_>],
 ) -> Result<Vec<(Uuid, i64)>> {
     let keys: BTreeSet<(&str, i16)> = rows.iter().map(|r| (r.key, i16::from(r.partition))).collect();
-    let records: Vec<(String, i16, &str, &str, String, &str)> = rows
+    let records: Vec<_> = rows
         .iter()
         .map(|r| {
             let payload = base64::engine::general_purpose::STANDARD.encode(r.payload);
-            (hex(r.id), i16::from(r.partition), r.key, r.event_type, payload, r.headers.as_str())
+            // The text form a DATETIME(6) column takes from JSON.
+            let at = r.deliver_at.map(|at| at.format("%Y-%m-%d %H:%M:%S%.6f").to_string());
+            let (id, partition) = (hex(r.id), i16::from(r.partition));
+            (id, partition, r.key, r.event_type, payload, r.headers.as_str(), at, r.deliver_after_ms)
         })
         .collect();
     let ids: Vec<String> = rows.iter().map(|r| hex(r.id)).collect();

@@ -24,21 +24,31 @@ SELECT j.k, j.p FROM JSON_TABLE(?, '$[*]' COLUMNS (
     k VARCHAR(512) CHARACTER SET utf8mb4 PATH '$[0]', p SMALLINT PATH '$[1]')) j
 ON DUPLICATE KEY UPDATE `partition` = {s}_keys.`partition`";
 
-/// Inserts the records of `?` (JSON `[[hex id, partition, key, type, base64 payload, headers], …]`) in
-/// batch order, so the table's AUTO_INCREMENT numbers them in that order.
-const INSERT: &str = "INSERT INTO {s}_records (id, `partition`, `key`, event_type, payload, headers)
-SELECT UNHEX(j.id), j.p, j.k, j.t, FROM_BASE64(j.payload), j.h FROM JSON_TABLE(?, '$[*]' COLUMNS (
+/// Inserts the records of `?` (JSON `[[hex id, partition, key, type, base64 payload, headers, delivery
+/// time, delay in ms], …]`) in batch order, so the table's AUTO_INCREMENT numbers them in that order. A
+/// record to deliver later is due then (`next_attempt_at`), if that is later than now.
+const INSERT: &str =
+    "INSERT INTO {s}_records (id, `partition`, `key`, event_type, payload, headers, deliver_at, next_attempt_at)
+SELECT UNHEX(j.id), j.p, j.k, j.t, FROM_BASE64(j.payload), j.h, {deliver_at}, {deliver_at}
+FROM JSON_TABLE(?, '$[*]' COLUMNS (
     ord FOR ORDINALITY, id CHAR(32) PATH '$[0]', p SMALLINT PATH '$[1]',
     k VARCHAR(512) CHARACTER SET utf8mb4 PATH '$[2]', t VARCHAR(256) CHARACTER SET utf8mb4 PATH '$[3]',
-    payload LONGTEXT PATH '$[4]', h LONGTEXT CHARACTER SET utf8mb4 PATH '$[5]')) j
+    payload LONGTEXT PATH '$[4]', h LONGTEXT CHARACTER SET utf8mb4 PATH '$[5]', at DATETIME(6) PATH '$[6]',
+    after_ms BIGINT PATH '$[7]')) j
 ORDER BY j.ord";
+
+/// When a record of `j` is due, if later than now.
+const DELIVER_AT: &str =
+    "IF(COALESCE(j.at, UTC_TIMESTAMP(6) + INTERVAL (j.after_ms * 1000) MICROSECOND) > UTC_TIMESTAMP(6),
+    COALESCE(j.at, UTC_TIMESTAMP(6) + INTERVAL (j.after_ms * 1000) MICROSECOND), NULL)";
 
 /// The numbers the records of `?` (JSON array of hex ids) were given.
 const NUMBERS: &str = "SELECT r.id, r.seq FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$')) j
 STRAIGHT_JOIN {s}_records r FORCE INDEX (PRIMARY) ON r.id = UNHEX(j.id)";
 
 const COLS: &str =
-    "r.id, r.`partition`, r.`key`, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at";
+    "r.id, r.`partition`, r.`key`, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at,
+    r.deliver_at";
 
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= UTC_TIMESTAMP(6)))";
 
@@ -138,10 +148,14 @@ FROM {s}_records WHERE id = ? AND failed_at IS NOT NULL";
 
 const SKIP_DELETE: &str = "DELETE FROM {s}_records WHERE id = ? AND failed_at IS NOT NULL";
 
+/// Per partition: pending (due by their delivery time), scheduled for later, FAILED, and how long the
+/// oldest pending record has been due.
 const STATS: &str = "SELECT `partition`,
-    CAST(SUM(failed_at IS NULL) AS SIGNED) AS pending,
+    CAST(SUM(failed_at IS NULL AND COALESCE(deliver_at, created_at) <= UTC_TIMESTAMP(6)) AS SIGNED) AS pending,
+    CAST(SUM(failed_at IS NULL AND COALESCE(deliver_at > UTC_TIMESTAMP(6), FALSE)) AS SIGNED) AS scheduled,
     CAST(SUM(failed_at IS NOT NULL) AS SIGNED) AS failed,
-    TIMESTAMPDIFF(MICROSECOND, MIN(IF(failed_at IS NULL, created_at, NULL)), UTC_TIMESTAMP(6)) / 1e6 AS oldest_pending_secs
+    TIMESTAMPDIFF(MICROSECOND, MIN(IF(failed_at IS NULL AND COALESCE(deliver_at, created_at) <= UTC_TIMESTAMP(6),
+        COALESCE(deliver_at, created_at), NULL)), UTC_TIMESTAMP(6)) / 1e6 AS oldest_pending_secs
 FROM {s}_records GROUP BY `partition` ORDER BY `partition`";
 
 /// Binds: retention ms, limit.
@@ -198,7 +212,7 @@ impl MySqlStatements {
         Self {
             schema: schema.to_string(),
             lock_keys: build(LOCK_KEYS),
-            insert: build(INSERT),
+            insert: build(&INSERT.replace("{deliver_at}", DELIVER_AT)),
             numbers: build(NUMBERS),
             fetch: (before.to_string(), after.to_string()),
             fence: build(FENCE),

@@ -32,6 +32,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "leases_requeues_sequences",
         sql: include_str!("../../../../../migrations/postgres/0002_leases_requeues_sequences.sql"),
     },
+    Migration {
+        version: 3,
+        name: "delivery_times",
+        sql: include_str!("../../../../../migrations/postgres/0003_delivery_times.sql"),
+    },
 ];
 
 /// Arbitrary constant namespacing the migrators' advisory lock (ASCII "outbox").
@@ -71,33 +76,20 @@ pub(super) async fn schedule(
             .bind(row.key)
             .bind(row.event_type)
             .bind(row.payload)
-            .bind(row.headers.as_str());
+            .bind(row.headers.as_str())
+            .bind(row.deliver_at)
+            .bind(row.deliver_after_ms);
         return Ok(vec![one.fetch_one(conn).await?]);
     }
-    let n = rows.len();
-    let (mut ids, mut partitions, mut keys, mut types, mut payloads, mut headers) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    for row in rows {
-        ids.push(row.id);
-        partitions.push(i16::from(row.partition));
-        keys.push(row.key);
-        types.push(row.event_type);
-        payloads.push(row.payload);
-        headers.push(row.headers.as_str());
-    }
     Ok(sqlx::query_as(statement(&s.schedule))
-        .bind(&ids)
-        .bind(&partitions)
-        .bind(&keys)
-        .bind(&types)
-        .bind(&payloads)
-        .bind(&headers)
+        .bind(rows.iter().map(|r| r.id).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| i16::from(r.partition)).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.key).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.event_type).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.payload).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.headers.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.deliver_at).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.deliver_after_ms).collect::<Vec<_>>())
         .fetch_all(conn)
         .await?)
 }

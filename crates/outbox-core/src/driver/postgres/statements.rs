@@ -32,8 +32,10 @@ const FENCED: &str = "r.partition::int = ANY(ARRAY(SELECT partition::int FROM fe
 /// Drawn numbers are handed out in input order, so a key's records in one batch are numbered as listed.
 /// Keys are locked in sorted order so two multi-key batches cannot deadlock.
 const SCHEDULE: &str = "WITH input AS (
-    SELECT * FROM unnest($1::uuid[], $2::smallint[], $3::text[], $4::text[], $5::bytea[], $6::text[])
-        WITH ORDINALITY AS t(id, partition, key, event_type, payload, headers, ord)
+    SELECT t.*, {deliver_at} AS deliver_at
+    FROM unnest($1::uuid[], $2::smallint[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::timestamptz[],
+                $8::bigint[])
+        WITH ORDINALITY AS t(id, partition, key, event_type, payload, headers, at, after_ms, ord)
 ), locked AS (
     INSERT INTO {s}.keys AS k (key, partition)
     SELECT DISTINCT ON (key) key, partition FROM input ORDER BY key
@@ -44,21 +46,28 @@ const SCHEDULE: &str = "WITH input AS (
 ), numbered AS (
     SELECT seq, row_number() OVER (ORDER BY seq) AS ord FROM drawn
 )
-INSERT INTO {s}.records (id, partition, key, seq, event_type, payload, headers)
-SELECT i.id, i.partition, i.key, n.seq, i.event_type, i.payload, i.headers::jsonb
+INSERT INTO {s}.records (id, partition, key, seq, event_type, payload, headers, deliver_at, next_attempt_at)
+SELECT i.id, i.partition, i.key, n.seq, i.event_type, i.payload, i.headers::jsonb, i.deliver_at, i.deliver_at
 FROM input i JOIN numbered n ON n.ord = i.ord
 RETURNING id, seq";
 
+/// When a record asked to be delivered at `at`, or `after_ms` after now, is due, if later than now.
+const DELIVER_AT: &str = "(SELECT CASE WHEN d > now() THEN d END
+    FROM (SELECT coalesce(at, now() + after_ms * interval '1 millisecond') AS d) due)";
+
 /// One record, without the arrays: the key's lock row first (the insert reads from it, so it runs first),
 /// then the record with a number drawn under that lock. `$1` id, `$2` partition, `$3` key, `$4` type,
-/// `$5` payload, `$6` headers.
+/// `$5` payload, `$6` headers, `$7` and `$8` its delivery time or delay.
 const SCHEDULE_ONE: &str = "WITH locked AS (
     INSERT INTO {s}.keys AS k (key, partition) VALUES ($3, $2)
     ON CONFLICT (key) DO UPDATE SET partition = EXCLUDED.partition
     RETURNING k.key
+), input AS (
+    SELECT {deliver_at} AS deliver_at FROM (SELECT $7::timestamptz AS at, $8::bigint AS after_ms) t
 )
-INSERT INTO {s}.records (id, partition, key, seq, event_type, payload, headers)
-SELECT $1, $2, l.key, nextval('{s}.record_seq'), $4, $5, $6::jsonb FROM locked l
+INSERT INTO {s}.records (id, partition, key, seq, event_type, payload, headers, deliver_at, next_attempt_at)
+SELECT $1, $2, l.key, nextval('{s}.record_seq'), $4, $5, $6::jsonb, i.deliver_at, i.deliver_at
+FROM locked l, input i
 RETURNING id, seq";
 
 /// Deletes at most `$1` key lock rows whose key has no record left (skipping those a writer holds).
@@ -67,7 +76,7 @@ const PRUNE_KEYS: &str = "DELETE FROM {s}.keys WHERE key = ANY(ARRAY(
     WHERE NOT EXISTS (SELECT 1 FROM {s}.records r WHERE r.partition = k.partition AND r.key = k.key)
     LIMIT $1 FOR UPDATE SKIP LOCKED))";
 
-const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at, r.failed_at, r.next_attempt_at";
+const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at, r.deliver_at, r.failed_at, r.next_attempt_at";
 
 const DUE: &str = "r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())";
 
@@ -82,7 +91,8 @@ const FETCH: &str = "WITH served AS MATERIALIZED (
     WHERE EXISTS (SELECT 1 FROM {s}.instances i WHERE i.id = $4 AND i.expires_at > now())
     ORDER BY a.ord
 ), heads AS MATERIALIZED (
-    SELECT h.id, h.partition, h.key, h.seq, h.event_type, h.payload, h.headers, h.attempts, h.requeues, h.created_at
+    SELECT h.id, h.partition, h.key, h.seq, h.event_type, h.payload, h.headers, h.attempts, h.requeues, h.created_at,
+           h.deliver_at
     FROM served s CROSS JOIN LATERAL (
         SELECT * FROM (
             WITH RECURSIVE walk AS (
@@ -118,7 +128,7 @@ const FETCH: &str = "WITH served AS MATERIALIZED (
 SELECT numbered.*, true AS due FROM numbered
 UNION ALL
 SELECT f.id, f.partition, f.key, f.seq, f.event_type, f.payload, f.headers, f.attempts, f.requeues, f.created_at,
-       NULL, f.failed_at IS NULL AND (f.next_attempt_at IS NULL OR f.next_attempt_at <= now()) AS due
+       f.deliver_at, NULL, f.failed_at IS NULL AND (f.next_attempt_at IS NULL OR f.next_attempt_at <= now()) AS due
 FROM numbered heads CROSS JOIN LATERAL (
     SELECT {cols}, sum(octet_length(r.payload)) OVER (ORDER BY r.seq) AS run_bytes FROM {s}.records r
     WHERE r.partition = heads.partition AND r.key = heads.key AND r.seq > heads.seq
@@ -193,10 +203,14 @@ SELECT *, 'skipped' FROM d
 RETURNING id";
 
 /// Per-partition counts and the oldest pending record's age (database time).
+/// Per partition: pending (due by their delivery time), scheduled for later, FAILED, and how long the
+/// oldest pending record has been due.
 const STATS: &str = "SELECT partition,
-    count(*) FILTER (WHERE failed_at IS NULL) AS pending,
+    count(*) FILTER (WHERE failed_at IS NULL AND coalesce(deliver_at, created_at) <= now()) AS pending,
+    count(*) FILTER (WHERE failed_at IS NULL AND deliver_at > now()) AS scheduled,
     count(*) FILTER (WHERE failed_at IS NOT NULL) AS failed,
-    EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE failed_at IS NULL))::float8 AS oldest_pending_secs
+    EXTRACT(EPOCH FROM now() - min(coalesce(deliver_at, created_at))
+        FILTER (WHERE failed_at IS NULL AND coalesce(deliver_at, created_at) <= now()))::float8 AS oldest_pending_secs
 FROM {s}.records GROUP BY partition ORDER BY partition";
 
 /// Deletes at most `$2` completed records older than `$1` ms. `= ANY(ARRAY(…))` evaluates the limited
@@ -242,6 +256,7 @@ impl PgStatements {
     pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
         let build = |text: &str| -> Arc<str> {
             text.replace("{written_and_held}", WRITTEN_AND_HELD)
+                .replace("{deliver_at}", DELIVER_AT)
                 .replace("{fence}", FENCE)
                 .replace("{fenced}", FENCED)
                 .replace("{cols}", RECORD_COLUMNS)
@@ -316,55 +331,75 @@ mod tests {
     /// and reads about as many buffers (`EXPLAIN (ANALYZE, BUFFERS)`).
     #[sqlx::test(migrations = false)]
     async fn a_fetch_reads_as_much_from_a_large_backlog_as_from_a_small_one(pool: PgPool) {
+        let (small_rows, small, _) = fetch_read(&pool, 10, 0).await;
+        let (large_rows, large, _) = fetch_read(&pool, 100, 0).await;
+        assert_eq!((small_rows, large_rows), (800, 800), "100 heads and 7 records after each");
+        assert!(large * 2 <= small * 3, "buffers read: {small} with 10 records per key, {large} with 100");
+    }
+
+    /// Keys whose head is scheduled for later (1,900 of the 2,000) never take a place in a batch: the
+    /// fetch passes over them to fill its 100 heads from the others, and reads one index entry per key
+    /// passed over whatever its backlog (as buffers read with 10 and 100 records per key show).
+    #[sqlx::test(migrations = false)]
+    async fn records_not_yet_due_never_fill_a_batch(pool: PgPool) {
+        let (small_rows, small, small_keys) = fetch_read(&pool, 10, 1_900).await;
+        let (large_rows, large, large_keys) = fetch_read(&pool, 100, 1_900).await;
+        assert_eq!((small_rows, large_rows), (800, 800), "100 heads and 7 records after each");
+        assert!(small_keys.iter().chain(&large_keys).all(|&k| k > 1_900), "a head not yet due was fetched");
+        assert!(large * 2 <= small * 3, "buffers read: {small} with 10 records per key, {large} with 100");
+    }
+
+    /// Fills the table with `per_key` records for each of 2,000 keys, of which keys 1..=`later` have
+    /// their head scheduled an hour from now, and runs one fetch (stop-on-first-failure) of every
+    /// partition under `EXPLAIN (ANALYZE, BUFFERS)`: rows returned, buffers read, the keys fetched.
+    async fn fetch_read(pool: &PgPool, per_key: i32, later: i32) -> (i64, i64, Vec<i32>) {
         let outbox = Outbox::new(Config::default()).unwrap();
-        outbox.migrate(&pool).await.unwrap();
+        outbox.migrate(pool).await.unwrap();
         let instance = uuid::Uuid::now_v7();
         sqlx::query(
             "INSERT INTO outbox.instances (id, name, expires_at) VALUES ($1, 'test', now() + interval '1 day')",
         )
         .bind(instance)
-        .execute(&pool)
+        .execute(pool)
         .await
         .unwrap();
-        sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 1").bind(instance).execute(&pool).await.unwrap();
+        sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 1").bind(instance).execute(pool).await.unwrap();
         let sql = super::PgStatements::new("outbox", true, true);
-        let explain = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", sql.fetch);
         let partitions: Vec<i16> = (0..256).collect();
-        let mut read = Vec::new();
-        for per_key in [10, 100] {
-            sqlx::query("TRUNCATE outbox.records").execute(&pool).await.unwrap();
-            sqlx::query(
-                "INSERT INTO outbox.records (id, partition, key, seq, event_type, payload)
-                 SELECT gen_random_uuid(), k % 256, 'key-' || k, s, 't', '\\x00'
-                 FROM generate_series(1, 2000) k, generate_series(1, $1) s",
-            )
-            .bind(per_key)
-            .execute(&pool)
-            .await
-            .unwrap();
-            sqlx::query("ANALYZE outbox.records").execute(&pool).await.unwrap();
-            let (plan,): (serde_json::Value,) = sqlx::query_as(sqlx::AssertSqlSafe(explain.clone()))
-                .bind(&partitions)
-                .bind(vec![1_i64; 256])
-                .bind(vec![None::<&str>; 256])
-                .bind(instance)
-                .bind(Vec::<String>::new())
-                .bind(100_i64)
-                .bind(7_i64)
-                .bind(65_536_i64)
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-            let top = &plan[0]["Plan"];
-            let blocks = |name: &str| top[name].as_i64().unwrap();
-            read.push((
-                top["Actual Rows"].as_i64().unwrap(),
-                blocks("Shared Hit Blocks") + blocks("Shared Read Blocks"),
-            ));
+        sqlx::query("TRUNCATE outbox.records").execute(pool).await.unwrap();
+        sqlx::query(
+            "INSERT INTO outbox.records (id, partition, key, seq, event_type, payload, deliver_at, next_attempt_at)
+             SELECT gen_random_uuid(), k % 256, 'key-' || k, s, 't', '\\x00', d.at, d.at
+             FROM generate_series(1, 2000) k, generate_series(1, $1) s,
+                  LATERAL (SELECT CASE WHEN k <= $2 AND s = 1 THEN now() + interval '1 hour' END AS at) d",
+        )
+        .bind(per_key)
+        .bind(later)
+        .execute(pool)
+        .await
+        .unwrap();
+        sqlx::query("ANALYZE outbox.records").execute(pool).await.unwrap();
+        macro_rules! bound {
+            ($text:expr) => {
+                sqlx::query_as(sqlx::AssertSqlSafe($text))
+                    .bind(&partitions)
+                    .bind(vec![1_i64; 256])
+                    .bind(vec![None::<&str>; 256])
+                    .bind(instance)
+                    .bind(Vec::<String>::new())
+                    .bind(100_i64)
+                    .bind(7_i64)
+                    .bind(65_536_i64)
+            };
         }
-        let [(small_rows, small), (large_rows, large)] = read[..] else { unreachable!() };
-        assert_eq!((small_rows, large_rows), (800, 800), "100 heads and 7 records after each");
-        assert!(large * 2 <= small * 3, "buffers read: {small} with 10 records per key, {large} with 100");
+        let (plan,): (serde_json::Value,) =
+            bound!(format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", sql.fetch)).fetch_one(pool).await.unwrap();
+        let keys: Vec<(String,)> =
+            bound!(format!("SELECT DISTINCT key FROM ({}) f", sql.fetch)).fetch_all(pool).await.unwrap();
+        let keys = keys.iter().map(|(k,)| k.trim_start_matches("key-").parse().unwrap()).collect();
+        let top = &plan[0]["Plan"];
+        let blocks = |name: &str| top[name].as_i64().unwrap();
+        (top["Actual Rows"].as_i64().unwrap(), blocks("Shared Hit Blocks") + blocks("Shared Read Blocks"), keys)
     }
 
     /// The fetch must probe the (partition, key, seq) index once per key, never scan the table, in both

@@ -40,6 +40,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "numbered_on_insert",
         sql: include_str!("../../../../../migrations/sqlite/0003_numbered_on_insert.sql"),
     },
+    Migration {
+        version: 4,
+        name: "delivery_times",
+        sql: include_str!("../../../../../migrations/sqlite/0004_delivery_times.sql"),
+    },
 ];
 
 /// How long a connection waits for the write lock before a statement fails with "busy". Writers hold
@@ -115,6 +120,8 @@ pub(super) async fn schedule(
             .bind(row.event_type)
             .bind(row.payload)
             .bind(&row.headers)
+            .bind(row.deliver_at.map(|at| at.timestamp_millis()))
+            .bind(row.deliver_after_ms)
             .fetch_one(conn)
             .await?;
         return Ok(vec![(row.id, seq)]);
@@ -124,11 +131,13 @@ pub(super) async fn schedule(
     let n = count(rows.len());
     let last: i64 = sqlx::query_scalar(statement(&s.take_seqs)).bind(n).fetch_one(&mut *tx).await?;
     let first = last - n + 1;
-    let list: Vec<(String, i16, &str, &str, String, &str)> = rows
+    let list: Vec<_> = rows
         .iter()
         .map(|r| {
             let payload = hex::encode(r.payload);
-            (r.id.simple().to_string(), i16::from(r.partition), r.key, r.event_type, payload, r.headers.as_str())
+            let at = r.deliver_at.map(|at| at.timestamp_millis());
+            let (id, partition) = (r.id.simple().to_string(), i16::from(r.partition));
+            (id, partition, r.key, r.event_type, payload, r.headers.as_str(), at, r.deliver_after_ms)
         })
         .collect();
     sqlx::query(statement(&s.insert_many)).bind(json(&list)?).bind(first).execute(&mut *tx).await?;

@@ -16,22 +16,28 @@ pub(super) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}_schema
 const TAKE_SEQS: &str = "UPDATE {s}_sequence SET last = last + $1 RETURNING last";
 
 /// One record, numbered one past the counter, which the insert's trigger then moves to it; returns the
-/// number.
-const INSERT: &str = "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers)
-VALUES ($1, $2, $3, (SELECT last + 1 FROM {s}_sequence), $4, $5, $6) RETURNING seq";
+/// number. `$7` and `$8`: its delivery time or delay (ms).
+const INSERT: &str =
+    "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers, deliver_at, next_attempt_at)
+VALUES ($1, $2, $3, (SELECT last + 1 FROM {s}_sequence), $4, $5, $6, {deliver_at}, {deliver_at}) RETURNING seq";
 
-/// The records of `$1` (JSON `[[hex id, partition, key, type, hex payload, headers], …]`) in one
-/// statement, numbered in list order from `$2`.
-const INSERT_MANY: &str = "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers)
+/// The records of `$1` (JSON `[[hex id, partition, key, type, hex payload, headers, delivery time,
+/// delay], …]`) in one statement, numbered in list order from `$2`.
+const INSERT_MANY: &str =
+    "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers, deliver_at, next_attempt_at)
 SELECT unhex(j.value ->> 0), j.value ->> 1, j.value ->> 2, $2 + j.key, j.value ->> 3, unhex(j.value ->> 4),
-    j.value ->> 5
+    j.value ->> 5, {deliver_at}, {deliver_at}
 FROM json_each($1) j ORDER BY j.key";
+
+/// When a record asked to be delivered at `{at}` (ms), or `{after}` ms from now, is due, if later than now.
+const DELIVER_AT: &str =
+    "(SELECT CASE WHEN due > {now} THEN due END FROM (SELECT coalesce({at}, {now} + {after}) AS due))";
 
 /// Renders a stored time (milliseconds since the Unix epoch) as RFC 3339 text, which sqlx decodes into
 /// a `DateTime<Utc>` as it does PostgreSQL's `timestamptz`, so both backends share their row types.
 const TEXT_TIME: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', {} / 1000.0, 'unixepoch')";
 
-const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, {time:r.created_at} AS created_at";
+const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, {time:r.created_at} AS created_at, {time:r.deliver_at} AS deliver_at";
 
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {now}))";
 
@@ -132,10 +138,14 @@ FROM {s}_records WHERE id = $1 AND failed_at IS NOT NULL";
 
 const SKIP_DELETE: &str = "DELETE FROM {s}_records WHERE id = $1 AND failed_at IS NOT NULL RETURNING id";
 
+/// Per partition: pending (due by their delivery time), scheduled for later, FAILED, and how long the
+/// oldest pending record has been due.
 const STATS: &str = "SELECT partition,
-    count(*) FILTER (WHERE failed_at IS NULL) AS pending,
+    count(*) FILTER (WHERE failed_at IS NULL AND coalesce(deliver_at, created_at) <= {now}) AS pending,
+    count(*) FILTER (WHERE failed_at IS NULL AND deliver_at > {now}) AS scheduled,
     count(*) FILTER (WHERE failed_at IS NOT NULL) AS failed,
-    ({now} - min(created_at) FILTER (WHERE failed_at IS NULL)) / 1000.0 AS oldest_pending_secs
+    ({now} - min(coalesce(deliver_at, created_at))
+        FILTER (WHERE failed_at IS NULL AND coalesce(deliver_at, created_at) <= {now})) / 1000.0 AS oldest_pending_secs
 FROM {s}_records GROUP BY partition ORDER BY partition";
 
 const PURGE: &str = "DELETE FROM {s}_completed WHERE id IN (
@@ -185,6 +195,9 @@ impl SqliteStatements {
     /// `schema` must already be validated as an identifier.
     pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
         let build = |text: &str| render(text, schema);
+        let deliver_at = |text: &str, at: &str, after: &str| {
+            text.replace("{deliver_at}", &DELIVER_AT.replace("{at}", at).replace("{after}", after))
+        };
         let (step_due, serve) =
             if stop_on_first_failure { ("", SERVE_HEAD_DUE) } else { ("AND {h_due}", SERVE_ANY_DUE) };
         let fetch = FETCH
@@ -196,8 +209,8 @@ impl SqliteStatements {
         Self {
             schema: schema.to_string(),
             take_seqs: build(TAKE_SEQS),
-            insert: build(INSERT),
-            insert_many: build(INSERT_MANY),
+            insert: build(&deliver_at(INSERT, "$7", "$8")),
+            insert_many: build(&deliver_at(INSERT_MANY, "j.value ->> 6", "j.value ->> 7")),
             fetch: build(&fetch),
             fence: build(FENCE),
             keep: keep_completed.then(|| build(KEEP)),
