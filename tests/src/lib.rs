@@ -6,6 +6,7 @@ pub mod nats;
 pub mod postgres;
 pub mod process;
 pub mod proxy;
+pub mod spans;
 
 /// Wall-clock microseconds since the Unix epoch: the processes of one host share this clock, so a test
 /// can compare the times its worker processes log.

@@ -53,6 +53,7 @@ pub mod record;
 pub mod retry;
 mod schedule;
 mod stored;
+pub mod trace;
 mod wake;
 
 use std::sync::Arc;

@@ -46,7 +46,7 @@ impl Outbox {
         let mut rows = Vec::with_capacity(records.len());
         for record in records {
             record.validate(max_payload)?;
-            let headers = serde_json::to_string(&record.headers)
+            let headers = serde_json::to_string(&*crate::trace::with_context(&record.headers))
                 .map_err(|source| Error::Json { key: record.key.clone(), source })?;
             rows.push(NewRow {
                 id: Uuid::now_v7(),

@@ -6,7 +6,9 @@
 //! Environment: `DATABASE_URL` (`postgres://…`, or `sqlite://path` for a SQLite file shared with the
 //! test and the other workers), `WORKER_NAME`, and optional `HEARTBEAT`, `STALE`, `REBALANCE`, `POLL`
 //! (humantime durations). A test that wants to terminate a worker's PostgreSQL connections starts it
-//! with `PGAPPNAME`, which names them.
+//! with `PGAPPNAME`, which names them. With `SPAN_LOG` set, the worker traces through OpenTelemetry
+//! (an in-memory exporter) and, once stopped, writes every span it ended to that file
+//! ([`outbox_tests::spans`]).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -17,6 +19,8 @@ use outbox_core::{Config, Db, HandlerError, Handlers, Outbox, Route, handler_fn}
 use outbox_tests::calls::{Call, CallLog};
 use rand::RngExt;
 use tokio::signal::unix::{SignalKind, signal};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
 fn duration(var: &str, default: Duration) -> Result<Duration, String> {
     match std::env::var(var) {
@@ -27,12 +31,11 @@ fn duration(var: &str, default: Duration) -> Result<Duration, String> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
+    let spans = std::env::var("SPAN_LOG").ok().map(|path| (path, outbox_tests::spans::Recorder::new()));
+    tracing_subscriber::registry()
+        .with(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn".into()))
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(false))
+        .with(spans.as_ref().map(|(_, recorder)| recorder.layer()))
         .init();
     let name = std::env::var("WORKER_NAME")?;
     let url = std::env::var("DATABASE_URL")?;
@@ -84,5 +87,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ = int.recv() => {}
     }
     node.shutdown().await?;
+    if let Some((path, recorder)) = spans {
+        recorder.write(Path::new(&path))?;
+    }
     Ok(())
 }

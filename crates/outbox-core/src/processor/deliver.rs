@@ -12,7 +12,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{Instrument, error, info, warn};
 
 use crate::assignment::Assignment;
 use crate::config::Config;
@@ -76,7 +76,8 @@ pub(super) async fn deliver_run(
 /// becomes a retry under the configured default policy.
 async fn deliver(handlers: &Handlers, config: &Config, fetched: &Fetched) -> Outcome {
     let record = &fetched.record;
-    let guarded = AssertUnwindSafe(decide(handlers, config, record)).catch_unwind().await;
+    let span = crate::trace::delivery_span(record, fetched.instance);
+    let guarded = AssertUnwindSafe(decide(handlers, config, record)).catch_unwind().instrument(span).await;
     let (verdict, attempts) = guarded.unwrap_or_else(|panic| {
         let attempts = record.attempts.saturating_add(1);
         let failure = HandlerError::retryable(format!("delivery panicked: {}", panic_message(&*panic)));
