@@ -73,6 +73,17 @@ pub enum Error {
         /// The time asked for.
         at: chrono::DateTime<chrono::Utc>,
     },
+    /// An inbox source or message id that is empty, longer than
+    /// [`MAX_INBOX_ID_BYTES`](crate::inbox::MAX_INBOX_ID_BYTES) or holds NUL.
+    #[error("inbox {what} of {len} bytes: it must be 1 to {max} bytes without NUL")]
+    BadInboxId {
+        /// `"source"` or `"message id"`.
+        what: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
     /// A payload could not be serialised to JSON.
     #[error("payload for key {key:?} could not be serialised to JSON: {source}")]
     Json {

@@ -16,14 +16,10 @@ impl Outbox {
     #[instrument(skip(self, db))]
     pub async fn purge_completed(&self, db: impl Into<Db>, retention: Duration, batch_size: usize) -> Result<u64> {
         let db = db.into();
-        let mut total = 0;
-        loop {
-            let done = db.purge(self.statements(), retention, batch_size).await.map_err(|e| self.not_migrated(e))?;
-            total += done;
-            if done < batch_size as u64 {
-                return Ok(total);
-            }
-        }
+        in_batches(batch_size, || async {
+            db.purge(self.statements(), retention, batch_size).await.map_err(|e| self.not_migrated(e))
+        })
+        .await
     }
 
     /// Deletes the per-key lock rows of keys with no record left, `batch_size` per statement, until none
@@ -32,14 +28,10 @@ impl Outbox {
     #[instrument(skip(self, db))]
     pub async fn prune_keys(&self, db: impl Into<Db>, batch_size: usize) -> Result<u64> {
         let db = db.into();
-        let mut total = 0;
-        loop {
-            let done = db.prune_keys(self.statements(), batch_size).await.map_err(|e| self.not_migrated(e))?;
-            total += done;
-            if done < batch_size as u64 {
-                return Ok(total);
-            }
-        }
+        in_batches(batch_size, || async {
+            db.prune_keys(self.statements(), batch_size).await.map_err(|e| self.not_migrated(e))
+        })
+        .await
     }
 
     /// Purges completed records (with `completion = "keep"`) and prunes key rows every `purge_interval`
@@ -61,6 +53,23 @@ impl Outbox {
                 Ok(n) => debug!(pruned = n, "pruned key rows of keys with no record left"),
                 Err(e) => warn!(error = %e, "pruning key rows failed; will retry at the next interval"),
             }
+        }
+    }
+}
+
+/// Runs `batch` (one bounded delete, answering how many rows it deleted) until a run deletes fewer than
+/// `batch_size`; returns how many in all.
+pub(crate) async fn in_batches<F, Fut>(batch_size: usize, mut batch: F) -> Result<u64>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<u64>>,
+{
+    let mut total = 0;
+    loop {
+        let done = batch().await?;
+        total += done;
+        if done < batch_size as u64 {
+            return Ok(total);
         }
     }
 }

@@ -376,6 +376,11 @@ impl Db {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).purge(retention, limit).await)
     }
 
+    /// Deletes at most `limit` inbox rows accepted more than `retention` ago (database time).
+    pub(crate) async fn purge_inbox(&self, statements: &Statements, retention: Duration, limit: usize) -> Result<u64> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).purge_inbox(retention, limit).await)
+    }
+
     /// Deletes at most `limit` per-key lock rows of keys with no record left, skipping rows a writer
     /// holds (a backend that keeps no such rows deletes nothing).
     pub(crate) async fn prune_keys(&self, statements: &Statements, limit: usize) -> Result<u64> {
@@ -522,6 +527,20 @@ impl Conn<'_> {
             Conn::Sqlite(conn) => sqlite::schedule(conn, &statements.sqlite, rows).await,
             #[cfg(feature = "mysql")]
             Conn::MySql(conn) => mysql::schedule(conn, &statements.mysql, rows).await,
+        }
+    }
+
+    /// Inserts the inbox row of (`source`, `message_id`) unless it exists; whether it did not. A row
+    /// another transaction inserted and has not yet committed makes this wait for it: the answer is
+    /// false if it commits, true (this one inserts) if it rolls back.
+    pub(crate) async fn accept(self, statements: &Statements, source: &str, message_id: &str) -> Result<bool> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Conn::Postgres(conn) => postgres::accept(conn, &statements.postgres, source, message_id).await,
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(conn) => sqlite::accept(conn, &statements.sqlite, source, message_id).await,
+            #[cfg(feature = "mysql")]
+            Conn::MySql(conn) => mysql::accept(conn, &statements.mysql, source, message_id).await,
         }
     }
 }

@@ -33,6 +33,7 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "delivery_times",
         sql: include_str!("../../../../../migrations/mysql/0002_delivery_times.sql"),
     },
+    Migration { version: 3, name: "inbox", sql: include_str!("../../../../../migrations/mysql/0003_inbox.sql") },
 ];
 
 /// How long a migrator waits for another one of the same schema (`GET_LOCK`).
@@ -144,6 +145,17 @@ pub(super) async fn schedule(
             })
         })
         .collect()
+}
+
+/// Accepts a message on the caller's connection (see `Conn::accept`).
+pub(super) async fn accept(
+    conn: &mut MySqlConnection,
+    s: &MySqlStatements,
+    source: &str,
+    message_id: &str,
+) -> Result<bool> {
+    let done = sqlx::query(statement(&s.accept)).bind(source).bind(message_id).execute(conn).await?;
+    Ok(done.rows_affected() == 1)
 }
 
 impl Driver<'_, MySqlPool, MySqlStatements> {
@@ -294,6 +306,11 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 
     pub(crate) async fn purge(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge)).bind(millis(retention)).bind(count(limit));
+        Ok(query.execute(self.pool).await?.rows_affected())
+    }
+
+    pub(crate) async fn purge_inbox(&self, retention: Duration, limit: usize) -> Result<u64> {
+        let query = sqlx::query(statement(&self.statements.purge_inbox)).bind(millis(retention)).bind(count(limit));
         Ok(query.execute(self.pool).await?.rows_affected())
     }
 

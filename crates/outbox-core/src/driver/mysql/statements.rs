@@ -162,6 +162,14 @@ FROM {s}_records GROUP BY `partition` ORDER BY `partition`";
 const PURGE: &str = "DELETE FROM {s}_completed WHERE completed_at < UTC_TIMESTAMP(6) - INTERVAL (? * 1000) MICROSECOND
 ORDER BY completed_at LIMIT ?";
 
+/// Records message `?` (second) of source `?` as applied, unless it is already (see `Conn::accept`).
+/// `IGNORE` passes over only the duplicate here: the lengths are checked before.
+const ACCEPT: &str = "INSERT IGNORE INTO {s}_inbox (source, message_id) VALUES (?, ?)";
+
+/// Binds: retention ms, limit.
+const PURGE_INBOX: &str = "DELETE FROM {s}_inbox WHERE accepted_at < UTC_TIMESTAMP(6) - INTERVAL (? * 1000) MICROSECOND
+ORDER BY accepted_at LIMIT ?";
+
 /// At most `?` key lock rows whose key has no record left, skipping those a writer holds; locked.
 const PRUNABLE_KEYS: &str = "SELECT k.`key` FROM {s}_keys k
 WHERE NOT EXISTS (SELECT 1 FROM {s}_records r WHERE r.`partition` = k.`partition` AND r.`key` = k.`key`)
@@ -190,6 +198,8 @@ pub struct MySqlStatements {
     pub(super) skip_delete: Arc<str>,
     pub(super) stats: Arc<str>,
     pub(super) purge: Arc<str>,
+    pub(super) accept: Arc<str>,
+    pub(super) purge_inbox: Arc<str>,
     pub(super) prunable_keys: Arc<str>,
     pub(super) delete_key: Arc<str>,
 }
@@ -226,6 +236,8 @@ impl MySqlStatements {
             skip_delete: build(SKIP_DELETE),
             stats: build(STATS),
             purge: build(PURGE),
+            accept: build(ACCEPT),
+            purge_inbox: build(PURGE_INBOX),
             prunable_keys: build(PRUNABLE_KEYS),
             delete_key: build(DELETE_KEY),
         }

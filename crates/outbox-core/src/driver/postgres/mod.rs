@@ -37,6 +37,7 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "delivery_times",
         sql: include_str!("../../../../../migrations/postgres/0003_delivery_times.sql"),
     },
+    Migration { version: 4, name: "inbox", sql: include_str!("../../../../../migrations/postgres/0004_inbox.sql") },
 ];
 
 /// Arbitrary constant namespacing the migrators' advisory lock (ASCII "outbox").
@@ -99,6 +100,12 @@ pub(super) async fn schedule(
 pub(super) fn fetch_pool(pool: &PgPool) -> PgPool {
     let options = ConnectOptions { max_connections: 1, acquire_timeout: pool.options().get_acquire_timeout() };
     super::sized(&options).connect_lazy_with((*pool.connect_options()).clone().options([("jit", "off")]))
+}
+
+/// Accepts a message on the caller's connection (see `Conn::accept`).
+pub(super) async fn accept(conn: &mut PgConnection, s: &PgStatements, source: &str, message_id: &str) -> Result<bool> {
+    let done = sqlx::query(statement(&s.accept)).bind(source).bind(message_id).execute(conn).await?;
+    Ok(done.rows_affected() == 1)
 }
 
 /// Starts a transaction for the processor's completions, with JIT compilation off (see
@@ -277,6 +284,11 @@ impl Driver<'_, PgPool, PgStatements> {
 
     pub(crate) async fn purge(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge)).bind(millis(retention)).bind(count(limit));
+        Ok(query.execute(self.pool).await?.rows_affected())
+    }
+
+    pub(crate) async fn purge_inbox(&self, retention: Duration, limit: usize) -> Result<u64> {
+        let query = sqlx::query(statement(&self.statements.purge_inbox)).bind(millis(retention)).bind(count(limit));
         Ok(query.execute(self.pool).await?.rows_affected())
     }
 

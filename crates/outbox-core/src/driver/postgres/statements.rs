@@ -219,6 +219,14 @@ const PURGE: &str = "DELETE FROM {s}.completed WHERE id = ANY(ARRAY(
     SELECT id FROM {s}.completed WHERE completed_at < now() - $1 * interval '1 millisecond'
     ORDER BY completed_at LIMIT $2))";
 
+/// Records message `$2` of source `$1` as applied, unless it is already (see `Conn::accept`).
+const ACCEPT: &str = "INSERT INTO {s}.inbox (source, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+
+/// Deletes at most `$2` inbox rows older than `$1` ms.
+const PURGE_INBOX: &str = "DELETE FROM {s}.inbox WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {s}.inbox WHERE accepted_at < now() - $1 * interval '1 millisecond'
+    ORDER BY accepted_at LIMIT $2))";
+
 /// Tracking table of the library's own migrations (never the host's `_sqlx_migrations`).
 const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}.schema_migrations (
     version    bigint      PRIMARY KEY,
@@ -248,6 +256,8 @@ pub struct PgStatements {
     pub(crate) skip: Arc<str>,
     pub(crate) stats: Arc<str>,
     pub(crate) purge: Arc<str>,
+    pub(crate) accept: Arc<str>,
+    pub(crate) purge_inbox: Arc<str>,
     pub(crate) migrations_table: Arc<str>,
 }
 
@@ -285,6 +295,8 @@ impl PgStatements {
             skip: build(SKIP),
             stats: build(STATS),
             purge: build(PURGE),
+            accept: build(ACCEPT),
+            purge_inbox: build(PURGE_INBOX),
             migrations_table: build(MIGRATIONS_TABLE),
         }
     }

@@ -45,6 +45,7 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "delivery_times",
         sql: include_str!("../../../../../migrations/sqlite/0004_delivery_times.sql"),
     },
+    Migration { version: 5, name: "inbox", sql: include_str!("../../../../../migrations/sqlite/0005_inbox.sql") },
 ];
 
 /// How long a connection waits for the write lock before a statement fails with "busy". Writers hold
@@ -143,6 +144,17 @@ pub(super) async fn schedule(
     sqlx::query(statement(&s.insert_many)).bind(json(&list)?).bind(first).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok((first..).zip(rows).map(|(seq, row)| (row.id, seq)).collect())
+}
+
+/// Accepts a message on the caller's connection (see `Conn::accept`).
+pub(super) async fn accept(
+    conn: &mut SqliteConnection,
+    s: &SqliteStatements,
+    source: &str,
+    message_id: &str,
+) -> Result<bool> {
+    let done = sqlx::query(statement(&s.accept)).bind(source).bind(message_id).execute(conn).await?;
+    Ok(done.rows_affected() == 1)
 }
 
 impl Driver<'_, SqlitePool, SqliteStatements> {
@@ -268,8 +280,17 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
     }
 
     pub(crate) async fn purge(&self, retention: Duration, limit: usize) -> Result<u64> {
+        self.delete_old(&self.statements.purge, retention, limit).await
+    }
+
+    pub(crate) async fn purge_inbox(&self, retention: Duration, limit: usize) -> Result<u64> {
+        self.delete_old(&self.statements.purge_inbox, retention, limit).await
+    }
+
+    /// Runs a purge statement (`$1` retention in ms, `$2` rows at most) in a write transaction.
+    async fn delete_old(&self, purge: &std::sync::Arc<str>, retention: Duration, limit: usize) -> Result<u64> {
         let mut tx = write(self.pool).await?;
-        let query = sqlx::query(statement(&self.statements.purge)).bind(millis(retention)).bind(count(limit));
+        let query = sqlx::query(statement(purge)).bind(millis(retention)).bind(count(limit));
         let purged = query.execute(&mut *tx).await?.rows_affected();
         tx.commit().await?;
         Ok(purged)

@@ -151,6 +151,13 @@ FROM {s}_records GROUP BY partition ORDER BY partition";
 const PURGE: &str = "DELETE FROM {s}_completed WHERE id IN (
     SELECT id FROM {s}_completed WHERE completed_at < {now} - $1 ORDER BY completed_at LIMIT $2)";
 
+/// Records message `$2` of source `$1` as applied, unless it is already (see `Conn::accept`).
+const ACCEPT: &str = "INSERT INTO {s}_inbox (source, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+
+/// Deletes at most `$2` inbox rows older than `$1` ms.
+const PURGE_INBOX: &str = "DELETE FROM {s}_inbox WHERE (source, message_id) IN (
+    SELECT source, message_id FROM {s}_inbox WHERE accepted_at < {now} - $1 ORDER BY accepted_at LIMIT $2)";
+
 /// SQLite's statements, built for one table prefix and mode.
 #[derive(Debug)]
 pub struct SqliteStatements {
@@ -169,6 +176,8 @@ pub struct SqliteStatements {
     pub(super) skip_delete: Arc<str>,
     pub(super) stats: Arc<str>,
     pub(super) purge: Arc<str>,
+    pub(super) accept: Arc<str>,
+    pub(super) purge_inbox: Arc<str>,
 }
 
 /// Renders a SQLite statement: `{s}` becomes the table prefix (the configured schema name), `{now}`
@@ -222,6 +231,8 @@ impl SqliteStatements {
             skip_delete: build(SKIP_DELETE),
             stats: build(STATS),
             purge: build(PURGE),
+            accept: build(ACCEPT),
+            purge_inbox: build(PURGE_INBOX),
         }
     }
 }

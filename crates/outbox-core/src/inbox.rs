@@ -1,0 +1,76 @@
+//! The inbox: the consumer's half of at-least-once. An outbox delivers each record at least once, so a
+//! consumer sees some twice (a redelivery after a crash, a broker's own retry). It applies a message in
+//! a transaction of its own database that also calls [`Inbox::accept`] with the message's source and
+//! id: the first time, `accept` records them and says so; any later time it finds them and says the
+//! message was applied already, so the consumer changes nothing and just acknowledges it. Its table
+//! lives in the outbox schema (migrated with it) and is purged in bounded batches.
+
+use std::time::Duration;
+
+use tracing::instrument;
+
+use crate::Outbox;
+use crate::driver::{Conn, Db};
+use crate::error::{Error, Result};
+
+/// Longest accepted source or message id, in bytes.
+pub const MAX_INBOX_ID_BYTES: usize = 256;
+
+/// A consumer's record of the messages it has applied, in the tables of an [`Outbox`]'s schema (see the
+/// [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct Inbox {
+    outbox: Outbox,
+}
+
+impl Outbox {
+    /// The inbox in this outbox's schema, migrated with it.
+    pub fn inbox(&self) -> Inbox {
+        Inbox { outbox: self.clone() }
+    }
+}
+
+impl Inbox {
+    /// Records in the caller's transaction that message `message_id` of `source` (say, a stream name
+    /// and the message's id, such as an outbox record's id) is applied; `true` if it is new, `false` if
+    /// a committed transaction accepted it already, in which case nothing changes. If another
+    /// transaction accepted it and has not ended, this waits for that one: `false` if it commits,
+    /// `true` if it rolls back. Apply the message in the same transaction, after a `true`.
+    ///
+    /// An empty or over-long source or id is refused with [`Error::BadInboxId`] before anything is
+    /// sent, leaving the transaction usable.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool, outbox: outbox_core::Outbox) -> outbox_core::Result<()> {
+    /// let inbox = outbox.inbox();
+    /// let mut tx = pool.begin().await?;
+    /// if inbox.accept(&mut *tx, "orders", "01a20c-…").await? {
+    ///     sqlx::query("UPDATE read_model SET status = 'paid' WHERE id = 'o-7'").execute(&mut *tx).await?;
+    /// }
+    /// tx.commit().await?;
+    /// // then acknowledge the message to the broker
+    /// # Ok(()) }
+    /// ```
+    #[instrument(skip(self, conn))]
+    pub async fn accept<'c>(&self, conn: impl Into<Conn<'c>>, source: &str, message_id: &str) -> Result<bool> {
+        for (what, id) in [("source", source), ("message id", message_id)] {
+            if id.is_empty() || id.len() > MAX_INBOX_ID_BYTES || id.contains('\0') {
+                return Err(Error::BadInboxId { what, len: id.len(), max: MAX_INBOX_ID_BYTES });
+            }
+        }
+        let outbox = &self.outbox;
+        conn.into().accept(outbox.statements(), source, message_id).await.map_err(|e| outbox.not_migrated(e))
+    }
+
+    /// Deletes the rows of messages accepted more than `retention` ago (database time), `batch_size`
+    /// per statement, until none are left; returns how many. Keep `retention` longer than any message
+    /// can be delivered again (the broker's redelivery window), or a late duplicate is applied twice.
+    #[instrument(skip(self, db))]
+    pub async fn purge(&self, db: impl Into<Db>, retention: Duration, batch_size: usize) -> Result<u64> {
+        let (db, outbox) = (db.into(), &self.outbox);
+        crate::purge::in_batches(batch_size, || async {
+            db.purge_inbox(outbox.statements(), retention, batch_size).await.map_err(|e| outbox.not_migrated(e))
+        })
+        .await
+    }
+}

@@ -1,0 +1,12 @@
+-- outbox schema, version 4: the inbox, a consumer's record of the messages it has applied.
+--
+-- One row per (source, message id) a consumer accepted, written in the consumer's own transaction
+-- with the changes the message caused: a redelivered message finds its row and is not applied again.
+-- Rows older than the consumer's retention are purged in bounded batches (by `accepted_at`).
+CREATE TABLE inbox (
+    source      text        NOT NULL,
+    message_id  text        NOT NULL,
+    accepted_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (source, message_id)
+);
+CREATE INDEX inbox_accepted_at ON inbox (accepted_at);

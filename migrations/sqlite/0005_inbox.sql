@@ -1,0 +1,8 @@
+-- outbox schema for SQLite, version 5: the inbox (see migrations/postgres/0004).
+CREATE TABLE {s}_inbox (
+    source      TEXT    NOT NULL,
+    message_id  TEXT    NOT NULL,
+    accepted_at INTEGER NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)),
+    PRIMARY KEY (source, message_id)
+) WITHOUT ROWID;
+CREATE INDEX {s}_inbox_accepted_at ON {s}_inbox (accepted_at);

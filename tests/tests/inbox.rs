@@ -1,0 +1,102 @@
+//! The inbox: a message is accepted once per (source, id) across transactions and consumers, a rolled
+//! back acceptance leaves nothing behind, two consumers racing for one message apply it once, bad ids
+//! are refused without harming the transaction, and the purge deletes only what is old, in batches.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[macro_use]
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_core::Error;
+use outbox_core::inbox::MAX_INBOX_ID_BYTES;
+
+every_backend!(
+    a_message_is_accepted_once_per_source,
+    a_rolled_back_acceptance_leaves_nothing,
+    of_two_consumers_racing_for_a_message_one_applies_it,
+    bad_ids_are_refused_and_the_transaction_goes_on,
+    the_purge_deletes_only_old_rows_in_batches,
+);
+
+async fn a_message_is_accepted_once_per_source(db: TestDb) {
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    let mut tx = db.begin().await;
+    assert!(inbox.accept(&mut tx, "orders", "m-1").await.unwrap());
+    assert!(!inbox.accept(&mut tx, "orders", "m-1").await.unwrap(), "twice in one transaction");
+    tx.commit().await.unwrap();
+    let mut tx = db.begin().await;
+    assert!(!inbox.accept(&mut tx, "orders", "m-1").await.unwrap(), "again in a later transaction");
+    assert!(inbox.accept(&mut tx, "payments", "m-1").await.unwrap(), "the same id from another source");
+    assert!(inbox.accept(&mut tx, "orders", "M-1").await.unwrap(), "ids compare exactly");
+    tx.commit().await.unwrap();
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}inbox").await, 3);
+}
+
+async fn a_rolled_back_acceptance_leaves_nothing(db: TestDb) {
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    let mut tx = db.begin().await;
+    assert!(inbox.accept(&mut tx, "orders", "m-1").await.unwrap());
+    tx.rollback().await.unwrap();
+    let mut tx = db.begin().await;
+    assert!(inbox.accept(&mut tx, "orders", "m-1").await.unwrap(), "the message was never applied");
+    tx.commit().await.unwrap();
+}
+
+/// The second consumer's `accept` waits for the first one's transaction: it applies nothing if that
+/// commits, and applies the message itself if that rolls back.
+async fn of_two_consumers_racing_for_a_message_one_applies_it(db: TestDb) {
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    for first_commits in [true, false] {
+        let id = format!("m-{first_commits}");
+        let mut first = db.begin().await;
+        assert!(inbox.accept(&mut first, "orders", &id).await.unwrap());
+        let (inbox2, db2, id2) = (inbox.clone(), db.clone(), id.clone());
+        let second = tokio::spawn(async move {
+            let mut tx = db2.begin().await;
+            let applied = inbox2.accept(&mut tx, "orders", &id2).await.unwrap();
+            tx.commit().await.unwrap();
+            applied
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!second.is_finished(), "the second consumer waits for the first");
+        if first_commits {
+            first.commit().await.unwrap();
+        } else {
+            first.rollback().await.unwrap();
+        }
+        assert_eq!(second.await.unwrap(), !first_commits);
+    }
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}inbox").await, 2);
+}
+
+async fn bad_ids_are_refused_and_the_transaction_goes_on(db: TestDb) {
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    let long = "x".repeat(MAX_INBOX_ID_BYTES + 1);
+    let mut tx = db.begin().await;
+    for (source, id) in [("", "m"), ("orders", ""), (long.as_str(), "m"), ("orders", long.as_str()), ("orders", "a\0b")]
+    {
+        let refused = inbox.accept(&mut tx, source, id).await;
+        assert!(matches!(refused, Err(Error::BadInboxId { .. })), "{source:?} {id:?}: {refused:?}");
+    }
+    let longest = "x".repeat(MAX_INBOX_ID_BYTES);
+    assert!(inbox.accept(&mut tx, &longest, &longest).await.unwrap());
+    tx.commit().await.unwrap();
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}inbox").await, 1);
+}
+
+async fn the_purge_deletes_only_old_rows_in_batches(db: TestDb) {
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    let mut tx = db.begin().await;
+    for i in 0..25 {
+        assert!(inbox.accept(&mut tx, "orders", &format!("m-{i}")).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    exec!(db, "UPDATE {s}inbox SET accepted_at = {ago:7200} WHERE message_id <> 'm-0'");
+    assert_eq!(inbox.purge(&db, Duration::from_secs(3600), 7).await.unwrap(), 24);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}inbox").await, 1);
+    let mut tx = db.begin().await;
+    assert!(!inbox.accept(&mut tx, "orders", "m-0").await.unwrap(), "a row within the retention stays");
+    tx.commit().await.unwrap();
+}
