@@ -11,6 +11,8 @@
 //!   unacknowledged record per key and many keys in flight.
 //! - Failures are classified by kind: unreachable broker, timeouts, no responders, a full stream are
 //!   retryable; a payload over the server's `max_payload` or a subject no stream captures are permanent.
+//! - On the consuming side, [`apply_once`] applies each message of a JetStream consumer once to a
+//!   database, through the consumer's [`Inbox`](outbox_core::Inbox).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -27,12 +29,14 @@
 
 pub mod config;
 mod connection;
+pub mod consume;
 pub mod publisher;
 pub mod stream;
 pub mod subject;
 
 pub use config::{Auth, NatsConfig, StreamSettings, Tls};
 pub use connection::connect;
+pub use consume::{Consumed, apply_once};
 pub use publisher::{JetStreamHandler, headers};
 pub use stream::ensure_stream;
 pub use subject::SubjectTemplate;

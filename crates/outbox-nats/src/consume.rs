@@ -1,0 +1,99 @@
+//! Consuming a JetStream stream exactly once into a database: for each message, one transaction of the
+//! consumer's database accepts the message in its [`Inbox`] and, if it is new, applies it; the
+//! transaction commits, and only then is the message acknowledged. A message delivered again (the
+//! consumer crashed between commit and ack, the ack was lost, a producer published it twice) finds its
+//! inbox row and is acknowledged without being applied again. A message whose apply or transaction
+//! fails is rolled back and negatively acknowledged, so JetStream delivers it again.
+
+use async_nats::jetstream::{AckKind, Message};
+use futures::{Stream, StreamExt};
+use outbox_core::{BoxError, Db, Inbox, Tx};
+use tracing::{debug, warn};
+
+/// What [`apply_once`] did with the messages it read.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Consumed {
+    /// Applied and acknowledged.
+    pub applied: u64,
+    /// Found in the inbox (applied before) and acknowledged.
+    pub duplicates: u64,
+    /// Rolled back and negatively acknowledged, for JetStream to deliver again.
+    pub failed: u64,
+}
+
+/// Reads `messages` (a JetStream consumer's, say `consumer.messages().await?`) until the stream ends,
+/// applying each once through `inbox` under `source` (see the [module docs](self)). A message's inbox id
+/// is its `Nats-Msg-Id` header (the outbox record's id, for messages the outbox published), else its
+/// stream sequence. `apply` runs inside the transaction; its error, or the database's, rolls the
+/// message back and naks it. An error reading the stream ends the loop and is returned.
+pub async fn apply_once<S, E, F>(
+    mut messages: S,
+    db: &Db,
+    inbox: &Inbox,
+    source: &str,
+    mut apply: F,
+) -> Result<Consumed, E>
+where
+    S: Stream<Item = Result<Message, E>> + Unpin,
+    F: AsyncFnMut(&mut Tx, &Message) -> Result<(), BoxError>,
+{
+    let mut consumed = Consumed::default();
+    while let Some(message) = messages.next().await {
+        let message = message?;
+        let id = message_id(&message);
+        match apply_in_transaction(db, inbox, source, &id, &message, &mut apply).await {
+            Ok(applied) => {
+                if let Err(e) = message.ack().await {
+                    // Applied and committed: delivered again, it finds its inbox row.
+                    warn!(source, message = %id, error = %e, "ack failed; the message will be delivered again and skipped");
+                }
+                if applied {
+                    consumed.applied += 1;
+                } else {
+                    debug!(source, message = %id, "already applied; acknowledged");
+                    consumed.duplicates += 1;
+                }
+            }
+            Err(e) => {
+                warn!(source, message = %id, error = %e, "applying a message failed; rolled back, delivered again later");
+                if let Err(e) = message.ack_with(AckKind::Nak(None)).await {
+                    warn!(source, message = %id, error = %e, "nak failed; JetStream delivers the message again after its ack wait");
+                }
+                consumed.failed += 1;
+            }
+        }
+    }
+    Ok(consumed)
+}
+
+/// Accepts and, if new, applies one message in a transaction of its own; whether it applied it.
+async fn apply_in_transaction<F>(
+    db: &Db,
+    inbox: &Inbox,
+    source: &str,
+    id: &str,
+    message: &Message,
+    apply: &mut F,
+) -> Result<bool, BoxError>
+where
+    F: AsyncFnMut(&mut Tx, &Message) -> Result<(), BoxError>,
+{
+    let mut tx = db.begin().await?;
+    let new = inbox.accept(&mut tx, source, id).await?;
+    if new {
+        // Dropped on error: the transaction rolls back.
+        apply(&mut tx, message).await?;
+    }
+    tx.commit().await?;
+    Ok(new)
+}
+
+/// The message's `Nats-Msg-Id`, or its stream sequence.
+fn message_id(message: &Message) -> String {
+    let header = message.headers.as_ref().and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID));
+    match (header, message.info()) {
+        (Some(id), _) => id.to_string(),
+        (None, Ok(info)) => format!("{}:{}", info.stream, info.stream_sequence),
+        (None, Err(_)) => String::new(),
+    }
+}
