@@ -7,3 +7,9 @@ CREATE TABLE {s}_inbox (
     PRIMARY KEY (source, message_id),
     KEY {s}_inbox_accepted_at (accepted_at)
 ) ENGINE = InnoDB;
+CREATE TABLE {s}_inbox_keys (
+    source   VARBINARY(256) NOT NULL,
+    `key`    VARBINARY(512) NOT NULL,
+    last_seq BIGINT         NOT NULL,
+    PRIMARY KEY (source, `key`)
+) ENGINE = InnoDB;

@@ -10,3 +10,13 @@ CREATE TABLE inbox (
     PRIMARY KEY (source, message_id)
 );
 CREATE INDEX inbox_accepted_at ON inbox (accepted_at);
+
+-- Per key of a source, the sequence number of the last event applied (an outbox record's `seq`, the
+-- `Outbox-Seq` header): a consumer that keeps only the latest state per key skips an older event that
+-- arrives after a newer one (a redelivery overtaken by the next event).
+CREATE TABLE inbox_keys (
+    source   text   NOT NULL,
+    key      text   NOT NULL,
+    last_seq bigint NOT NULL,
+    PRIMARY KEY (source, key)
+);

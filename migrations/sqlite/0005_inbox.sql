@@ -6,3 +6,9 @@ CREATE TABLE {s}_inbox (
     PRIMARY KEY (source, message_id)
 ) WITHOUT ROWID;
 CREATE INDEX {s}_inbox_accepted_at ON {s}_inbox (accepted_at);
+CREATE TABLE {s}_inbox_keys (
+    source   TEXT    NOT NULL,
+    key      TEXT    NOT NULL,
+    last_seq INTEGER NOT NULL,
+    PRIMARY KEY (source, key)
+) WITHOUT ROWID;

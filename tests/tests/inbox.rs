@@ -18,6 +18,7 @@ every_backend!(
     of_two_consumers_racing_for_a_message_one_applies_it,
     bad_ids_are_refused_and_the_transaction_goes_on,
     the_purge_deletes_only_old_rows_in_batches,
+    a_keys_events_are_accepted_only_in_order,
 );
 
 async fn a_message_is_accepted_once_per_source(db: TestDb) {
@@ -99,4 +100,27 @@ async fn the_purge_deletes_only_old_rows_in_batches(db: TestDb) {
     let mut tx = db.begin().await;
     assert!(!inbox.accept(&mut tx, "orders", "m-0").await.unwrap(), "a row within the retention stays");
     tx.commit().await.unwrap();
+}
+
+/// Per key, only an event later than the last one applied is accepted: an older one arriving late, or
+/// the same one again, is not; keys and sources are independent; a rollback leaves nothing.
+async fn a_keys_events_are_accepted_only_in_order(db: TestDb) {
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    let mut tx = db.begin().await;
+    assert!(inbox.accept_in_order(&mut tx, "orders", "o-1", 5).await.unwrap(), "the key's first event");
+    assert!(!inbox.accept_in_order(&mut tx, "orders", "o-1", 3).await.unwrap(), "an older event arriving late");
+    assert!(!inbox.accept_in_order(&mut tx, "orders", "o-1", 5).await.unwrap(), "the same event again");
+    assert!(inbox.accept_in_order(&mut tx, "orders", "o-2", 1).await.unwrap(), "another key");
+    assert!(inbox.accept_in_order(&mut tx, "payments", "o-1", 1).await.unwrap(), "another source");
+    tx.commit().await.unwrap();
+    let mut tx = db.begin().await;
+    assert!(inbox.accept_in_order(&mut tx, "orders", "o-1", 7).await.unwrap(), "a later event");
+    tx.rollback().await.unwrap();
+    let mut tx = db.begin().await;
+    assert!(!inbox.accept_in_order(&mut tx, "orders", "o-1", 4).await.unwrap(), "5 is still the last");
+    assert!(inbox.accept_in_order(&mut tx, "orders", "o-1", 7).await.unwrap(), "7 was rolled back");
+    let refused = inbox.accept_in_order(&mut tx, "orders", "", 8).await;
+    assert!(matches!(refused, Err(Error::BadInboxId { what: "key", .. })), "{refused:?}");
+    tx.commit().await.unwrap();
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}inbox_keys").await, 3);
 }

@@ -74,10 +74,11 @@ pub enum Error {
         at: chrono::DateTime<chrono::Utc>,
     },
     /// An inbox source or message id that is empty, longer than
-    /// [`MAX_INBOX_ID_BYTES`](crate::inbox::MAX_INBOX_ID_BYTES) or holds NUL.
+    /// [`MAX_INBOX_ID_BYTES`](crate::inbox::MAX_INBOX_ID_BYTES) or holds NUL (or a key, longer than
+    /// [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES)).
     #[error("inbox {what} of {len} bytes: it must be 1 to {max} bytes without NUL")]
     BadInboxId {
-        /// `"source"` or `"message id"`.
+        /// `"source"`, `"message id"` or `"key"`.
         what: &'static str,
         /// Its length in bytes.
         len: usize,

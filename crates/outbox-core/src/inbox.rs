@@ -53,13 +53,33 @@ impl Inbox {
     /// ```
     #[instrument(skip(self, conn))]
     pub async fn accept<'c>(&self, conn: impl Into<Conn<'c>>, source: &str, message_id: &str) -> Result<bool> {
-        for (what, id) in [("source", source), ("message id", message_id)] {
-            if id.is_empty() || id.len() > MAX_INBOX_ID_BYTES || id.contains('\0') {
-                return Err(Error::BadInboxId { what, len: id.len(), max: MAX_INBOX_ID_BYTES });
-            }
-        }
+        check_id("source", source)?;
+        check_id("message id", message_id)?;
         let outbox = &self.outbox;
         conn.into().accept(outbox.statements(), source, message_id).await.map_err(|e| outbox.not_migrated(e))
+    }
+
+    /// Records in the caller's transaction that event `seq` of `key` from `source` (an outbox record's
+    /// key and `seq`; the `Outbox-Seq` header on NATS) is the last one applied for that key, if it is
+    /// later than the last; `true` if so (apply it), `false` if the same or a later event of the key
+    /// was applied already. For a consumer that keeps only each key's latest state: an older event
+    /// that arrives after a newer one (a redelivery overtaken by the next event) is skipped rather than
+    /// applied over the newer state. Its rows are one per key and are not purged.
+    #[instrument(skip(self, conn))]
+    pub async fn accept_in_order<'c>(
+        &self,
+        conn: impl Into<Conn<'c>>,
+        source: &str,
+        key: &str,
+        seq: i64,
+    ) -> Result<bool> {
+        check_id("source", source)?;
+        if key.is_empty() || key.len() > crate::MAX_KEY_BYTES || key.contains('\0') {
+            return Err(Error::BadInboxId { what: "key", len: key.len(), max: crate::MAX_KEY_BYTES });
+        }
+        let outbox = &self.outbox;
+        let conn = conn.into();
+        conn.accept_in_order(outbox.statements(), source, key, seq).await.map_err(|e| outbox.not_migrated(e))
     }
 
     /// Deletes the rows of messages accepted more than `retention` ago (database time), `batch_size`
@@ -73,4 +93,11 @@ impl Inbox {
         })
         .await
     }
+}
+
+fn check_id(what: &'static str, id: &str) -> Result<()> {
+    if id.is_empty() || id.len() > MAX_INBOX_ID_BYTES || id.contains('\0') {
+        return Err(Error::BadInboxId { what, len: id.len(), max: MAX_INBOX_ID_BYTES });
+    }
+    Ok(())
 }

@@ -80,7 +80,8 @@ pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
     let table = |name| ctx.outbox.table(&ctx.db, name);
     let (records, completed) = (table("records"), table("completed"));
     let reset = format!(
-        "DELETE FROM demo_orders; DELETE FROM demo_order_events; DELETE FROM {records}; DELETE FROM {completed}"
+        "DELETE FROM demo_orders; DELETE FROM demo_order_events; DELETE FROM demo_read_model; DELETE FROM {records};
+         DELETE FROM {completed}"
     );
     ctx.db.execute_script(sqlx::AssertSqlSafe(reset)).await?;
     let mut stream = Sink::open(ctx, true).await?;

@@ -4,11 +4,12 @@
 //! installed.
 //!
 //! Subcommands: `run` (the default: the whole story live in one process), `worker`, `produce`,
-//! `verify`, `status`, `failed list|requeue|skip`, `purge`, `migrate`. See `--help`.
+//! `consume`, `verify`, `status`, `failed list|requeue|skip`, `purge`, `migrate`. See `--help`.
 
 #[cfg(feature = "postgres")]
 mod bench;
 mod config;
+mod consume;
 mod live;
 mod operator;
 mod orders;
@@ -71,7 +72,11 @@ enum Command {
     Worker(worker::WorkerArgs),
     /// The load generator: orders, each with a sequence of events in separate transactions.
     Produce(orders::ProduceArgs),
-    /// Reads the stream and the database back; reports missing, duplicated, out-of-order and ghost events.
+    /// Another service's read model (order → last status) kept from the stream through the inbox, each
+    /// event applied once, until SIGTERM or SIGINT (NATS only).
+    Consume,
+    /// Reads the stream and the database back; reports missing, duplicated, out-of-order and ghost events,
+    /// and orders whose status in the read model (if `consume` kept one) differs.
     Verify,
     /// Instances, partitions per instance, backlog, oldest pending age, FAILED count.
     Status,
@@ -175,6 +180,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Run(args) => live::run(&ctx, args).await,
         Command::Worker(args) => worker::run(&ctx, args).await.map(|()| ExitCode::SUCCESS),
         Command::Produce(args) => orders::produce_command(&ctx, args).await.map(|()| ExitCode::SUCCESS),
+        Command::Consume => consume::run(&ctx).await.map(|()| ExitCode::SUCCESS),
         Command::Verify => verify::command(&ctx).await,
         Command::Status => operator::status(&ctx).await.map(|()| ExitCode::SUCCESS),
         Command::Failed(command) => operator::failed(&ctx, command).await.map(|()| ExitCode::SUCCESS),

@@ -44,6 +44,7 @@ pub enum FailedCommand {
 pub async fn migrate(ctx: &Context) -> Result<(), Failure> {
     ctx.outbox.migrate(&ctx.db).await?;
     crate::orders::create_tables(&ctx.db).await?;
+    crate::consume::create_tables(&ctx.db).await?;
     println!("migrated: outbox schema {:?} and the demo tables are up to date", ctx.config.outbox.schema);
     Ok(())
 }

@@ -26,12 +26,19 @@ pub struct Report {
     pub out_of_order: BTreeMap<String, Vec<u32>>,
     /// Events in the stream that no committed transaction wrote (rolled back), per order.
     pub ghosts: BTreeMap<String, Vec<u32>>,
+    /// Orders whose status in the read model differs from the orders table, with the two statuses;
+    /// `None` if no read model was kept (`consume` never ran).
+    pub read_model: Option<Vec<(String, String, Option<String>)>>,
 }
 
 impl Report {
     /// Whether nothing is wrong.
     pub fn ok(&self) -> bool {
-        self.missing.is_empty() && self.duplicated.is_empty() && self.out_of_order.is_empty() && self.ghosts.is_empty()
+        self.missing.is_empty()
+            && self.duplicated.is_empty()
+            && self.out_of_order.is_empty()
+            && self.ghosts.is_empty()
+            && self.read_model.as_ref().is_none_or(Vec::is_empty)
     }
 
     /// Prints the summary and the first problems.
@@ -48,6 +55,18 @@ impl Report {
             println!("{label:<26} {events} events in {} orders", problems.len());
             for (order, seqs) in problems.iter().take(5) {
                 println!("    {order}: seq {seqs:?}");
+            }
+        }
+        match &self.read_model {
+            None => println!("read model                 not kept (run `consume`)"),
+            Some(differ) => {
+                println!("read model                 {} orders differ", differ.len());
+                for (order, status, kept) in differ.iter().take(5) {
+                    println!(
+                        "    {order}: {status} in the orders table, {} in the read model",
+                        kept.as_deref().unwrap_or("none")
+                    );
+                }
             }
         }
         println!("{}", if self.ok() { "OK: nothing lost, duplicated, reordered or leaked" } else { "FAILED" });
@@ -67,7 +86,8 @@ pub async fn verify(ctx: &Context) -> Result<Report, Failure> {
     let committed: BTreeMap<Uuid, (String, u32)> =
         rows.into_iter().map(|(id, order, seq)| (id, (order, seq as u32))).collect();
     let events = Sink::open(ctx, false).await?.read_all().await?;
-    Ok(compare(&committed, &events))
+    let read_model = crate::consume::mismatches(&ctx.db).await?;
+    Ok(Report { read_model, ..compare(&committed, &events) })
 }
 
 /// The pure comparison, so it can be tested without servers.

@@ -201,6 +201,42 @@ async fn http_get(addr: &str, path: &str) -> String {
     }
 }
 
+/// `consume` keeps the read model through the inbox: killed (SIGKILL) while it applies events, and
+/// started again, it ends with every order's status exactly as in the orders table, and verify says so.
+#[sqlx::test(migrations = false)]
+async fn a_consumer_killed_mid_batch_keeps_the_read_model_exact(pool: PgPool) {
+    let env = Env::new(&pool).await;
+    env.ok(&["migrate"]);
+    let w = env.worker("w", &[]);
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(&pool).await.unwrap() }
+    };
+    let consumer = |name: &str| {
+        let log = std::fs::File::create(env.logs.path().join(format!("{name}.log"))).unwrap();
+        Process(
+            env.command(&["consume"]).env("RUST_LOG", WORKER_LOG).stdout(Stdio::null()).stderr(log).spawn().unwrap(),
+        )
+    };
+    let mut first = consumer("c1");
+    env.ok(&["produce", "--orders", "300", "--events-per-order", "3", "--rollback-fraction", "0.1"]);
+    wait_for("some events applied", || async { count("SELECT count(*) FROM outbox.inbox").await >= 50 }).await;
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+    let applied = count("SELECT count(*) FROM outbox.inbox").await;
+    assert!(applied < 900, "killed after {applied} of 900 events: not mid-way");
+
+    let second = consumer("c2");
+    wait_for("every event applied", || async { count("SELECT count(*) FROM outbox.inbox").await == 900 }).await;
+    terminate(second);
+    terminate(w);
+    let report = env.ok(&["verify"]);
+    assert!(report.contains("read model                 0 orders differ"), "{report}");
+    assert!(report.contains("OK: nothing lost"), "{report}");
+    let logs = std::fs::read_to_string(env.logs.path().join("c2.log")).unwrap();
+    assert!(logs.contains("consumer stopped"), "{logs}");
+}
+
 /// `verify` exits non-zero and names what is wrong: a leaked (rolled-back) event, a duplicate, a gap.
 #[sqlx::test(migrations = false)]
 async fn verify_reports_ghosts_duplicates_and_missing_events(pool: PgPool) {

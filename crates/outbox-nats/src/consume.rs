@@ -26,18 +26,13 @@ pub struct Consumed {
 /// is its `Nats-Msg-Id` header (the outbox record's id, for messages the outbox published), else its
 /// stream sequence. `apply` runs inside the transaction; its error, or the database's, rolls the
 /// message back and naks it. An error reading the stream ends the loop and is returned.
-pub async fn apply_once<S, E, F>(
-    mut messages: S,
-    db: &Db,
-    inbox: &Inbox,
-    source: &str,
-    mut apply: F,
-) -> Result<Consumed, E>
+pub async fn apply_once<S, E, F>(messages: S, db: &Db, inbox: &Inbox, source: &str, mut apply: F) -> Result<Consumed, E>
 where
-    S: Stream<Item = Result<Message, E>> + Unpin,
+    S: Stream<Item = Result<Message, E>>,
     F: AsyncFnMut(&mut Tx, &Message) -> Result<(), BoxError>,
 {
     let mut consumed = Consumed::default();
+    let mut messages = std::pin::pin!(messages);
     while let Some(message) = messages.next().await {
         let message = message?;
         let id = message_id(&message);
@@ -86,6 +81,15 @@ where
     }
     tx.commit().await?;
     Ok(new)
+}
+
+/// The outbox key and sequence number a message was published with (`Outbox-Key`, `Outbox-Seq`), for
+/// [`Inbox::accept_in_order`].
+pub fn key_and_seq(message: &Message) -> Option<(&str, i64)> {
+    let headers = message.headers.as_ref()?;
+    let key = headers.get(crate::publisher::KEY_HEADER)?.as_str();
+    let seq = headers.get(crate::publisher::SEQ_HEADER)?.as_str().parse().ok()?;
+    Some((key, seq))
 }
 
 /// The message's `Nats-Msg-Id`, or its stream sequence.

@@ -36,7 +36,7 @@ pub mod subject;
 
 pub use config::{Auth, NatsConfig, StreamSettings, Tls};
 pub use connection::connect;
-pub use consume::{Consumed, apply_once};
+pub use consume::{Consumed, apply_once, key_and_seq};
 pub use publisher::{JetStreamHandler, headers};
 pub use stream::ensure_stream;
 pub use subject::SubjectTemplate;

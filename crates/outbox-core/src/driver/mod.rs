@@ -543,6 +543,25 @@ impl Conn<'_> {
             Conn::MySql(conn) => mysql::accept(conn, &statements.mysql, source, message_id).await,
         }
     }
+
+    /// Makes `seq` the last applied event of (`source`, `key`) if it is later than the last one (or
+    /// the first); whether it did. Concurrent callers for one key wait for each other, as for `accept`.
+    pub(crate) async fn accept_in_order(
+        self,
+        statements: &Statements,
+        source: &str,
+        key: &str,
+        seq: i64,
+    ) -> Result<bool> {
+        match self {
+            #[cfg(feature = "postgres")]
+            Conn::Postgres(conn) => postgres::accept_in_order(conn, &statements.postgres, source, key, seq).await,
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(conn) => sqlite::accept_in_order(conn, &statements.sqlite, source, key, seq).await,
+            #[cfg(feature = "mysql")]
+            Conn::MySql(conn) => mysql::accept_in_order(conn, &statements.mysql, source, key, seq).await,
+        }
+    }
 }
 
 #[cfg(feature = "postgres")]

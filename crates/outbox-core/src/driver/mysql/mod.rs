@@ -158,6 +158,23 @@ pub(super) async fn accept(
     Ok(done.rows_affected() == 1)
 }
 
+/// Accepts a key's event in order on the caller's connection (see `Conn::accept_in_order`): the key's
+/// row inserted if it is new, else moved on if the event is later.
+pub(super) async fn accept_in_order(
+    conn: &mut MySqlConnection,
+    s: &MySqlStatements,
+    source: &str,
+    key: &str,
+    seq: i64,
+) -> Result<bool> {
+    let first = sqlx::query(statement(&s.accept_first_of_key)).bind(source).bind(key).bind(seq);
+    if first.execute(&mut *conn).await?.rows_affected() == 1 {
+        return Ok(true);
+    }
+    let later = sqlx::query(statement(&s.accept_later_of_key)).bind(seq).bind(source).bind(key).bind(seq);
+    Ok(later.execute(conn).await?.rows_affected() == 1)
+}
+
 impl Driver<'_, MySqlPool, MySqlStatements> {
     /// Applies the missing migrations, one migrator of the schema at a time (`GET_LOCK`, held by this
     /// connection). MySQL commits each DDL statement on its own, so a migration that fails half way is

@@ -166,6 +166,14 @@ ORDER BY completed_at LIMIT ?";
 /// `IGNORE` passes over only the duplicate here: the lengths are checked before.
 const ACCEPT: &str = "INSERT IGNORE INTO {s}_inbox (source, message_id) VALUES (?, ?)";
 
+/// A key's first event of a source (`?` source, key, seq); a duplicate key changes nothing.
+const ACCEPT_FIRST_OF_KEY: &str = "INSERT IGNORE INTO {s}_inbox_keys (source, `key`, last_seq) VALUES (?, ?, ?)";
+
+/// A key's later event: `?` seq, source, key, seq again. The server counts matched rows (sqlx asks for
+/// found rows), so this matches only if the event is later than the last applied.
+const ACCEPT_LATER_OF_KEY: &str =
+    "UPDATE {s}_inbox_keys SET last_seq = ? WHERE source = ? AND `key` = ? AND last_seq < ?";
+
 /// Binds: retention ms, limit.
 const PURGE_INBOX: &str = "DELETE FROM {s}_inbox WHERE accepted_at < UTC_TIMESTAMP(6) - INTERVAL (? * 1000) MICROSECOND
 ORDER BY accepted_at LIMIT ?";
@@ -199,6 +207,8 @@ pub struct MySqlStatements {
     pub(super) stats: Arc<str>,
     pub(super) purge: Arc<str>,
     pub(super) accept: Arc<str>,
+    pub(super) accept_first_of_key: Arc<str>,
+    pub(super) accept_later_of_key: Arc<str>,
     pub(super) purge_inbox: Arc<str>,
     pub(super) prunable_keys: Arc<str>,
     pub(super) delete_key: Arc<str>,
@@ -237,6 +247,8 @@ impl MySqlStatements {
             stats: build(STATS),
             purge: build(PURGE),
             accept: build(ACCEPT),
+            accept_first_of_key: build(ACCEPT_FIRST_OF_KEY),
+            accept_later_of_key: build(ACCEPT_LATER_OF_KEY),
             purge_inbox: build(PURGE_INBOX),
             prunable_keys: build(PRUNABLE_KEYS),
             delete_key: build(DELETE_KEY),

@@ -108,6 +108,18 @@ pub(super) async fn accept(conn: &mut PgConnection, s: &PgStatements, source: &s
     Ok(done.rows_affected() == 1)
 }
 
+/// Accepts a key's event in order on the caller's connection (see `Conn::accept_in_order`).
+pub(super) async fn accept_in_order(
+    conn: &mut PgConnection,
+    s: &PgStatements,
+    source: &str,
+    key: &str,
+    seq: i64,
+) -> Result<bool> {
+    let done = sqlx::query(statement(&s.accept_in_order)).bind(source).bind(key).bind(seq).execute(conn).await?;
+    Ok(done.rows_affected() == 1)
+}
+
 /// Starts a transaction for the processor's completions, with JIT compilation off (see
 /// `Db::fetch_pool`).
 ///

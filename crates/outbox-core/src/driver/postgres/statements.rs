@@ -222,6 +222,10 @@ const PURGE: &str = "DELETE FROM {s}.completed WHERE id = ANY(ARRAY(
 /// Records message `$2` of source `$1` as applied, unless it is already (see `Conn::accept`).
 const ACCEPT: &str = "INSERT INTO {s}.inbox (source, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
 
+/// Records event `$3` of key `$2` of source `$1` as the key's last applied, if later than the last.
+const ACCEPT_IN_ORDER: &str = "INSERT INTO {s}.inbox_keys AS k (source, key, last_seq) VALUES ($1, $2, $3)
+ON CONFLICT (source, key) DO UPDATE SET last_seq = EXCLUDED.last_seq WHERE k.last_seq < EXCLUDED.last_seq";
+
 /// Deletes at most `$2` inbox rows older than `$1` ms.
 const PURGE_INBOX: &str = "DELETE FROM {s}.inbox WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {s}.inbox WHERE accepted_at < now() - $1 * interval '1 millisecond'
@@ -257,6 +261,7 @@ pub struct PgStatements {
     pub(crate) stats: Arc<str>,
     pub(crate) purge: Arc<str>,
     pub(crate) accept: Arc<str>,
+    pub(crate) accept_in_order: Arc<str>,
     pub(crate) purge_inbox: Arc<str>,
     pub(crate) migrations_table: Arc<str>,
 }
@@ -296,6 +301,7 @@ impl PgStatements {
             stats: build(STATS),
             purge: build(PURGE),
             accept: build(ACCEPT),
+            accept_in_order: build(ACCEPT_IN_ORDER),
             purge_inbox: build(PURGE_INBOX),
             migrations_table: build(MIGRATIONS_TABLE),
         }

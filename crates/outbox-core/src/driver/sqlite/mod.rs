@@ -157,6 +157,18 @@ pub(super) async fn accept(
     Ok(done.rows_affected() == 1)
 }
 
+/// Accepts a key's event in order on the caller's connection (see `Conn::accept_in_order`).
+pub(super) async fn accept_in_order(
+    conn: &mut SqliteConnection,
+    s: &SqliteStatements,
+    source: &str,
+    key: &str,
+    seq: i64,
+) -> Result<bool> {
+    let done = sqlx::query(statement(&s.accept_in_order)).bind(source).bind(key).bind(seq).execute(conn).await?;
+    Ok(done.rows_affected() == 1)
+}
+
 impl Driver<'_, SqlitePool, SqliteStatements> {
     /// Applies the missing migrations in one write transaction (the write lock serialises migrators).
     pub(crate) async fn migrate(&self) -> Result<()> {

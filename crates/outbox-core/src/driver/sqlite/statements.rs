@@ -154,6 +154,10 @@ const PURGE: &str = "DELETE FROM {s}_completed WHERE id IN (
 /// Records message `$2` of source `$1` as applied, unless it is already (see `Conn::accept`).
 const ACCEPT: &str = "INSERT INTO {s}_inbox (source, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
 
+/// Records event `$3` of key `$2` of source `$1` as the key's last applied, if later than the last.
+const ACCEPT_IN_ORDER: &str = "INSERT INTO {s}_inbox_keys (source, key, last_seq) VALUES ($1, $2, $3)
+ON CONFLICT (source, key) DO UPDATE SET last_seq = excluded.last_seq WHERE last_seq < excluded.last_seq";
+
 /// Deletes at most `$2` inbox rows older than `$1` ms.
 const PURGE_INBOX: &str = "DELETE FROM {s}_inbox WHERE (source, message_id) IN (
     SELECT source, message_id FROM {s}_inbox WHERE accepted_at < {now} - $1 ORDER BY accepted_at LIMIT $2)";
@@ -177,6 +181,7 @@ pub struct SqliteStatements {
     pub(super) stats: Arc<str>,
     pub(super) purge: Arc<str>,
     pub(super) accept: Arc<str>,
+    pub(super) accept_in_order: Arc<str>,
     pub(super) purge_inbox: Arc<str>,
 }
 
@@ -232,6 +237,7 @@ impl SqliteStatements {
             stats: build(STATS),
             purge: build(PURGE),
             accept: build(ACCEPT),
+            accept_in_order: build(ACCEPT_IN_ORDER),
             purge_inbox: build(PURGE_INBOX),
         }
     }
