@@ -68,25 +68,36 @@ impl Calls {
     }
 }
 
+/// Runs a node of an outbox polling every 50 ms (and tuned by `tune`) until `records`, committed in one
+/// transaction once it runs, are delivered; the calls, and when the transaction began.
+async fn deliver(
+    db: &TestDb,
+    tune: impl FnOnce(&mut outbox_core::Config),
+    records: Vec<NewRecord>,
+) -> (Arc<Calls>, Instant) {
+    let outbox = outbox(db, |c| {
+        polling(c);
+        tune(c);
+    })
+    .await;
+    let calls = Arc::new(Calls::default());
+    let node = start(&outbox, db, calls.handlers()).await;
+    let before = Instant::now();
+    commit(&outbox, db, records).await;
+    drained(db, Duration::from_secs(30)).await;
+    node.shutdown().await.unwrap();
+    (calls, before)
+}
+
 /// With stop-on-first-failure (the default), a record delayed by `DELAY` is delivered no earlier than
 /// that after its transaction began, the key's next record only after it, and another key at once.
 async fn a_delayed_record_waits_for_its_time_and_holds_back_its_key(db: TestDb) {
-    let outbox = outbox(&db, polling).await;
-    let calls = Arc::new(Calls::default());
-    let node = start(&outbox, &db, calls.handlers()).await;
-    let before = Instant::now();
-    commit(
-        &outbox,
-        &db,
-        vec![
-            NewRecord::new("k", "t", "delayed").deliver_after(DELAY),
-            NewRecord::new("k", "t", "next"),
-            NewRecord::new("other", "t", "other"),
-        ],
-    )
-    .await;
-    drained(&db, Duration::from_secs(30)).await;
-    node.shutdown().await.unwrap();
+    let records = vec![
+        NewRecord::new("k", "t", "delayed").deliver_after(DELAY),
+        NewRecord::new("k", "t", "next"),
+        NewRecord::new("other", "t", "other"),
+    ];
+    let (calls, before) = deliver(&db, |_| {}, records).await;
     let order: Vec<String> = calls.all().into_iter().map(|(p, _)| p).collect();
     assert_eq!(order, ["other", "delayed", "next"], "{order:?}");
     assert!(calls.at("delayed") >= before + DELAY, "delivered {:?} after", calls.at("delayed") - before);
@@ -98,22 +109,8 @@ async fn a_delayed_record_waits_for_its_time_and_holds_back_its_key(db: TestDb) 
 }
 
 async fn without_stop_on_first_failure_later_records_go_ahead_of_a_delayed_one(db: TestDb) {
-    let outbox = outbox(&db, |c| {
-        c.stop_on_first_failure = false;
-        polling(c);
-    })
-    .await;
-    let calls = Arc::new(Calls::default());
-    let node = start(&outbox, &db, calls.handlers()).await;
-    let before = Instant::now();
-    commit(
-        &outbox,
-        &db,
-        vec![NewRecord::new("k", "t", "delayed").deliver_after(DELAY), NewRecord::new("k", "t", "next")],
-    )
-    .await;
-    drained(&db, Duration::from_secs(30)).await;
-    node.shutdown().await.unwrap();
+    let records = vec![NewRecord::new("k", "t", "delayed").deliver_after(DELAY), NewRecord::new("k", "t", "next")];
+    let (calls, before) = deliver(&db, |c| c.stop_on_first_failure = false, records).await;
     let order: Vec<String> = calls.all().into_iter().map(|(p, _)| p).collect();
     assert_eq!(order, ["next", "delayed"]);
     assert!(calls.at("delayed") >= before + DELAY);
@@ -123,25 +120,17 @@ async fn without_stop_on_first_failure_later_records_go_ahead_of_a_delayed_one(d
 /// `deliver_at` a time already past delivers at once (and records no delivery time); a future one is
 /// kept, in a batch that mixes both.
 async fn a_time_already_past_is_at_once_and_an_absolute_time_is_kept(db: TestDb) {
-    let outbox = outbox(&db, polling).await;
-    let calls = Arc::new(Calls::default());
-    let node = start(&outbox, &db, calls.handlers()).await;
-    let before = Instant::now();
+    // `start + DELAY` comes no later than the future record's time.
+    let start = Instant::now();
     let now = chrono::Utc::now();
-    commit(
-        &outbox,
-        &db,
-        vec![
-            NewRecord::new("a", "t", "past").deliver_at(now - chrono::Duration::hours(1)),
-            NewRecord::new("b", "t", "future").deliver_at(now + chrono::Duration::from_std(DELAY).unwrap()),
-        ],
-    )
-    .await;
-    drained(&db, Duration::from_secs(30)).await;
-    node.shutdown().await.unwrap();
+    let records = vec![
+        NewRecord::new("a", "t", "past").deliver_at(now - chrono::Duration::hours(1)),
+        NewRecord::new("b", "t", "future").deliver_at(now + chrono::Duration::from_std(DELAY).unwrap()),
+    ];
+    let (calls, before) = deliver(&db, |_| {}, records).await;
     assert!(calls.at("past") < before + DELAY);
     assert_eq!(calls.record("past").deliver_at, None);
-    assert!(calls.at("future") >= before + DELAY);
+    assert!(calls.at("future") >= start + DELAY);
     let kept = calls.record("future").deliver_at.unwrap();
     assert!((kept - (now + chrono::Duration::from_std(DELAY).unwrap())).num_milliseconds().abs() <= 1, "{kept}");
 }
@@ -171,13 +160,6 @@ async fn stats_count_records_scheduled_for_later_apart(db: TestDb) {
     let b = stats.iter().find(|s| s.partition == partition_of("b")).unwrap();
     assert_eq!((b.pending, b.scheduled), (1, 0));
     assert!(b.oldest_pending.unwrap() < Duration::from_millis(400), "{:?}", b.oldest_pending);
-}
-
-/// A processor that polls once an hour.
-fn hourly(c: &mut outbox_core::Config) {
-    c.poll_interval = Duration::from_secs(3600);
-    c.listen_poll_interval = Duration::from_secs(3600);
-    c.active_poll_interval = Duration::from_secs(3600);
 }
 
 async fn a_wake_up_delivers_a_delayed_record_when_it_falls_due(db: TestDb) {

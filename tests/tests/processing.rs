@@ -48,13 +48,6 @@ async fn a_wake_up_from_another_process_arrives_through_notify(pool: sqlx::PgPoo
 
 const LONG: Duration = Duration::from_secs(60);
 
-/// A processor that polls once an hour.
-fn hourly(c: &mut outbox_core::Config) {
-    c.poll_interval = Duration::from_secs(3600);
-    c.listen_poll_interval = Duration::from_secs(3600);
-    c.active_poll_interval = Duration::from_secs(3600);
-}
-
 /// A processor polling once an hour delivers a record at once when its producer calls `wake` after the
 /// commit, and not before (a record committed without a wake-up waits, also through another
 /// partition's wake-up).

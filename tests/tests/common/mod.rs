@@ -119,6 +119,13 @@ pub async fn outbox(db: &TestDb, tune: impl FnOnce(&mut Config)) -> Outbox {
     outbox
 }
 
+/// A processor that polls once an hour.
+pub fn hourly(c: &mut Config) {
+    c.poll_interval = Duration::from_secs(3600);
+    c.listen_poll_interval = Duration::from_secs(3600);
+    c.active_poll_interval = Duration::from_secs(3600);
+}
+
 /// Cluster tunables fast enough for tests: lease 600 ms.
 pub fn fast_cluster() -> ClusterConfig {
     ClusterConfig {
