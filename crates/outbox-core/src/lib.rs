@@ -64,7 +64,6 @@ pub use config::{Completion, Config};
 pub use driver::{Conn, ConnectOptions, Db, DbRow, Tx, Value};
 pub use error::{Error, Result};
 pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handlers, Route, fallback_fn, handler_fn};
-pub use inbox::Inbox;
 pub use notice::{Nudge, Nudges};
 pub use partition::{PARTITIONS, Partition, partition_of};
 pub use processor::{MAX_ERROR_BYTES, Processor};

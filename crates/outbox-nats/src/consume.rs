@@ -7,7 +7,8 @@
 
 use async_nats::jetstream::{AckKind, Message};
 use futures::{Stream, StreamExt};
-use outbox_core::{BoxError, Db, Inbox, Tx};
+use outbox_core::inbox::Inbox;
+use outbox_core::{BoxError, Db, Tx};
 use tracing::{debug, warn};
 
 /// What [`apply_once`] did with the messages it read.

@@ -12,7 +12,7 @@
 //! - Failures are classified by kind: unreachable broker, timeouts, no responders, a full stream are
 //!   retryable; a payload over the server's `max_payload` or a subject no stream captures are permanent.
 //! - On the consuming side, [`apply_once`] applies each message of a JetStream consumer once to a
-//!   database, through the consumer's [`Inbox`](outbox_core::Inbox).
+//!   database, through the consumer's [`Inbox`](outbox_core::inbox::Inbox).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
