@@ -73,6 +73,17 @@ struct Seen {
     exclusive: Arc<Exclusive>,
 }
 
+impl Seen {
+    /// Waits until every record of `committed` was delivered.
+    async fn delivered(&self, what: &str, committed: &HashMap<uuid::Uuid, Instant>) {
+        wait_for(&format!("{what} delivered"), LONG, || async {
+            let delivered: BTreeSet<uuid::Uuid> = self.sink.all().iter().map(|d| d.id).collect();
+            committed.keys().all(|id| delivered.contains(id))
+        })
+        .await;
+    }
+}
+
 /// A node named `node-{number}`, its handler taking a millisecond (so that two nodes inside one
 /// partition's handlers at once would overlap in time).
 async fn start_node(url: &str, number: usize, seen: &Seen) -> Node {
@@ -290,11 +301,7 @@ async fn rolling_restart(
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.cancel();
     let committed = producer.await.unwrap();
-    wait_for("every record committed during the restart delivered", LONG, || async {
-        let delivered: BTreeSet<uuid::Uuid> = seen.sink.all().iter().map(|d| d.id).collect();
-        committed.keys().all(|id| delivered.contains(id))
-    })
-    .await;
+    seen.delivered("every record committed during the restart", &committed).await;
     let deliveries = seen.sink.all();
     let mut first: HashMap<uuid::Uuid, Instant> = HashMap::new();
     let mut keys: BTreeMap<String, Vec<i64>> = BTreeMap::new();
@@ -454,11 +461,7 @@ async fn measure(cluster: &PgCluster, snapshotter: &Snapshotter, latency_ms: u64
     let loaded_heartbeats = Recorded::take(snapshotter).of("outbox_heartbeat_seconds", None);
     stop.cancel();
     let committed = producer.await.unwrap();
-    wait_for("the loaded window's records delivered", LONG, || async {
-        let delivered: BTreeSet<uuid::Uuid> = seen.sink.all().iter().map(|d| d.id).collect();
-        committed.keys().all(|id| delivered.contains(id))
-    })
-    .await;
+    seen.delivered("the loaded window's records", &committed).await;
 
     let joined = Instant::now();
     numbers += 1;
