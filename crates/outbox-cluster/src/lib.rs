@@ -25,6 +25,8 @@
 //! ```
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+#[cfg(feature = "admin")]
+pub mod admin;
 pub mod config;
 mod driver;
 pub mod error;

@@ -89,8 +89,9 @@ impl Node {
 
         let processor = Processor::new(outbox.clone(), store.db().clone(), handlers, assignment.clone());
         let busy = processor.busy_partitions();
+        let delivered = processor.delivered();
         let processor = tokio::spawn(processor.run(stop_processor.clone()));
-        let heartbeat = Heartbeat { store: store.clone(), config: config.clone(), assign: assign.clone() };
+        let heartbeat = Heartbeat { store: store.clone(), config: config.clone(), assign: assign.clone(), delivered };
         background.spawn(heartbeat.run(stop_background.clone()));
         let leaving = CancellationToken::new();
         let holds_none = Arc::new(watch::Sender::new(false));

@@ -6,6 +6,7 @@
 //! again under a new id.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use outbox_core::{Assignment, Deadline, Epochs, InstanceId};
 use tokio::sync::watch;
@@ -37,6 +38,8 @@ pub(crate) struct Heartbeat {
     pub(crate) store: Store,
     pub(crate) config: ClusterConfig,
     pub(crate) assign: Arc<watch::Sender<Assignment>>,
+    /// The processor's delivered count, reported with each renewal.
+    pub(crate) delivered: Arc<AtomicU64>,
 }
 
 impl Heartbeat {
@@ -55,7 +58,8 @@ impl Heartbeat {
             }
             let id = self.assign.borrow().instance;
             let sent = Deadline::now();
-            let renewal = conn.renew(&self.store, id, lease(&self.config));
+            let delivered = self.delivered.load(Ordering::Relaxed);
+            let renewal = conn.renew(&self.store, id, lease(&self.config), delivered);
             match tokio::time::timeout(self.config.lease(), renewal).await {
                 Ok(Ok(Some(remaining))) => {
                     metrics::histogram!("outbox_heartbeat_seconds").record(sent.instant().elapsed().as_secs_f64());

@@ -19,6 +19,10 @@ pub struct InstanceInfo {
     pub heartbeat_at: DateTime<Utc>,
     /// Whether its lease is still valid by database time.
     pub live: bool,
+    /// Whether it is shutting down, handing its partitions over.
+    pub draining: bool,
+    /// Records it delivered (by their handler or a fallback) since it started, as of its last heartbeat.
+    pub delivered: i64,
     /// Partitions it owns.
     pub partitions: i64,
 }

@@ -7,7 +7,7 @@ use crate::Outbox;
 use crate::driver::Db;
 use crate::error::{Error, Result};
 use crate::notice::{Partitions, Wake};
-pub use crate::stored::{FailedFilter, FailedRecord, PartitionStats};
+pub use crate::stored::{FailedFilter, FailedPosition, FailedRecord, PartitionStats};
 
 impl Outbox {
     /// Lists FAILED records in (partition, key, seq) order.

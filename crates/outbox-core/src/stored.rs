@@ -320,6 +320,26 @@ pub struct FailedRecord {
     pub created_at: DateTime<Utc>,
     /// When it became FAILED.
     pub failed_at: DateTime<Utc>,
+    /// Its payload, only when [`FailedFilter::payloads`] asked for it.
+    pub payload: Option<Vec<u8>>,
+}
+
+impl FailedRecord {
+    /// Where a listing that ended with this record goes on from ([`FailedFilter::after`]).
+    pub fn position(&self) -> FailedPosition {
+        FailedPosition { partition: self.partition, key: self.key.clone(), seq: self.seq }
+    }
+}
+
+/// A place in the (partition, key, seq) order of FAILED records, to list the next page from.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FailedPosition {
+    /// Partition.
+    pub partition: Partition,
+    /// Key.
+    pub key: String,
+    /// Per-key sequence.
+    pub seq: i64,
 }
 
 /// Which FAILED records to list.
@@ -331,6 +351,11 @@ pub struct FailedFilter {
     pub partition: Option<Partition>,
     /// At most this many (default 100).
     pub limit: Option<i64>,
+    /// Only records after this one (the previous page's last [`FailedRecord::position`]): pages stay
+    /// stable while records before them are requeued or skipped.
+    pub after: Option<FailedPosition>,
+    /// Include payloads (callers decide who may see them; they are never logged).
+    pub payloads: bool,
 }
 
 /// Backlog of one partition.

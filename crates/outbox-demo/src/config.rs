@@ -4,9 +4,13 @@
 use std::path::Path;
 
 use outbox_cluster::ClusterConfig;
+use outbox_cluster::admin::AdminConfig;
 use outbox_core::Config;
 use outbox_nats::NatsConfig;
 use serde::{Deserialize, Serialize};
+
+/// An admin token from the environment (named after the variable in the log), beside the file's.
+pub const ADMIN_TOKEN_ENV: &str = "OUTBOX_ADMIN_TOKEN";
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -18,6 +22,8 @@ pub struct DemoConfig {
     pub cluster: ClusterConfig,
     /// NATS connection, subject and stream.
     pub nats: NatsConfig,
+    /// The operator's page (`worker --admin-addr`): tokens allowed to change things, payloads shown.
+    pub admin: AdminConfig,
     /// Whether events go to NATS: a `[nats]` section or a NATS URL was given (otherwise: the local sink).
     #[serde(skip)]
     pub use_nats: bool,
@@ -44,7 +50,11 @@ impl DemoConfig {
         }
         config.outbox.validate().map_err(|e| e.to_string())?;
         config.cluster.validate().map_err(|e| e.to_string())?;
+        if let Ok(token) = std::env::var(ADMIN_TOKEN_ENV) {
+            config.admin.tokens.insert(ADMIN_TOKEN_ENV.into(), token);
+        }
         config.nats.validate().map_err(|e| e.to_string())?;
+        config.admin.validate().map_err(|e| e.to_string())?;
         Ok(config)
     }
 }

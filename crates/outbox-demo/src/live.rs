@@ -4,6 +4,7 @@
 //! stream against the database ends it.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -31,11 +32,20 @@ pub struct RunArgs {
     /// Seconds between the story's steps (join, graceful leave, crash).
     #[arg(long, default_value_t = 3)]
     pub step_secs: u64,
+    /// Serve the operator's page here while the story plays (a free port if this one is taken).
+    #[arg(long, default_value_t = outbox_cluster::admin::DEFAULT_ADDR)]
+    pub admin_addr: SocketAddr,
 }
 
 impl Default for RunArgs {
     fn default() -> Self {
-        Self { orders: 300, events_per_order: 3, rate: 100.0, step_secs: 3 }
+        Self {
+            orders: 300,
+            events_per_order: 3,
+            rate: 100.0,
+            step_secs: 3,
+            admin_addr: outbox_cluster::admin::DEFAULT_ADDR,
+        }
     }
 }
 
@@ -97,6 +107,14 @@ pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
         args.orders, args.events_per_order
     );
     println!("   database: {}; events go to {target}", ctx.db.backend());
+    let page = match crate::admin::serve(ctx, args.admin_addr).await {
+        Ok(bound) => bound,
+        Err(_) => crate::admin::serve(ctx, SocketAddr::new(args.admin_addr.ip(), 0)).await?,
+    };
+    println!(
+        "   operator page: {} (partitions, backlog, FAILED records; while the story plays)",
+        crate::admin::url(page)
+    );
 
     let mut nodes: BTreeMap<String, Node> = BTreeMap::new();
     for name in ["w1", "w2", "w3"] {

@@ -6,6 +6,7 @@
 //! Subcommands: `run` (the default: the whole story live in one process), `worker`, `produce`,
 //! `consume`, `verify`, `status`, `failed list|requeue|skip`, `purge`, `migrate`. See `--help`.
 
+mod admin;
 #[cfg(feature = "postgres")]
 mod bench;
 mod config;

@@ -102,7 +102,7 @@ pub async fn status(ctx: &Context) -> Result<(), Failure> {
 pub async fn failed(ctx: &Context, command: FailedCommand) -> Result<(), Failure> {
     match command {
         FailedCommand::List { key, partition, limit } => {
-            let filter = FailedFilter { key, partition, limit: Some(limit) };
+            let filter = FailedFilter { key, partition, limit: Some(limit), ..FailedFilter::default() };
             let failed = ctx.outbox.failed(&ctx.db, &filter).await?;
             for f in &failed {
                 println!(

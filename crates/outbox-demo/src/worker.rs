@@ -22,6 +22,10 @@ pub struct WorkerArgs {
     /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9187).
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Serve the operator's page on this address (alone: 127.0.0.1:9188). Requeue and skip need a
+    /// token from `[admin] tokens` in the config file or OUTBOX_ADMIN_TOKEN; without one it is read-only.
+    #[arg(long, env = "OUTBOX_ADMIN_ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:9188")]
+    pub admin_addr: Option<SocketAddr>,
 }
 
 /// Starts a node delivering to the configured target (JetStream, making sure the stream exists, or the
@@ -44,6 +48,10 @@ pub async fn run(ctx: &Context, args: WorkerArgs) -> Result<(), Failure> {
         cluster.name = name;
     }
     let name = cluster.name.clone();
+    if let Some(addr) = args.admin_addr {
+        let bound = crate::admin::serve(ctx, addr).await?;
+        eprintln!("operator page: {}", crate::admin::url(bound));
+    }
     let node = start_node(ctx, cluster).await?;
     eprintln!("worker {name} ({}) running; SIGTERM or Ctrl-C hands its partitions over", node.id());
     let mut term = signal(SignalKind::terminate()).map_err(|e| Failure(e.to_string()))?;

@@ -153,14 +153,24 @@ impl HeartbeatConnection {
     /// remaining time, or `None` when it had expired (the instance was declared dead and must register
     /// again). On SQLite it takes this process's turn at the file, then the write lock, which writers
     /// in other processes may hold.
-    pub(crate) async fn renew(&mut self, store: &Store, id: InstanceId, lease: Lease) -> Result<Option<Duration>> {
+    pub(crate) async fn renew(
+        &mut self,
+        store: &Store,
+        id: InstanceId,
+        lease: Lease,
+        delivered: u64,
+    ) -> Result<Option<Duration>> {
+        // Reported for the operator's rates; a count past i64 would take 290 years at 1e9/s.
+        let delivered = i64::try_from(delivered).unwrap_or(i64::MAX);
         match &store.db {
             #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => store.statements.postgres.heartbeat(pool, &mut self.postgres, id, lease).await,
+            Db::Postgres(pool) => {
+                store.statements.postgres.heartbeat(pool, &mut self.postgres, id, lease, delivered).await
+            }
             #[cfg(feature = "sqlite")]
-            Db::Sqlite(pool) => store.statements.sqlite.heartbeat(pool, &mut self.sqlite, id, lease).await,
+            Db::Sqlite(pool) => store.statements.sqlite.heartbeat(pool, &mut self.sqlite, id, lease, delivered).await,
             #[cfg(feature = "mysql")]
-            Db::MySql(pool) => store.statements.mysql.heartbeat(pool, &mut self.mysql, id, lease).await,
+            Db::MySql(pool) => store.statements.mysql.heartbeat(pool, &mut self.mysql, id, lease, delivered).await,
             other => Err(Error::BackendNotBuilt { backend: other.backend() }),
         }
     }

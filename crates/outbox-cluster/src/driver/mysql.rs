@@ -22,7 +22,8 @@ VALUES (?, ?, {now} + INTERVAL (? * 1000) MICROSECOND, ?)";
 /// Renews a lease that has not expired (see the PostgreSQL statement). Binds: lease ms, id. No row
 /// matched: the lease had expired.
 const HEARTBEAT: &str =
-    "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + INTERVAL (? * 1000) MICROSECOND
+    "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + INTERVAL (? * 1000) MICROSECOND,
+    delivered = ?
 WHERE id = ? AND expires_at > {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
@@ -77,6 +78,7 @@ STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.x
 SET p.owner = NULL, p.epoch = p.epoch + 1, p.changed_at = {now}";
 
 const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > {now} AS live,
+    i.draining, i.delivered,
     (SELECT count(*) FROM {s}_partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}_instances i ORDER BY i.started_at";
 
@@ -146,6 +148,7 @@ impl MySqlStatements {
         own: &mut Option<MySqlConnection>,
         id: InstanceId,
         lease: Lease,
+        delivered: i64,
     ) -> Result<Option<Duration>> {
         let conn = match own {
             Some(conn) => conn,
@@ -153,6 +156,7 @@ impl MySqlStatements {
         };
         let renewed = sqlx::query(statement(&self.heartbeat))
             .bind(millis(lease.live))
+            .bind(delivered)
             .bind(id)
             .execute(conn)
             .await?

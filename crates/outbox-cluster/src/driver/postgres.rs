@@ -25,7 +25,7 @@ RETURNING {remaining}";
 /// row: the lease had expired (or the instance was reaped), so the instance was declared dead and may
 /// have lost its partitions: it must stop and register again.
 const HEARTBEAT: &str = "UPDATE {s}.instances
-SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond'
+SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond', delivered = $3
 WHERE id = $1 AND expires_at > now()
 RETURNING {remaining}";
 
@@ -79,6 +79,7 @@ RETURNING p.partition";
 
 /// Instances with their lease state and partition counts, for status.
 const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > now() AS live,
+    i.draining, i.delivered,
     (SELECT count(*) FROM {s}.partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}.instances i ORDER BY i.started_at";
 
@@ -135,6 +136,7 @@ impl PgStatements {
         own: &mut Option<PgConnection>,
         id: InstanceId,
         lease: Lease,
+        delivered: i64,
     ) -> Result<Option<Duration>> {
         let conn = match own {
             Some(conn) => conn,
@@ -143,6 +145,7 @@ impl PgStatements {
         let ms: Option<i64> = sqlx::query_scalar(statement(&self.heartbeat))
             .bind(id)
             .bind(millis(lease.live))
+            .bind(delivered)
             .fetch_optional(conn)
             .await?;
         Ok(ms.map(remaining))

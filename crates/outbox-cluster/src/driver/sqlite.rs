@@ -22,7 +22,7 @@ const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbe
 VALUES ($1, $2, {now} + $3, $4) RETURNING expires_at - {now}";
 
 /// Renews a lease that has not expired (see the PostgreSQL statement); returns its remaining ms.
-const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2
+const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2, delivered = $3
 WHERE id = $1 AND expires_at > {now} RETURNING expires_at - {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = $1";
@@ -58,7 +58,7 @@ const RELEASE: &str = "UPDATE {s}_partitions SET owner = NULL, epoch = epoch + 1
 WHERE partition = $2 AND epoch = $3 AND owner = $1 RETURNING partition";
 
 const INSTANCES: &str = "SELECT i.id, i.name, {time:i.started_at} AS started_at,
-    {time:i.heartbeat_at} AS heartbeat_at, i.expires_at > {now} AS live,
+    {time:i.heartbeat_at} AS heartbeat_at, i.expires_at > {now} AS live, i.draining, i.delivered,
     (SELECT count(*) FROM {s}_partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}_instances i ORDER BY i.started_at";
 
@@ -134,6 +134,7 @@ impl SqliteStatements {
         own: &mut Option<SqliteConnection>,
         id: InstanceId,
         lease: Lease,
+        delivered: i64,
     ) -> Result<Option<Duration>> {
         let conn = match own {
             Some(conn) => conn,
@@ -143,6 +144,7 @@ impl SqliteStatements {
         let ms: Option<i64> = sqlx::query_scalar(statement(&self.heartbeat))
             .bind(id)
             .bind(millis(lease.live))
+            .bind(delivered)
             .fetch_optional(&mut *tx)
             .await?;
         tx.commit().await?;

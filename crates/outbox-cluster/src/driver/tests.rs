@@ -55,20 +55,20 @@ async fn a_lease_is_renewed_only_until_it_expires(pool: PgPool) {
         let remaining = store.register(id, "test", DAY).await.unwrap();
         assert!(remaining > Duration::from_secs(86_000) && remaining <= DAY.live, "{backend}: {remaining:?}");
         let mut conn = super::HeartbeatConnection::default();
-        let renewed = conn.renew(&store, id, DAY).await.unwrap();
+        let renewed = conn.renew(&store, id, DAY, 42).await.unwrap();
         assert!(renewed.is_some_and(|r| r > Duration::from_secs(86_000)), "{backend}: {renewed:?}");
 
         let dead = registered(&store, GONE).await;
-        assert_eq!(conn.renew(&store, dead, DAY).await.unwrap(), None, "{backend}: an expired lease stays expired");
-        assert_eq!(conn.renew(&store, InstanceId::new(), DAY).await.unwrap(), None, "{backend}: unknown instance");
+        assert_eq!(conn.renew(&store, dead, DAY, 0).await.unwrap(), None, "{backend}: an expired lease stays expired");
+        assert_eq!(conn.renew(&store, InstanceId::new(), DAY, 0).await.unwrap(), None, "{backend}: unknown instance");
 
         let live: BTreeSet<InstanceId> = store.view().await.unwrap().live.into_iter().collect();
         assert_eq!(live, BTreeSet::from([id]), "{backend}");
         let instances = store.instances().await.unwrap();
         assert_eq!(
-            instances.iter().map(|i| (i.id, i.live)).collect::<Vec<_>>(),
-            [(id, true), (dead, false)],
-            "{backend}"
+            instances.iter().map(|i| (i.id, i.live, i.draining, i.delivered)).collect::<Vec<_>>(),
+            [(id, true, false, 42), (dead, false, false, 0)],
+            "{backend}: the renewal reported 42 deliveries"
         );
 
         assert_eq!(store.reap(Duration::from_secs(3600)).await.unwrap(), 0, "{backend}: within the grace");

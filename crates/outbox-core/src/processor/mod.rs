@@ -37,6 +37,7 @@ mod fetch;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -67,12 +68,26 @@ pub struct Processor {
     handlers: Arc<Handlers>,
     assignment: watch::Receiver<Assignment>,
     busy: watch::Sender<BTreeSet<Partition>>,
+    delivered: Arc<AtomicU64>,
 }
 
 impl Processor {
     /// A processor delivering through `handlers` what `assignment` holds.
     pub fn new(outbox: Outbox, db: impl Into<Db>, handlers: Handlers, assignment: watch::Receiver<Assignment>) -> Self {
-        Self { outbox, db: db.into(), handlers: Arc::new(handlers), assignment, busy: watch::Sender::default() }
+        Self {
+            outbox,
+            db: db.into(),
+            handlers: Arc::new(handlers),
+            assignment,
+            busy: watch::Sender::default(),
+            delivered: Arc::default(),
+        }
+    }
+
+    /// Records this processor has delivered (by their handler or a fallback) and completed, counted
+    /// from its start; a cluster node reports it with each heartbeat.
+    pub fn delivered(&self) -> Arc<AtomicU64> {
+        self.delivered.clone()
     }
 
     /// Partitions with records in flight (delivering or awaiting completion). A partition taken out of
@@ -108,7 +123,7 @@ impl Processor {
             assignment: self.assignment.clone(),
             shutdown: shutdown.clone(),
         });
-        let mut state = State::new(config);
+        let mut state = State::new(config, self.delivered.clone());
         let mut woken = self.outbox.wakeups().subscribe();
         let (listening, listening_rx) = watch::channel(false);
         let stop_listening = CancellationToken::new();
@@ -193,6 +208,8 @@ type Pending<T> = Option<Pin<Box<dyn Future<Output = T> + Send>>>;
 /// The processor loop's state; each `on_*` method handles one kind of event.
 struct State {
     config: Config,
+    /// See [`Processor::delivered`].
+    delivered: Arc<AtomicU64>,
     /// Keys dispatched and not yet completed in the database, with their partition.
     in_flight: HashMap<String, Partition>,
     deliveries: JoinSet<(String, Vec<Outcome>)>,
@@ -223,8 +240,9 @@ struct State {
 }
 
 impl State {
-    fn new(config: Config) -> Self {
+    fn new(config: Config, delivered: Arc<AtomicU64>) -> Self {
         Self {
+            delivered,
             next_poll: Instant::now() + config.poll_interval,
             config,
             in_flight: HashMap::new(),
@@ -350,6 +368,9 @@ impl State {
             self.wanted.insert(outcome.partition);
             if written.ids.contains(&outcome.id) {
                 record_metrics(&outcome);
+                if matches!(outcome.verdict, Verdict::Delivered | Verdict::Fallback) {
+                    self.delivered.fetch_add(1, Ordering::Relaxed);
+                }
                 if let Verdict::Retry { delay, .. } = outcome.verdict {
                     self.wake_at(Instant::now() + delay, Partitions::of(outcome.partition));
                 }

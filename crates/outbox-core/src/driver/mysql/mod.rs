@@ -34,6 +34,11 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../../../migrations/mysql/0002_delivery_times.sql"),
     },
     Migration { version: 3, name: "inbox", sql: include_str!("../../../../../migrations/mysql/0003_inbox.sql") },
+    Migration {
+        version: 4,
+        name: "delivered counts",
+        sql: include_str!("../../../../../migrations/mysql/0004_delivered_counts.sql"),
+    },
 ];
 
 /// How long a migrator waits for another one of the same schema (`GET_LOCK`).
@@ -293,11 +298,17 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 
     pub(crate) async fn failed(&self, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
         let partition = filter.partition.map(i16::from);
+        let after = filter.after.as_ref().map(|a| i16::from(a.partition));
         Ok(sqlx::query_as(statement(&self.statements.list_failed))
+            .bind(filter.payloads)
             .bind(filter.key.as_deref())
             .bind(filter.key.as_deref())
             .bind(partition)
             .bind(partition)
+            .bind(after)
+            .bind(after)
+            .bind(filter.after.as_ref().map(|a| a.key.as_str()))
+            .bind(filter.after.as_ref().map(|a| a.seq))
             .bind(filter.limit.unwrap_or(100))
             .fetch_all(self.pool)
             .await?)

@@ -131,9 +131,11 @@ WHERE id = ? AND failed_at IS NULL AND requeues = ?";
 
 /// Binds: key, key, partition, partition, limit.
 const LIST_FAILED: &str =
-    "SELECT id, `partition`, `key`, seq, event_type, attempts, requeues, last_error, created_at, failed_at
+    "SELECT id, `partition`, `key`, seq, event_type, attempts, requeues, last_error, created_at, failed_at,
+    CASE WHEN ? THEN payload END AS payload
 FROM {s}_records
 WHERE failed_at IS NOT NULL AND (? IS NULL OR `key` = ?) AND (? IS NULL OR `partition` = ?)
+    AND (? IS NULL OR (`partition`, `key`, seq) > (?, ?, ?))
 ORDER BY `partition`, `key`, seq LIMIT ?";
 
 /// Binds: id, key.

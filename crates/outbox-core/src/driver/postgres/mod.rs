@@ -38,6 +38,11 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../../../migrations/postgres/0003_delivery_times.sql"),
     },
     Migration { version: 4, name: "inbox", sql: include_str!("../../../../../migrations/postgres/0004_inbox.sql") },
+    Migration {
+        version: 5,
+        name: "delivered counts",
+        sql: include_str!("../../../../../migrations/postgres/0005_delivered_counts.sql"),
+    },
 ];
 
 /// Arbitrary constant namespacing the migrators' advisory lock (ASCII "outbox").
@@ -275,6 +280,10 @@ impl Driver<'_, PgPool, PgStatements> {
             .bind(filter.key.as_deref())
             .bind(filter.partition.map(i16::from))
             .bind(filter.limit.unwrap_or(100))
+            .bind(filter.after.as_ref().map(|a| i16::from(a.partition)))
+            .bind(filter.after.as_ref().map(|a| a.key.as_str()))
+            .bind(filter.after.as_ref().map(|a| a.seq))
+            .bind(filter.payloads)
             .fetch_all(self.pool)
             .await?)
     }

@@ -180,9 +180,11 @@ const FAIL: &str = "WITH {fence}, written AS (
 const FAILED_COLUMNS: &str =
     "id, partition, key, seq, event_type, attempts, requeues, last_error, created_at, failed_at";
 
-/// Lists FAILED records, optionally of one key (`$1`) or partition (`$2`), at most `$3`.
-const LIST_FAILED: &str = "SELECT {failed_cols} FROM {s}.records
+/// Lists FAILED records, optionally of one key (`$1`) or partition (`$2`), at most `$3`, after the
+/// (partition, key, seq) `($4, $5, $6)` if given, with their payloads if `$7`.
+const LIST_FAILED: &str = "SELECT {failed_cols}, CASE WHEN $7 THEN payload END AS payload FROM {s}.records
 WHERE failed_at IS NOT NULL AND ($1::text IS NULL OR key = $1) AND ($2::smallint IS NULL OR partition = $2)
+    AND ($4::smallint IS NULL OR (partition, key, seq) > ($4, $5::text, $6::bigint))
 ORDER BY partition, key, seq LIMIT $3";
 
 /// Requeues FAILED records (one id `$1`, or all of key `$2`) with a fresh retry budget, counting the

@@ -46,6 +46,11 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../../../migrations/sqlite/0004_delivery_times.sql"),
     },
     Migration { version: 5, name: "inbox", sql: include_str!("../../../../../migrations/sqlite/0005_inbox.sql") },
+    Migration {
+        version: 6,
+        name: "delivered counts",
+        sql: include_str!("../../../../../migrations/sqlite/0006_delivered_counts.sql"),
+    },
 ];
 
 /// How long a connection waits for the write lock before a statement fails with "busy". Writers hold
@@ -266,6 +271,10 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             .bind(filter.key.as_deref())
             .bind(filter.partition.map(i16::from))
             .bind(filter.limit.unwrap_or(100))
+            .bind(filter.after.as_ref().map(|a| i16::from(a.partition)))
+            .bind(filter.after.as_ref().map(|a| a.key.as_str()))
+            .bind(filter.after.as_ref().map(|a| a.seq))
+            .bind(filter.payloads)
             .fetch_all(self.pool)
             .await?)
     }

@@ -122,9 +122,10 @@ const FAIL: &str = "UPDATE {s}_records SET attempts = $2, last_error = $3,
 WHERE id = $1 AND failed_at IS NULL AND requeues = $6 RETURNING id";
 
 const LIST_FAILED: &str = "SELECT id, partition, key, seq, event_type, attempts, requeues, last_error,
-    {time:created_at} AS created_at, {time:failed_at} AS failed_at
+    {time:created_at} AS created_at, {time:failed_at} AS failed_at, CASE WHEN $7 THEN payload END AS payload
 FROM {s}_records
 WHERE failed_at IS NOT NULL AND ($1 IS NULL OR key = $1) AND ($2 IS NULL OR partition = $2)
+    AND ($4 IS NULL OR (partition, key, seq) > ($4, $5, $6))
 ORDER BY partition, key, seq LIMIT $3";
 
 const REQUEUE: &str =

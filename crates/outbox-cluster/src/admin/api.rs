@@ -1,0 +1,398 @@
+//! The JSON API: what the page reads, and the operator's actions on FAILED records. Times are
+//! milliseconds since the Unix epoch, ages milliseconds.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use chrono::Utc;
+use outbox_core::operator::{FailedFilter, FailedPosition, FailedRecord};
+use outbox_core::{Epoch, InstanceId, Partition};
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use super::Admin;
+use super::auth::Operator;
+
+/// The most FAILED records one page lists.
+pub const MAX_PAGE: i64 = 1000;
+
+/// `GET /api/status`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StatusView {
+    /// No token is configured: requeue, skip and purge are refused.
+    pub read_only: bool,
+    /// FAILED records' payloads are shown.
+    pub show_payloads: bool,
+    /// Registered instances, oldest first.
+    pub instances: Vec<InstanceView>,
+    /// The whole backlog.
+    pub backlog: Backlog,
+    /// Records delivered per second by all live instances, as their last heartbeats reported.
+    pub delivered_per_s: f64,
+    /// Samples over the last minutes, oldest first.
+    pub history: Vec<Sample>,
+}
+
+/// One instance.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InstanceView {
+    /// Instance id.
+    pub id: InstanceId,
+    /// Its configured name.
+    pub name: String,
+    /// When it registered.
+    pub started_at_ms: i64,
+    /// Since its last heartbeat (by this process's clock against the database's).
+    pub heartbeat_age_ms: i64,
+    /// Its lease is valid by database time.
+    pub live: bool,
+    /// It is shutting down, handing its partitions over.
+    pub draining: bool,
+    /// Partitions it owns.
+    pub partitions: i64,
+    /// Records it delivered since it started.
+    pub delivered: i64,
+    /// Its delivered/s between its last two reporting heartbeats.
+    pub delivered_per_s: f64,
+}
+
+/// Backlog totals.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Backlog {
+    /// Records waiting for delivery.
+    pub pending: i64,
+    /// Records scheduled for later.
+    pub scheduled: i64,
+    /// FAILED records.
+    pub failed: i64,
+    /// Age of the oldest pending record.
+    pub oldest_pending_ms: Option<i64>,
+}
+
+/// One point of the history.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Sample {
+    /// When.
+    pub at_ms: i64,
+    /// Pending records.
+    pub pending: i64,
+    /// FAILED records.
+    pub failed: i64,
+    /// Delivered per second.
+    pub delivered_per_s: f64,
+}
+
+/// `GET /api/partitions`: one of the 256.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PartitionView {
+    /// Partition.
+    pub partition: Partition,
+    /// Owner, if any.
+    pub owner: Option<InstanceId>,
+    /// The owner's name, if it is registered.
+    pub owner_name: Option<String>,
+    /// Fencing epoch.
+    pub epoch: Epoch,
+    /// Where the rebalancer wants it.
+    pub target: Option<InstanceId>,
+    /// Records waiting for delivery.
+    pub pending: i64,
+    /// Records scheduled for later.
+    pub scheduled: i64,
+    /// FAILED records.
+    pub failed: i64,
+    /// Age of the oldest pending record.
+    pub oldest_pending_ms: Option<i64>,
+}
+
+/// `GET /api/failed`: a page of FAILED records.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FailedPage {
+    /// In (partition, key, seq) order.
+    pub records: Vec<FailedView>,
+    /// Where the next page starts (`after_partition`, `after_key`, `after_seq`), if there may be one.
+    pub next: Option<FailedPosition>,
+}
+
+/// One FAILED record.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FailedView {
+    /// Record id.
+    pub id: Uuid,
+    /// Partition.
+    pub partition: Partition,
+    /// Key.
+    pub key: String,
+    /// Per-key sequence.
+    pub seq: i64,
+    /// Event type.
+    pub event_type: String,
+    /// Failed deliveries since scheduled or last requeued.
+    pub attempts: i32,
+    /// Times an operator requeued it.
+    pub requeues: i32,
+    /// The last error.
+    pub last_error: Option<String>,
+    /// When it was scheduled.
+    pub created_at_ms: i64,
+    /// When it became FAILED.
+    pub failed_at_ms: i64,
+    /// The payload as text, when payloads are shown and it is UTF-8.
+    pub payload: Option<String>,
+    /// The payload in base64, when payloads are shown and it is not UTF-8.
+    pub payload_base64: Option<String>,
+}
+
+impl From<FailedRecord> for FailedView {
+    fn from(r: FailedRecord) -> Self {
+        let (payload, payload_base64) = match r.payload.map(String::from_utf8) {
+            None => (None, None),
+            Some(Ok(text)) => (Some(text), None),
+            Some(Err(e)) => (None, Some(base64::engine::general_purpose::STANDARD.encode(e.into_bytes()))),
+        };
+        FailedView {
+            id: r.id,
+            partition: r.partition,
+            key: r.key,
+            seq: r.seq,
+            event_type: r.event_type,
+            attempts: r.attempts,
+            requeues: r.requeues,
+            last_error: r.last_error,
+            created_at_ms: r.created_at.timestamp_millis(),
+            failed_at_ms: r.failed_at.timestamp_millis(),
+            payload,
+            payload_base64,
+        }
+    }
+}
+
+/// An API error: its status and a JSON `{"error": …}` the page shows.
+#[derive(Debug)]
+pub(super) enum ApiError {
+    ReadOnly,
+    Unauthenticated,
+    Forbidden,
+    BadRequest(String),
+    NotFound(String),
+    Unavailable(String),
+}
+
+impl From<outbox_core::Error> for ApiError {
+    fn from(e: outbox_core::Error) -> Self {
+        match e {
+            e @ outbox_core::Error::RecordNotFound { .. } => ApiError::NotFound(e.to_string()),
+            e @ (outbox_core::Error::EmptyKey | outbox_core::Error::KeyTooLong { .. }) => {
+                ApiError::BadRequest(e.to_string())
+            }
+            e => ApiError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+impl From<crate::Error> for ApiError {
+    fn from(e: crate::Error) -> Self {
+        match e {
+            crate::Error::Core(core) => core.into(),
+            other => ApiError::Unavailable(other.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, message) = match self {
+            ApiError::ReadOnly => (
+                StatusCode::FORBIDDEN,
+                "read-only: no admin token is configured, so nothing can be changed here".into(),
+            ),
+            ApiError::Unauthenticated => {
+                (StatusCode::UNAUTHORIZED, "an admin token is required (Authorization: Bearer …)".into())
+            }
+            ApiError::Forbidden => {
+                (StatusCode::FORBIDDEN, "the admin token is not one of the configured tokens".into())
+            }
+            ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, m),
+            ApiError::NotFound(m) => (StatusCode::NOT_FOUND, m),
+            ApiError::Unavailable(m) => {
+                warn!(error = %m, "admin request failed");
+                (StatusCode::SERVICE_UNAVAILABLE, m)
+            }
+        };
+        let mut response = (status, Json(serde_json::json!({ "error": message }))).into_response();
+        if status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+type ApiResult<T> = Result<Json<T>, ApiError>;
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+pub(super) async fn status(State(admin): State<Admin>) -> ApiResult<StatusView> {
+    let inner = &admin.inner;
+    let snapshot = inner.snapshots.get(&inner.outbox, &inner.db).await?;
+    let now = Utc::now();
+    let instances = snapshot
+        .cluster
+        .instances
+        .iter()
+        .map(|i| InstanceView {
+            id: i.id,
+            name: i.name.clone(),
+            started_at_ms: i.started_at.timestamp_millis(),
+            heartbeat_age_ms: (now - i.heartbeat_at).num_milliseconds().max(0),
+            live: i.live,
+            draining: i.draining,
+            partitions: i.partitions,
+            delivered: i.delivered,
+            delivered_per_s: snapshot.rates.get(&i.id).copied().unwrap_or(0.0),
+        })
+        .collect();
+    let stats = &snapshot.stats;
+    Ok(Json(StatusView {
+        read_only: inner.config.read_only(),
+        show_payloads: inner.config.show_payloads,
+        instances,
+        backlog: Backlog {
+            pending: stats.iter().map(|s| s.pending).sum(),
+            scheduled: stats.iter().map(|s| s.scheduled).sum(),
+            failed: stats.iter().map(|s| s.failed).sum(),
+            oldest_pending_ms: stats.iter().filter_map(|s| s.oldest_pending).max().map(millis),
+        },
+        delivered_per_s: snapshot.rates.values().sum(),
+        history: snapshot.history.clone(),
+    }))
+}
+
+pub(super) async fn partitions(State(admin): State<Admin>) -> ApiResult<Vec<PartitionView>> {
+    let inner = &admin.inner;
+    let snapshot = inner.snapshots.get(&inner.outbox, &inner.db).await?;
+    let names: HashMap<InstanceId, &str> = snapshot.cluster.instances.iter().map(|i| (i.id, i.name.as_str())).collect();
+    let stats: HashMap<Partition, _> = snapshot.stats.iter().map(|s| (s.partition, s)).collect();
+    Ok(Json(
+        snapshot
+            .cluster
+            .partitions
+            .iter()
+            .map(|p| {
+                let s = stats.get(&p.partition);
+                PartitionView {
+                    partition: p.partition,
+                    owner: p.owner,
+                    owner_name: p.owner.and_then(|o| names.get(&o)).map(|n| n.to_string()),
+                    epoch: p.epoch,
+                    target: p.target,
+                    pending: s.map_or(0, |s| s.pending),
+                    scheduled: s.map_or(0, |s| s.scheduled),
+                    failed: s.map_or(0, |s| s.failed),
+                    oldest_pending_ms: s.and_then(|s| s.oldest_pending).map(millis),
+                }
+            })
+            .collect(),
+    ))
+}
+
+/// `GET /api/failed` parameters.
+#[derive(Debug, Deserialize)]
+pub(super) struct FailedQuery {
+    key: Option<String>,
+    partition: Option<Partition>,
+    limit: Option<i64>,
+    after_partition: Option<Partition>,
+    after_key: Option<String>,
+    after_seq: Option<i64>,
+}
+
+pub(super) async fn failed(State(admin): State<Admin>, Query(q): Query<FailedQuery>) -> ApiResult<FailedPage> {
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::BadRequest(format!("limit must be 1..={MAX_PAGE}, not {limit}")));
+    }
+    let after = match (q.after_partition, q.after_key, q.after_seq) {
+        (None, None, None) => None,
+        (Some(partition), Some(key), Some(seq)) => Some(FailedPosition { partition, key, seq }),
+        _ => return Err(ApiError::BadRequest("after_partition, after_key and after_seq go together".into())),
+    };
+    let filter = FailedFilter {
+        key: q.key.filter(|k| !k.is_empty()),
+        partition: q.partition,
+        limit: Some(limit),
+        after,
+        payloads: admin.inner.config.show_payloads,
+    };
+    let records = admin.inner.outbox.failed(admin.inner.db.clone(), &filter).await?;
+    let next = (records.len() as i64 == limit).then(|| records.last().map(FailedRecord::position)).flatten();
+    Ok(Json(FailedPage { records: records.into_iter().map(FailedView::from).collect(), next }))
+}
+
+pub(super) async fn requeue(
+    State(admin): State<Admin>,
+    Operator(who): Operator,
+    Path(id): Path<Uuid>,
+) -> ApiResult<serde_json::Value> {
+    admin.inner.outbox.requeue(admin.inner.db.clone(), id).await?;
+    info!(token = %who, record = %id, "admin: requeued FAILED record");
+    Ok(Json(serde_json::json!({ "requeued": 1 })))
+}
+
+pub(super) async fn skip(
+    State(admin): State<Admin>,
+    Operator(who): Operator,
+    Path(id): Path<Uuid>,
+) -> ApiResult<serde_json::Value> {
+    admin.inner.outbox.skip(admin.inner.db.clone(), id).await?;
+    info!(token = %who, record = %id, "admin: skipped FAILED record");
+    Ok(Json(serde_json::json!({ "skipped": 1 })))
+}
+
+/// `POST /api/requeue` body.
+#[derive(Debug, Deserialize)]
+pub(super) struct RequeueKey {
+    key: String,
+}
+
+pub(super) async fn requeue_key(
+    State(admin): State<Admin>,
+    Operator(who): Operator,
+    Json(body): Json<RequeueKey>,
+) -> ApiResult<serde_json::Value> {
+    if body.key.is_empty() {
+        return Err(ApiError::BadRequest("key is empty".into()));
+    }
+    let n = admin.inner.outbox.requeue_key(admin.inner.db.clone(), &body.key).await?;
+    info!(token = %who, key = %body.key, requeued = n, "admin: requeued a key's FAILED records");
+    Ok(Json(serde_json::json!({ "requeued": n })))
+}
+
+/// `POST /api/purge` body.
+#[derive(Debug, Deserialize)]
+pub(super) struct Purge {
+    /// Completed records older than this go, e.g. "1h".
+    older_than: String,
+}
+
+pub(super) async fn purge(
+    State(admin): State<Admin>,
+    Operator(who): Operator,
+    Json(body): Json<Purge>,
+) -> ApiResult<serde_json::Value> {
+    let older_than = humantime::parse_duration(&body.older_than)
+        .map_err(|e| ApiError::BadRequest(format!("older_than {:?}: {e}", body.older_than)))?;
+    let (outbox, db) = (&admin.inner.outbox, &admin.inner.db);
+    let batch = outbox.config().purge_batch_size;
+    let purged = outbox.purge_completed(db.clone(), older_than, batch).await?;
+    let pruned = outbox.prune_keys(db.clone(), batch).await?;
+    info!(token = %who, older_than = %body.older_than, purged, pruned_keys = pruned, "admin: purged completed records");
+    Ok(Json(serde_json::json!({ "purged": purged, "pruned_keys": pruned })))
+}

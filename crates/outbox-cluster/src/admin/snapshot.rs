@@ -1,0 +1,103 @@
+//! One read of the cluster and its backlog, shared by every request within a second, and the history
+//! of delivered/s and backlog those reads leave behind.
+//!
+//! However many pages are open, the database answers at most one status and one backlog statement per
+//! [`FRESH_FOR`]; the history holds a sample per read, at most one per [`SAMPLE_EVERY`], for
+//! [`HISTORY`] (it covers the time the page has been watched since the process started).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox_core::operator::PartitionStats;
+use outbox_core::{Db, InstanceId, Outbox};
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use super::api::Sample;
+use crate::error::Result;
+use crate::status::{ClusterStatus, status};
+
+/// A read younger than this is served again.
+const FRESH_FOR: Duration = Duration::from_secs(1);
+/// At most one history sample per this.
+const SAMPLE_EVERY: Duration = Duration::from_secs(2);
+/// How far back the history goes.
+const HISTORY: Duration = Duration::from_secs(10 * 60);
+
+/// One read of the cluster and its backlog.
+pub(super) struct Snapshot {
+    pub(super) cluster: ClusterStatus,
+    pub(super) stats: Vec<PartitionStats>,
+    /// Delivered/s per instance, from its last two heartbeats that moved its count's time.
+    pub(super) rates: HashMap<InstanceId, f64>,
+    pub(super) history: Vec<Sample>,
+}
+
+#[derive(Default)]
+pub(super) struct Snapshots {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    last: Option<(Instant, Arc<Snapshot>)>,
+    /// Per instance: its last heartbeat time and count seen, and the rate between the two before.
+    counts: HashMap<InstanceId, (DateTime<Utc>, i64, f64)>,
+    history: VecDeque<(Instant, Sample)>,
+}
+
+impl Snapshots {
+    /// The last read if fresh, else a new one (requests arriving meanwhile wait for it).
+    pub(super) async fn get(&self, outbox: &Outbox, db: &Db) -> Result<Arc<Snapshot>> {
+        let mut state = self.state.lock().await;
+        if let Some((at, snapshot)) = &state.last
+            && at.elapsed() < FRESH_FOR
+        {
+            return Ok(snapshot.clone());
+        }
+        let cluster = status(db.clone(), outbox).await?;
+        let stats = outbox.stats(db.clone()).await?;
+        let now = Instant::now();
+        let rates = state.rates(&cluster);
+        let sample = Sample {
+            at_ms: Utc::now().timestamp_millis(),
+            pending: stats.iter().map(|s| s.pending).sum(),
+            failed: stats.iter().map(|s| s.failed).sum(),
+            delivered_per_s: rates.values().sum(),
+        };
+        if state.history.back().is_none_or(|(at, _)| now.duration_since(*at) >= SAMPLE_EVERY) {
+            state.history.push_back((now, sample));
+        }
+        while state.history.front().is_some_and(|(at, _)| now.duration_since(*at) > HISTORY) {
+            state.history.pop_front();
+        }
+        let history = state.history.iter().map(|(_, s)| s.clone()).collect();
+        let snapshot = Arc::new(Snapshot { cluster, stats, rates, history });
+        state.last = Some((now, snapshot.clone()));
+        Ok(snapshot)
+    }
+}
+
+impl State {
+    /// Each instance's delivered/s: its count's change over the time between the heartbeats that
+    /// reported them (counts arrive with heartbeats, so sampling them by the clock would see steps).
+    fn rates(&mut self, cluster: &ClusterStatus) -> HashMap<InstanceId, f64> {
+        let mut rates = HashMap::new();
+        for i in cluster.instances.iter().filter(|i| i.live) {
+            let rate = match self.counts.get(&i.id) {
+                Some(&(at, _, rate)) if at == i.heartbeat_at => rate,
+                Some(&(at, count, _)) => {
+                    let seconds = (i.heartbeat_at - at).num_milliseconds() as f64 / 1000.0;
+                    if seconds > 0.0 { (i.delivered - count).max(0) as f64 / seconds } else { 0.0 }
+                }
+                None => 0.0,
+            };
+            self.counts.insert(i.id, (i.heartbeat_at, i.delivered, rate));
+            rates.insert(i.id, rate);
+        }
+        self.counts.retain(|id, _| rates.contains_key(id));
+        rates
+    }
+}
