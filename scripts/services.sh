@@ -83,6 +83,13 @@ drop_mysql_databases() {
   done
 }
 
+# Chromium and ChromeDriver for the operator page's browser test.
+ensure_chromium() {
+  if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    apt_install chromium chromium-driver
+  fi
+}
+
 ensure_nats() {
   if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
     apt_install nats-server

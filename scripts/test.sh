@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Runs the whole test suite against real services: starts (installing if needed) PostgreSQL, MariaDB and
-# NATS on loopback, then `cargo test --workspace`. Each PostgreSQL and MariaDB test gets its own fresh
-# database; the shared behavioural tests run on a fresh SQLite file each as well.
+# NATS on loopback, installs Chromium and ChromeDriver for the operator page's browser test, then
+# `cargo test --workspace`. Each PostgreSQL and MariaDB test gets its own fresh database; the shared
+# behavioural tests run on a fresh SQLite file each as well.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
 ensure_postgres
 ensure_mariadb
 ensure_nats
+ensure_chromium
 ensure_database outbox_test
 drop_mysql_databases 'outbox\_t\_%'
 export DATABASE_URL="$DATABASE_URL_BASE/outbox_test"

@@ -69,7 +69,7 @@ pub use partition::{PARTITIONS, Partition, partition_of};
 pub use processor::{MAX_ERROR_BYTES, Processor};
 pub use record::{Delay, Headers, MAX_DELAY, MAX_EVENT_TYPE_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled};
 pub use retry::{Backoff, RetryPolicy};
-pub use stored::{FailedFilter, FailedRecord, PartitionStats};
+pub use stored::{FailedFilter, FailedPosition, FailedRecord, PartitionStats};
 
 /// The outbox: validated configuration and the statements built for its schema. Cheap to clone.
 #[derive(Debug, Clone)]

@@ -1,0 +1,243 @@
+//! The operator page in a real browser (Debian's Chromium through ChromeDriver, which
+//! `scripts/test.sh` installs when missing): served by a running worker of a two-worker demo, it shows
+//! the 256 partitions and both instances, and requeues a FAILED record through its button.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use outbox_cluster::{ClusterConfig, Node};
+use outbox_core::{Config, Db, HandlerError, Handlers, NewRecord, Outbox, Route, handler_fn};
+use outbox_tests::nats::free_port;
+use outbox_tests::process::Process;
+use sqlx::PgPool;
+
+const TOKEN: &str = "browser-test-token-0123";
+
+/// Polls `condition` every 100 ms for up to 60 s.
+async fn eventually<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Three FAILED records, made the way production makes them: a node whose handler refuses them.
+async fn three_failed_records(db: &Db) {
+    let config =
+        Config { retry: outbox_core::RetryPolicy { max_retries: 0, ..Default::default() }, ..Config::default() };
+    let outbox = Outbox::new(config).unwrap();
+    let refuse = handler_fn(|_| async { Err::<(), _>(HandlerError::permanent("the warehouse is closed")) });
+    let cluster = ClusterConfig { name: "refuser".into(), ..ClusterConfig::default() };
+    let node = Node::start(outbox.clone(), db.clone(), Handlers::new().default_route(Route::new(refuse)), cluster)
+        .await
+        .unwrap();
+    let mut tx = db.begin().await.unwrap();
+    let records: Vec<NewRecord> =
+        (1..=3).map(|i| NewRecord::new(format!("order-{i}"), "order.paid", format!("{{\"order\":{i}}}"))).collect();
+    outbox.schedule_batch(&mut tx, &records).await.unwrap();
+    tx.commit().await.unwrap();
+    eventually("three FAILED records", || async {
+        outbox.stats(db.clone()).await.unwrap().iter().map(|s| s.failed).sum::<i64>() == 3
+    })
+    .await;
+    node.shutdown().await.unwrap();
+}
+
+/// ChromeDriver on a free port and a headless Chromium session through it.
+async fn browser() -> (Process, Client) {
+    let port = free_port();
+    let driver = Process(
+        Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver (apt install chromium-driver; scripts/test.sh does)"),
+    );
+    let mut capabilities = serde_json::Map::new();
+    capabilities.insert(
+        "goog:chromeOptions".into(),
+        serde_json::json!({ "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"] }),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+        let session = ClientBuilder::new(connector)
+            .capabilities(capabilities.clone())
+            .connect(&format!("http://127.0.0.1:{port}"))
+            .await;
+        match session {
+            Ok(client) => return (driver, client),
+            Err(e) if Instant::now() > deadline => panic!("no ChromeDriver session: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// The database URL of a `sqlx::test` pool.
+async fn url_of(pool: &PgPool) -> String {
+    let name: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
+    let base = std::env::var("DATABASE_URL").unwrap();
+    format!("{}/{name}", base.rsplit_once('/').unwrap().0)
+}
+
+async fn text(client: &Client, css: &str) -> String {
+    match client.find(Locator::Css(css)).await {
+        Ok(element) => element.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_page_shows_the_cluster_and_requeues_through_its_button(pool: PgPool) {
+    let database_url = url_of(&pool).await;
+    let dir = tempfile::tempdir().unwrap();
+    let demo = |args: &[&str]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-demo"));
+        command
+            .args(args)
+            .env("DATABASE_URL", &database_url)
+            .env("OUTBOX_DEMO_SINK", dir.path().join("sink.db"))
+            .env("OUTBOX_ADMIN_TOKEN", TOKEN)
+            .env_remove("NATS_URL")
+            .env_remove("OUTBOX_CONFIG");
+        command
+    };
+    assert!(demo(&["migrate"]).status().unwrap().success());
+    three_failed_records(&Db::from(pool.clone())).await;
+
+    let admin_port = free_port();
+    let log = |name: &str| std::fs::File::create(dir.path().join(name)).unwrap();
+    let _w1 = Process(
+        demo(&["worker", "--name", "w1", "--admin-addr", &format!("127.0.0.1:{admin_port}")])
+            .stderr(log("w1.log"))
+            .spawn()
+            .unwrap(),
+    );
+    let _w2 = Process(demo(&["worker", "--name", "w2"]).stderr(log("w2.log")).spawn().unwrap());
+
+    let (_driver, client) = browser().await;
+    let url = format!("http://127.0.0.1:{admin_port}/");
+    eventually("the worker serves the page", || async { client.goto(&url).await.is_ok() }).await;
+    assert_eq!(client.find_all(Locator::Css("#grid .cell")).await.unwrap().len(), 256);
+    eventually("both instances listed, sharing all 256 partitions", || async {
+        let instances = text(&client, "#instances").await;
+        instances.contains("w1")
+            && instances.contains("w2")
+            && text(&client, "#owned").await.to_lowercase().contains("256 of 256")
+    })
+    .await;
+    eventually("three FAILED records shown", || async {
+        text(&client, "#failed-count").await.contains("(3)")
+            && client.find_all(Locator::Css("button.requeue")).await.unwrap().len() == 3
+    })
+    .await;
+
+    client.find(Locator::Id("token")).await.unwrap().send_keys(TOKEN).await.unwrap();
+    let button = client.find(Locator::Css("button.requeue")).await.unwrap();
+    let requeued = button.attr("data-key").await.unwrap().unwrap();
+    button.click().await.unwrap();
+    // The confirmation dialog: accepting it sends the request.
+    eventually("the confirmation asks about the record", || async {
+        client.get_alert_text().await.is_ok_and(|t| t.contains(&requeued))
+    })
+    .await;
+    client.accept_alert().await.unwrap();
+    eventually("the FAILED count drops to 2 and the record is delivered", || async {
+        text(&client, "#failed-count").await.contains("(2)") && !text(&client, "#failed").await.contains(&requeued)
+    })
+    .await;
+    assert!(text(&client, "#message").await.contains("requeued"));
+    let outbox = Outbox::new(Config::default()).unwrap();
+    eventually("the requeued record delivered by a worker", || async {
+        let stats = outbox.stats(Db::from(pool.clone())).await.unwrap();
+        stats.iter().map(|s| (s.pending, s.failed)).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1)) == (0, 2)
+    })
+    .await;
+
+    let screenshot = client.screenshot().await.unwrap();
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("admin-page.png");
+    std::fs::write(&path, screenshot).unwrap();
+    println!("screenshot: {}", path.display());
+    client.close().await.unwrap();
+}
+
+/// What an operator of a large cluster in trouble opens: 256 instances, each owning one partition, and
+/// 10,000 FAILED records. The page shows them all (the FAILED ones a hundred at a time) and refreshes
+/// in well under its two-second period; the times are printed, not asserted (BENCHMARKS.md).
+#[sqlx::test(migrations = false)]
+async fn the_page_stays_usable_with_256_instances_and_10000_failed_records(pool: PgPool) {
+    let db = Db::from(pool.clone());
+    let outbox = Outbox::new(Config::default()).unwrap();
+    outbox.migrate(&db).await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox.instances (id, name, expires_at, heartbeat_ms)
+         SELECT gen_random_uuid(), 'pod-' || lpad(g::text, 3, '0'), now() + interval '1 hour', 2000
+         FROM generate_series(1, 256) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE outbox.partitions p SET owner = i.id, target_owner = i.id, epoch = 1
+         FROM (SELECT id, row_number() OVER (ORDER BY name) - 1 AS n FROM outbox.instances) i WHERE p.partition = i.n",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for batch in 0..10 {
+        let records: Vec<NewRecord> =
+            (0..1000).map(|i| NewRecord::new(format!("order-{batch}-{i}"), "order.paid", "{}")).collect();
+        let mut tx = db.begin().await.unwrap();
+        outbox.schedule_batch(&mut tx, &records).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    sqlx::query("UPDATE outbox.records SET failed_at = now(), attempts = 3, last_error = 'nats: no responders'")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let admin = outbox_cluster::admin::Admin::new(outbox.clone(), db.clone(), Default::default()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, admin.router()).await });
+
+    let (_driver, client) = browser().await;
+    let opened = Instant::now();
+    client.goto(&url).await.unwrap();
+    eventually("256 instances, every partition owned, 10,000 FAILED records listed a page at a time", || async {
+        client.find_all(Locator::Css("#instances tbody tr")).await.unwrap().len() == 256
+            && client.find_all(Locator::Css("#grid .cell.free")).await.unwrap().is_empty()
+            && text(&client, "#failed-count").await.contains("(10,000)")
+            && client.find_all(Locator::Css("button.requeue")).await.unwrap().len() == 100
+    })
+    .await;
+    let ready = opened.elapsed();
+    // Past the admin's one-second reuse of its last read, so the refresh timed reads the database.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let refresh = client
+        .execute_async(
+            "const done = arguments[arguments.length - 1]; const t = performance.now(); \
+             refresh().then(() => done(performance.now() - t));",
+            vec![],
+        )
+        .await
+        .unwrap();
+    let first_page = text(&client, "#failed tbody").await;
+    client.find(Locator::Id("f-next")).await.unwrap().click().await.unwrap();
+    eventually("the second page of FAILED records", || async {
+        text(&client, "#f-page").await == "page 2" && text(&client, "#failed tbody").await != first_page
+    })
+    .await;
+    println!(
+        "256 instances, 10,000 FAILED: page ready {ready:.2?} after opening; one refresh (status, partitions, a page of FAILED) {refresh} ms"
+    );
+    client.close().await.unwrap();
+}

@@ -1,0 +1,258 @@
+//! The operator page's JSON API on every backend: what it shows of a running cluster, paging through
+//! FAILED records, payloads only when enabled, and who may requeue, skip and purge.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[macro_use]
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use common::*;
+use outbox_cluster::admin::{Admin, AdminConfig, FailedPage, PartitionView, StatusView};
+use outbox_core::{HandlerError, Handlers, NewRecord, Route, handler_fn};
+use serde_json::Value;
+use tower::ServiceExt;
+
+every_backend!(
+    the_page_shows_the_cluster_its_backlog_and_delivered_counts,
+    failed_records_page_by_position_without_gaps_or_repeats,
+    payloads_are_listed_only_when_enabled,
+    mutations_need_a_configured_token_and_act,
+    without_tokens_the_page_is_read_only,
+);
+
+const TOKEN: &str = "ops-token-0123456789";
+
+fn with_token() -> AdminConfig {
+    AdminConfig { tokens: BTreeMap::from([("ops".into(), TOKEN.into())]), ..AdminConfig::default() }
+}
+
+fn router(outbox: &outbox_core::Outbox, db: &TestDb, config: AdminConfig) -> Router {
+    Admin::new(outbox.clone(), db, config).unwrap().router()
+}
+
+/// One request through the router; the status and the JSON body (`Null` when not JSON).
+async fn call(
+    router: &Router,
+    method: &str,
+    uri: &str,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (StatusCode, Value) {
+    let mut request = Request::builder().method(method).uri(uri);
+    if let Some(token) = token {
+        request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let body = match body {
+        Some(json) => {
+            request = request.header(header::CONTENT_TYPE, "application/json");
+            Body::from(json.to_string())
+        }
+        None => Body::empty(),
+    };
+    let response = router.clone().oneshot(request.body(body).unwrap()).await.unwrap();
+    let status = response.status();
+    let bytes = axum::body::to_bytes(response.into_body(), 16 << 20).await.unwrap();
+    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+}
+
+async fn get<T: serde::de::DeserializeOwned>(router: &Router, uri: &str) -> T {
+    let (status, body) = call(router, "GET", uri, None, None).await;
+    assert_eq!(status, StatusCode::OK, "GET {uri}: {body}");
+    serde_json::from_value(body).unwrap()
+}
+
+/// `n` records of keys `bad-0…`, marked FAILED by hand (no processor runs), with payloads "payload of bad-i".
+async fn failed_records(outbox: &outbox_core::Outbox, db: &TestDb, n: usize) {
+    commit(
+        outbox,
+        db,
+        (0..n).map(|i| NewRecord::new(format!("bad-{i}"), "order.paid", format!("payload of bad-{i}"))).collect(),
+    )
+    .await;
+    exec!(db, "UPDATE {s}records SET failed_at = {now}, last_error = 'broker said no' WHERE key LIKE 'bad-%'");
+}
+
+async fn the_page_shows_the_cluster_its_backlog_and_delivered_counts(db: TestDb) {
+    let outbox = outbox(&db, |c| c.retry.max_retries = 0).await;
+    let fail_bad = handler_fn(|record| async move {
+        if record.key.starts_with("bad") { Err(HandlerError::permanent("refused")) } else { Ok(()) }
+    });
+    let node = start(&outbox, &db, Handlers::new().default_route(Route::new(fail_bad))).await;
+    let mut records: Vec<NewRecord> = (0..20).map(|i| NewRecord::new(format!("good-{i}"), "t", "")).collect();
+    records.extend((0..3).map(|i| NewRecord::new(format!("bad-{i}"), "t", "")));
+    commit(&outbox, &db, records).await;
+    wait_failed(&db, 3).await;
+    drained(&db, LONG).await;
+
+    let admin = router(&outbox, &db, AdminConfig::default());
+    // The instance reports its deliveries with its next heartbeat; the page reads at most once a second.
+    wait_for("the heartbeat reports 20 deliveries", LONG, || async {
+        let status: StatusView = get(&admin, "/api/status").await;
+        status.instances.first().is_some_and(|i| i.delivered == 20)
+    })
+    .await;
+    let status: StatusView = get(&admin, "/api/status").await;
+    assert!(status.read_only);
+    assert_eq!(status.instances.len(), 1);
+    let me = &status.instances[0];
+    assert_eq!((me.id, me.name.as_str(), me.live, me.draining, me.partitions), (node.id(), "test", true, false, 256));
+    assert!(me.heartbeat_age_ms < 60_000, "{me:?}");
+    assert_eq!((status.backlog.pending, status.backlog.failed), (0, 3));
+    assert!(!status.history.is_empty());
+
+    let partitions: Vec<PartitionView> = get(&admin, "/api/partitions").await;
+    assert_eq!(partitions.len(), 256);
+    assert!(partitions.iter().enumerate().all(|(i, p)| usize::from(p.partition) == i));
+    assert!(partitions.iter().all(|p| p.owner == Some(node.id()) && p.owner_name.as_deref() == Some("test")));
+    assert_eq!(partitions.iter().map(|p| p.failed).sum::<i64>(), 3);
+    let bad0 = &partitions[usize::from(outbox_core::partition_of("bad-0"))];
+    assert!(bad0.failed >= 1);
+
+    // A backlog shows per partition, with its age.
+    exec!(db, "UPDATE {s}records SET failed_at = NULL, created_at = {ago:120} WHERE key = 'bad-0'");
+    node.kill();
+    let admin = router(&outbox, &db, AdminConfig::default());
+    let partitions: Vec<PartitionView> = get(&admin, "/api/partitions").await;
+    let bad0 = &partitions[usize::from(outbox_core::partition_of("bad-0"))];
+    assert!(bad0.pending >= 1 && bad0.oldest_pending_ms.unwrap() >= 120_000, "{bad0:?}");
+}
+
+async fn failed_records_page_by_position_without_gaps_or_repeats(db: TestDb) {
+    let outbox = outbox(&db, hourly).await;
+    failed_records(&outbox, &db, 25).await;
+    let admin = router(&outbox, &db, AdminConfig::default());
+    let mut seen = Vec::new();
+    let mut uri = "/api/failed?limit=7".to_string();
+    loop {
+        let page: FailedPage = get(&admin, &uri).await;
+        assert!(page.records.len() <= 7);
+        assert!(page.records.iter().all(|r| r.payload.is_none() && r.payload_base64.is_none()));
+        seen.extend(page.records.iter().map(|r| (r.partition, r.key.clone(), r.seq)));
+        let Some(next) = page.next else { break };
+        // Records before the page resolved meanwhile must not shift what comes next.
+        let first = &page.records[0];
+        outbox.skip(&db, first.id).await.unwrap();
+        uri = format!(
+            "/api/failed?limit=7&after_partition={}&after_key={}&after_seq={}",
+            next.partition, next.key, next.seq
+        );
+    }
+    assert_eq!(seen.len(), 25);
+    let mut sorted = seen.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(seen, sorted, "in (partition, key, seq) order, each once");
+    assert_eq!(failed_count(&db).await, 25 - 3, "one skipped per page but the last");
+
+    let page: FailedPage = get(&admin, "/api/failed?key=bad-7").await;
+    assert_eq!(page.records.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(), ["bad-7"]);
+    assert_eq!(page.records[0].last_error.as_deref(), Some("broker said no"));
+    let p = outbox_core::partition_of("bad-7");
+    let page: FailedPage = get(&admin, &format!("/api/failed?partition={p}")).await;
+    assert!(page.records.iter().all(|r| r.partition == p) && !page.records.is_empty());
+
+    for bad in ["/api/failed?limit=0", "/api/failed?limit=1001", "/api/failed?after_partition=3"] {
+        let (status, body) = call(&admin, "GET", bad, None, None).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {body}");
+        assert!(body["error"].as_str().is_some_and(|e| !e.is_empty()), "{bad}: {body}");
+    }
+}
+
+async fn payloads_are_listed_only_when_enabled(db: TestDb) {
+    let outbox = outbox(&db, hourly).await;
+    failed_records(&outbox, &db, 2).await;
+    let hidden: FailedPage = get(&router(&outbox, &db, AdminConfig::default()), "/api/failed").await;
+    assert!(hidden.records.iter().all(|r| r.payload.is_none()));
+    let shown = router(&outbox, &db, AdminConfig { show_payloads: true, ..AdminConfig::default() });
+    let status: StatusView = get(&shown, "/api/status").await;
+    assert!(status.show_payloads);
+    let page: FailedPage = get(&shown, "/api/failed").await;
+    for r in &page.records {
+        assert_eq!(r.payload.as_deref(), Some(format!("payload of {}", r.key).as_str()));
+    }
+}
+
+async fn mutations_need_a_configured_token_and_act(db: TestDb) {
+    let outbox = outbox(&db, hourly).await;
+    failed_records(&outbox, &db, 4).await;
+    let admin = router(&outbox, &db, with_token());
+    let page: FailedPage = get(&admin, "/api/failed").await;
+    let (first, second) = (&page.records[0], &page.records[1]);
+    let requeue = format!("/api/failed/{}/requeue", first.id);
+
+    let (status, body) = call(&admin, "POST", &requeue, None, None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "no token: {body}");
+    let (status, body) = call(&admin, "POST", &requeue, Some("ops-token-0123456780"), None).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "wrong token: {body}");
+    assert_eq!(failed_count(&db).await, 4, "refused requests change nothing");
+
+    let (status, body) = call(&admin, "POST", &requeue, Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(failed_count(&db).await, 3);
+    let (status, body) = call(&admin, "POST", &requeue, Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "no longer FAILED: {body}");
+
+    let (status, body) = call(&admin, "POST", &format!("/api/failed/{}/skip", second.id), Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(count(&db, &format!("SELECT count(*) FROM {{s}}records WHERE key = '{}'", second.key)).await, 0);
+
+    let key = page.records[2].key.clone();
+    let (status, body) =
+        call(&admin, "POST", "/api/requeue", Some(TOKEN), Some(serde_json::json!({ "key": key }))).await;
+    assert_eq!((status, body["requeued"].as_u64()), (StatusCode::OK, Some(1)), "{body}");
+    assert_eq!(failed_count(&db).await, 1);
+
+    let (status, body) =
+        call(&admin, "POST", "/api/purge", Some(TOKEN), Some(serde_json::json!({ "older_than": "soon" }))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let (status, body) =
+        call(&admin, "POST", "/api/purge", Some(TOKEN), Some(serde_json::json!({ "older_than": "1h" }))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["purged"].as_u64(), Some(0), "the skipped record is younger than an hour: {body}");
+}
+
+async fn without_tokens_the_page_is_read_only(db: TestDb) {
+    let outbox = outbox(&db, hourly).await;
+    failed_records(&outbox, &db, 1).await;
+    let admin = router(&outbox, &db, AdminConfig::default());
+    let page: FailedPage = get(&admin, "/api/failed").await;
+    for (uri, body) in [
+        (format!("/api/failed/{}/requeue", page.records[0].id), None),
+        (format!("/api/failed/{}/skip", page.records[0].id), None),
+        ("/api/requeue".into(), Some(serde_json::json!({ "key": "bad-0" }))),
+        ("/api/purge".into(), Some(serde_json::json!({ "older_than": "0s" }))),
+    ] {
+        let (status, reply) = call(&admin, "POST", &uri, Some(TOKEN), body).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{uri}: {reply}");
+        assert!(reply["error"].as_str().unwrap().contains("read-only"), "{uri}: {reply}");
+    }
+    assert_eq!(failed_count(&db).await, 1);
+    let (status, _) = call(&admin, "GET", "/", None, None).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[test]
+fn bad_admin_configuration_is_a_typed_error() {
+    let config = |name: &str, token: &str| AdminConfig {
+        tokens: BTreeMap::from([(name.to_string(), token.to_string())]),
+        ..AdminConfig::default()
+    };
+    for bad in [config("ops", "short"), config(" ", TOKEN)] {
+        let e = bad.validate().unwrap_err();
+        assert!(matches!(e, outbox_cluster::Error::Config(_)), "{e}");
+    }
+    let twice = AdminConfig {
+        tokens: BTreeMap::from([("a".into(), TOKEN.into()), ("b".into(), TOKEN.into())]),
+        ..AdminConfig::default()
+    };
+    assert!(twice.validate().is_err());
+    assert!(with_token().validate().is_ok());
+    assert!(!format!("{:?}", with_token()).contains(TOKEN), "Debug hides tokens");
+}
+
+const LONG: Duration = Duration::from_secs(60);
