@@ -1,9 +1,12 @@
 //! One read of the cluster and its backlog, shared by every request within a second, and the history
 //! of delivered/s and backlog those reads leave behind.
 //!
-//! However many pages are open, the database answers at most one status and one backlog statement per
-//! [`FRESH_FOR`]; the history holds a sample per read, at most one per [`SAMPLE_EVERY`], for
-//! [`HISTORY`] (it covers the time the page has been watched since the process started).
+//! However many pages are open, the database answers at most one status and one backlog read per
+//! [`FRESH_FOR`], or per [`BUSY_SHARE`]⁻¹ times the last read's duration if that is longer: the backlog
+//! read counts every record (~120 ms at a million on PostgreSQL here), so a large backlog slows the
+//! refresh rather than loading the database it is about. The history holds a sample per read, at most
+//! one per [`SAMPLE_EVERY`], for [`HISTORY`] (the time the page has been watched since the process
+//! started).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -21,6 +24,8 @@ use crate::status::{ClusterStatus, status};
 
 /// A read younger than this is served again.
 const FRESH_FOR: Duration = Duration::from_secs(1);
+/// The most of the database's time (of one connection) the page's reads may take.
+const BUSY_SHARE: u32 = 10;
 /// At most one history sample per this.
 const SAMPLE_EVERY: Duration = Duration::from_secs(2);
 /// How far back the history goes.
@@ -42,7 +47,8 @@ pub(super) struct Snapshots {
 
 #[derive(Default)]
 struct State {
-    last: Option<(Instant, Arc<Snapshot>)>,
+    /// The last read: when it was taken, how long it stays fresh, and what it found.
+    last: Option<(Instant, Duration, Arc<Snapshot>)>,
     /// Per instance: its last heartbeat time and count seen, and the rate between the two before.
     counts: HashMap<InstanceId, (DateTime<Utc>, i64, f64)>,
     history: VecDeque<(Instant, Sample)>,
@@ -52,14 +58,16 @@ impl Snapshots {
     /// The last read if fresh, else a new one (requests arriving meanwhile wait for it).
     pub(super) async fn get(&self, outbox: &Outbox, db: &Db) -> Result<Arc<Snapshot>> {
         let mut state = self.state.lock().await;
-        if let Some((at, snapshot)) = &state.last
-            && at.elapsed() < FRESH_FOR
+        if let Some((at, fresh_for, snapshot)) = &state.last
+            && at.elapsed() < *fresh_for
         {
             return Ok(snapshot.clone());
         }
+        let started = Instant::now();
         let cluster = status(db.clone(), outbox).await?;
         let stats = outbox.stats(db.clone()).await?;
         let now = Instant::now();
+        let fresh_for = FRESH_FOR.max((now - started) * BUSY_SHARE);
         let rates = state.rates(&cluster);
         let sample = Sample {
             at_ms: Utc::now().timestamp_millis(),
@@ -75,7 +83,7 @@ impl Snapshots {
         }
         let history = state.history.iter().map(|(_, s)| s.clone()).collect();
         let snapshot = Arc::new(Snapshot { cluster, stats, rates, history });
-        state.last = Some((now, snapshot.clone()));
+        state.last = Some((now, fresh_for, snapshot.clone()));
         Ok(snapshot)
     }
 }
