@@ -4,7 +4,7 @@
 //! - `GET /`: one page (HTML, CSS and JS embedded in the binary): the 256 partitions as a 16 × 16 grid
 //!   coloured by owner and shaded by backlog, the instances with their heartbeat age and delivered/s,
 //!   delivered/s and backlog over the last minutes, and the FAILED records with requeue and skip.
-//! - `GET /api/status`, `GET /api/partitions`, `GET /api/failed`: what the page shows ([`api`]).
+//! - `GET /api/status`, `GET /api/partitions`, `GET /api/failed`: what the page shows ([`StatusView`], [`PartitionView`], [`FailedPage`]).
 //! - `POST /api/failed/{id}/requeue`, `POST /api/failed/{id}/skip`, `POST /api/requeue` (a key's FAILED
 //!   records), `POST /api/purge`: each needs `Authorization: Bearer <token>` naming one of the configured
 //!   tokens ([`AdminConfig::tokens`]), and is logged with that token's name. Without tokens the page is
