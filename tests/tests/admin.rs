@@ -93,15 +93,15 @@ async fn the_page_shows_the_cluster_its_backlog_and_delivered_counts(db: TestDb)
     // The instance reports its deliveries with its next heartbeat; the page reads at most once a second.
     wait_for("the heartbeat reports 20 deliveries", LONG, || async {
         let status: StatusView = get(&admin, "/api/status").await;
-        status.instances.first().is_some_and(|i| i.delivered == 20)
+        status.instances.first().is_some_and(|i| i.instance.delivered == 20)
     })
     .await;
     let status: StatusView = get(&admin, "/api/status").await;
     assert!(status.read_only);
     assert_eq!(status.instances.len(), 1);
-    let me = &status.instances[0];
+    let me = &status.instances[0].instance;
     assert_eq!((me.id, me.name.as_str(), me.live, me.draining, me.partitions), (node.id(), "test", true, false, 256));
-    assert!(me.heartbeat_age_ms < 60_000, "{me:?}");
+    assert!(status.instances[0].heartbeat_age_ms < 60_000, "{me:?}");
     assert_eq!((status.backlog.pending, status.backlog.failed), (0, 3));
     assert!(!status.history.is_empty());
 
@@ -113,9 +113,9 @@ async fn the_page_shows_the_cluster_its_backlog_and_delivered_counts(db: TestDb)
     let bad0 = &partitions[usize::from(outbox_core::partition_of("bad-0"))];
     assert!(bad0.failed >= 1);
 
-    // A backlog shows per partition, with its age.
-    exec!(db, "UPDATE {s}records SET failed_at = NULL, created_at = {ago:120} WHERE key = 'bad-0'");
+    // A backlog shows per partition, with its age (no node left to deliver it).
     node.kill();
+    exec!(db, "UPDATE {s}records SET failed_at = NULL, created_at = {ago:120} WHERE key = 'bad-0'");
     let admin = router(&outbox, &db, AdminConfig::default());
     let partitions: Vec<PartitionView> = get(&admin, "/api/partitions").await;
     let bad0 = &partitions[usize::from(outbox_core::partition_of("bad-0"))];
@@ -132,10 +132,10 @@ async fn failed_records_page_by_position_without_gaps_or_repeats(db: TestDb) {
         let page: FailedPage = get(&admin, &uri).await;
         assert!(page.records.len() <= 7);
         assert!(page.records.iter().all(|r| r.payload.is_none() && r.payload_base64.is_none()));
-        seen.extend(page.records.iter().map(|r| (r.partition, r.key.clone(), r.seq)));
+        seen.extend(page.records.iter().map(|r| (r.record.partition, r.record.key.clone(), r.record.seq)));
         let Some(next) = page.next else { break };
         // Records before the page resolved meanwhile must not shift what comes next.
-        let first = &page.records[0];
+        let first = &page.records[0].record;
         outbox.skip(&db, first.id).await.unwrap();
         uri = format!(
             "/api/failed?limit=7&after_partition={}&after_key={}&after_seq={}",
@@ -150,11 +150,11 @@ async fn failed_records_page_by_position_without_gaps_or_repeats(db: TestDb) {
     assert_eq!(failed_count(&db).await, 25 - 3, "one skipped per page but the last");
 
     let page: FailedPage = get(&admin, "/api/failed?key=bad-7").await;
-    assert_eq!(page.records.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(), ["bad-7"]);
-    assert_eq!(page.records[0].last_error.as_deref(), Some("broker said no"));
+    assert_eq!(page.records.iter().map(|r| r.record.key.as_str()).collect::<Vec<_>>(), ["bad-7"]);
+    assert_eq!(page.records[0].record.last_error.as_deref(), Some("broker said no"));
     let p = outbox_core::partition_of("bad-7");
     let page: FailedPage = get(&admin, &format!("/api/failed?partition={p}")).await;
-    assert!(page.records.iter().all(|r| r.partition == p) && !page.records.is_empty());
+    assert!(page.records.iter().all(|r| r.record.partition == p) && !page.records.is_empty());
 
     for bad in ["/api/failed?limit=0", "/api/failed?limit=1001", "/api/failed?after_partition=3"] {
         let (status, body) = call(&admin, "GET", bad, None, None).await;
@@ -173,7 +173,7 @@ async fn payloads_are_listed_only_when_enabled(db: TestDb) {
     assert!(status.show_payloads);
     let page: FailedPage = get(&shown, "/api/failed").await;
     for r in &page.records {
-        assert_eq!(r.payload.as_deref(), Some(format!("payload of {}", r.key).as_str()));
+        assert_eq!(r.payload.as_deref(), Some(format!("payload of {}", r.record.key).as_str()));
     }
 }
 
@@ -182,13 +182,15 @@ async fn mutations_need_a_configured_token_and_act(db: TestDb) {
     failed_records(&outbox, &db, 4).await;
     let admin = router(&outbox, &db, with_token());
     let page: FailedPage = get(&admin, "/api/failed").await;
-    let (first, second) = (&page.records[0], &page.records[1]);
+    let (first, second) = (&page.records[0].record, &page.records[1].record);
     let requeue = format!("/api/failed/{}/requeue", first.id);
 
     let (status, body) = call(&admin, "POST", &requeue, None, None).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED, "no token: {body}");
     let (status, body) = call(&admin, "POST", &requeue, Some("ops-token-0123456780"), None).await;
     assert_eq!(status, StatusCode::FORBIDDEN, "wrong token: {body}");
+    let (status, _) = call(&admin, "POST", &format!("/api/failed/{}/delete", first.id), Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "only requeue and skip");
     assert_eq!(failed_count(&db).await, 4, "refused requests change nothing");
 
     let (status, body) = call(&admin, "POST", &requeue, Some(TOKEN), None).await;
@@ -201,7 +203,7 @@ async fn mutations_need_a_configured_token_and_act(db: TestDb) {
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(count(&db, &format!("SELECT count(*) FROM {{s}}records WHERE key = '{}'", second.key)).await, 0);
 
-    let key = page.records[2].key.clone();
+    let key = page.records[2].record.key.clone();
     let (status, body) =
         call(&admin, "POST", "/api/requeue", Some(TOKEN), Some(serde_json::json!({ "key": key }))).await;
     assert_eq!((status, body["requeued"].as_u64()), (StatusCode::OK, Some(1)), "{body}");
@@ -222,8 +224,8 @@ async fn without_tokens_the_page_is_read_only(db: TestDb) {
     let admin = router(&outbox, &db, AdminConfig::default());
     let page: FailedPage = get(&admin, "/api/failed").await;
     for (uri, body) in [
-        (format!("/api/failed/{}/requeue", page.records[0].id), None),
-        (format!("/api/failed/{}/skip", page.records[0].id), None),
+        (format!("/api/failed/{}/requeue", page.records[0].record.id), None),
+        (format!("/api/failed/{}/skip", page.records[0].record.id), None),
         ("/api/requeue".into(), Some(serde_json::json!({ "key": "bad-0" }))),
         ("/api/purge".into(), Some(serde_json::json!({ "older_than": "0s" }))),
     ] {

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use outbox_core::{Epoch, InstanceId, Partition};
 
 /// One registered instance, as status shows it.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow, serde::Serialize, serde::Deserialize)]
 pub struct InstanceInfo {
     /// Instance id (new on every start, and on registering again after its lease expired).
     pub id: InstanceId,

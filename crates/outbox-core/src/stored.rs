@@ -296,8 +296,9 @@ impl Written {
     }
 }
 
-/// A FAILED record, without its payload.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+/// A FAILED record, with its payload only when asked for ([`FailedFilter::payloads`]). Serialized
+/// without the payload: whoever shows it decides how.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow, serde::Serialize, serde::Deserialize)]
 pub struct FailedRecord {
     /// Record id.
     pub id: Uuid,
@@ -321,6 +322,7 @@ pub struct FailedRecord {
     /// When it became FAILED.
     pub failed_at: DateTime<Utc>,
     /// Its payload, only when [`FailedFilter::payloads`] asked for it.
+    #[serde(skip)]
     pub payload: Option<Vec<u8>>,
 }
 

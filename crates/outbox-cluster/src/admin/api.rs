@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 use super::Admin;
 use super::auth::Operator;
+use crate::status::InstanceInfo;
 
 /// The most FAILED records one page lists.
 pub const MAX_PAGE: i64 = 1000;
@@ -39,25 +40,14 @@ pub struct StatusView {
     pub history: Vec<Sample>,
 }
 
-/// One instance.
+/// One instance: its row, and what the admin derives from it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct InstanceView {
-    /// Instance id.
-    pub id: InstanceId,
-    /// Its configured name.
-    pub name: String,
-    /// When it registered.
-    pub started_at_ms: i64,
+    /// The instance as registered.
+    #[serde(flatten)]
+    pub instance: InstanceInfo,
     /// Since its last heartbeat (by this process's clock against the database's).
     pub heartbeat_age_ms: i64,
-    /// Its lease is valid by database time.
-    pub live: bool,
-    /// It is shutting down, handing its partitions over.
-    pub draining: bool,
-    /// Partitions it owns.
-    pub partitions: i64,
-    /// Records it delivered since it started.
-    pub delivered: i64,
     /// Its delivered/s between its last two reporting heartbeats.
     pub delivered_per_s: f64,
 }
@@ -120,56 +110,26 @@ pub struct FailedPage {
     pub next: Option<FailedPosition>,
 }
 
-/// One FAILED record.
+/// One FAILED record, with its payload when payloads are shown.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FailedView {
-    /// Record id.
-    pub id: Uuid,
-    /// Partition.
-    pub partition: Partition,
-    /// Key.
-    pub key: String,
-    /// Per-key sequence.
-    pub seq: i64,
-    /// Event type.
-    pub event_type: String,
-    /// Failed deliveries since scheduled or last requeued.
-    pub attempts: i32,
-    /// Times an operator requeued it.
-    pub requeues: i32,
-    /// The last error.
-    pub last_error: Option<String>,
-    /// When it was scheduled.
-    pub created_at_ms: i64,
-    /// When it became FAILED.
-    pub failed_at_ms: i64,
-    /// The payload as text, when payloads are shown and it is UTF-8.
+    /// The record.
+    #[serde(flatten)]
+    pub record: FailedRecord,
+    /// The payload as text, when it is UTF-8.
     pub payload: Option<String>,
-    /// The payload in base64, when payloads are shown and it is not UTF-8.
+    /// The payload in base64, when it is not UTF-8.
     pub payload_base64: Option<String>,
 }
 
 impl From<FailedRecord> for FailedView {
-    fn from(r: FailedRecord) -> Self {
-        let (payload, payload_base64) = match r.payload.map(String::from_utf8) {
+    fn from(mut record: FailedRecord) -> Self {
+        let (payload, payload_base64) = match record.payload.take().map(String::from_utf8) {
             None => (None, None),
             Some(Ok(text)) => (Some(text), None),
             Some(Err(e)) => (None, Some(base64::engine::general_purpose::STANDARD.encode(e.into_bytes()))),
         };
-        FailedView {
-            id: r.id,
-            partition: r.partition,
-            key: r.key,
-            seq: r.seq,
-            event_type: r.event_type,
-            attempts: r.attempts,
-            requeues: r.requeues,
-            last_error: r.last_error,
-            created_at_ms: r.created_at.timestamp_millis(),
-            failed_at_ms: r.failed_at.timestamp_millis(),
-            payload,
-            payload_base64,
-        }
+        FailedView { record, payload, payload_base64 }
     }
 }
 
@@ -248,14 +208,8 @@ pub(super) async fn status(State(admin): State<Admin>) -> ApiResult<StatusView> 
         .instances
         .iter()
         .map(|i| InstanceView {
-            id: i.id,
-            name: i.name.clone(),
-            started_at_ms: i.started_at.timestamp_millis(),
+            instance: i.clone(),
             heartbeat_age_ms: (now - i.heartbeat_at).num_milliseconds().max(0),
-            live: i.live,
-            draining: i.draining,
-            partitions: i.partitions,
-            delivered: i.delivered,
             delivered_per_s: snapshot.rates.get(&i.id).copied().unwrap_or(0.0),
         })
         .collect();
@@ -336,24 +290,28 @@ pub(super) async fn failed(State(admin): State<Admin>, Query(q): Query<FailedQue
     Ok(Json(FailedPage { records: records.into_iter().map(FailedView::from).collect(), next }))
 }
 
-pub(super) async fn requeue(
-    State(admin): State<Admin>,
-    Operator(who): Operator,
-    Path(id): Path<Uuid>,
-) -> ApiResult<serde_json::Value> {
-    admin.inner.outbox.requeue(admin.inner.db.clone(), id).await?;
-    info!(token = %who, record = %id, "admin: requeued FAILED record");
-    Ok(Json(serde_json::json!({ "requeued": 1 })))
+/// What `POST /api/failed/{id}/{action}` does to one FAILED record.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum Resolve {
+    /// Back to pending with a fresh retry budget.
+    Requeue,
+    /// Marked handled without delivery; the key's next record proceeds.
+    Skip,
 }
 
-pub(super) async fn skip(
+pub(super) async fn resolve(
     State(admin): State<Admin>,
     Operator(who): Operator,
-    Path(id): Path<Uuid>,
+    Path((id, action)): Path<(Uuid, Resolve)>,
 ) -> ApiResult<serde_json::Value> {
-    admin.inner.outbox.skip(admin.inner.db.clone(), id).await?;
-    info!(token = %who, record = %id, "admin: skipped FAILED record");
-    Ok(Json(serde_json::json!({ "skipped": 1 })))
+    let (outbox, db) = (&admin.inner.outbox, admin.inner.db.clone());
+    match action {
+        Resolve::Requeue => outbox.requeue(db, id).await?,
+        Resolve::Skip => outbox.skip(db, id).await?,
+    }
+    info!(token = %who, record = %id, ?action, "admin: resolved a FAILED record");
+    Ok(Json(serde_json::json!({ "resolved": 1 })))
 }
 
 /// `POST /api/requeue` body.
