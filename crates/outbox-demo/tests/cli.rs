@@ -379,6 +379,14 @@ async fn bad_config_and_unreachable_services_are_one_line_errors(pool: PgPool) {
     std::fs::write(&bad, "[cluster]\nheartbeat_interval = \"5s\"\nstale_timeout = \"6s\"\n").unwrap();
     let out = env.run(&["--config", bad.to_str().unwrap(), "status"]);
     assert!(stderr(&out).contains("stale_timeout"), "{}", stderr(&out));
+    let out = env.command(&["status"]).env("OUTBOX_ADMIN_TOKEN", "guessable").output().unwrap();
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("admin.tokens.OUTBOX_ADMIN_TOKEN: shorter than 16"), "{}", stderr(&out));
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = env.run(&["worker", "--admin-addr", &addr]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains(&format!("cannot serve the operator page on {addr}")), "{}", stderr(&out));
 
     let out = env
         .command(&["status"])

@@ -4,7 +4,8 @@
 //! - `GET /`: one page (HTML, CSS and JS embedded in the binary): the 256 partitions as a 16 × 16 grid
 //!   coloured by owner and shaded by backlog, the instances with their heartbeat age and delivered/s,
 //!   delivered/s and backlog over the last minutes, and the FAILED records with requeue and skip.
-//! - `GET /api/status`, `GET /api/partitions`, `GET /api/failed`: what the page shows ([`StatusView`], [`PartitionView`], [`FailedPage`]).
+//! - `GET /api/status`, `GET /api/partitions`, `GET /api/failed`: what the page shows ([`StatusView`],
+//!   [`PartitionView`], [`FailedPage`]).
 //! - `POST /api/failed/{id}/requeue`, `POST /api/failed/{id}/skip`, `POST /api/requeue` (a key's FAILED
 //!   records), `POST /api/purge`: each needs `Authorization: Bearer <token>` naming one of the configured
 //!   tokens ([`AdminConfig::tokens`]), and is logged with that token's name. Without tokens the page is
@@ -29,7 +30,8 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 
 use axum::Router;
-use axum::response::Html;
+use axum::http::header;
+use axum::response::{Html, IntoResponse};
 use axum::routing::{get, post};
 use outbox_core::{Db, Outbox};
 use serde::{Deserialize, Serialize};
@@ -125,6 +127,12 @@ impl Admin {
     }
 }
 
-async fn page() -> Html<&'static str> {
-    Html(include_str!("page.html"))
+/// The page, which no other site may frame (a framed page could trick a click onto requeue or skip).
+async fn page() -> impl IntoResponse {
+    let headers = [
+        (header::CONTENT_SECURITY_POLICY, "frame-ancestors 'none'"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::CACHE_CONTROL, "no-cache"),
+    ];
+    (headers, Html(include_str!("page.html")))
 }
