@@ -208,6 +208,18 @@ async fn mutations_need_a_configured_token_and_act(db: TestDb) {
         call(&admin, "POST", "/api/requeue", Some(TOKEN), Some(serde_json::json!({ "key": key }))).await;
     assert_eq!((status, body["requeued"].as_u64()), (StatusCode::OK, Some(1)), "{body}");
     assert_eq!(failed_count(&db).await, 1);
+    for bad in
+        [serde_json::json!({}), serde_json::json!({ "key": "bad-3", "all": true }), serde_json::json!({ "key": "" })]
+    {
+        let (status, body) = call(&admin, "POST", "/api/requeue", Some(TOKEN), Some(bad.clone())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {body}");
+    }
+    assert_eq!(failed_count(&db).await, 1);
+    exec!(db, "UPDATE {s}records SET failed_at = {now}");
+    let (status, body) =
+        call(&admin, "POST", "/api/requeue", Some(TOKEN), Some(serde_json::json!({ "all": true }))).await;
+    assert_eq!((status, body["requeued"].as_u64()), (StatusCode::OK, Some(3)), "every FAILED one: {body}");
+    assert_eq!(failed_count(&db).await, 0);
 
     let (status, body) =
         call(&admin, "POST", "/api/purge", Some(TOKEN), Some(serde_json::json!({ "older_than": "soon" }))).await;

@@ -7,6 +7,7 @@ use crate::Outbox;
 use crate::driver::Db;
 use crate::error::{Error, Result};
 use crate::notice::{Partitions, Wake};
+use crate::stored::Requeue;
 pub use crate::stored::{FailedFilter, FailedPosition, FailedRecord, PartitionStats};
 
 impl Outbox {
@@ -19,7 +20,7 @@ impl Outbox {
     /// Requeues one FAILED record with a fresh retry budget; its key unblocks when it is delivered.
     #[instrument(skip(self, db))]
     pub async fn requeue(&self, db: impl Into<Db>, id: Uuid) -> Result<()> {
-        let n = self.requeue_where(db.into(), Some(id), None).await?;
+        let n = self.requeue_where(db.into(), Requeue::One(id)).await?;
         if n == 0 {
             return Err(Error::RecordNotFound { id, state: "FAILED" });
         }
@@ -29,12 +30,19 @@ impl Outbox {
     /// Requeues every FAILED record of `key`; returns how many.
     #[instrument(skip(self, db))]
     pub async fn requeue_key(&self, db: impl Into<Db>, key: &str) -> Result<u64> {
-        self.requeue_where(db.into(), None, Some(key)).await
+        self.requeue_where(db.into(), Requeue::Key(key)).await
     }
 
-    async fn requeue_where(&self, db: Db, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
-        let requeued = db.requeue(self.statements(), id, key).await.map_err(|e| self.not_migrated(e))?;
-        info!(?id, ?key, requeued, "requeued FAILED records");
+    /// Requeues every FAILED record (after an outage that failed many); returns how many. In one
+    /// statement: each record changes once, so a second call finds only those that failed again.
+    #[instrument(skip_all)]
+    pub async fn requeue_all(&self, db: impl Into<Db>) -> Result<u64> {
+        self.requeue_where(db.into(), Requeue::All).await
+    }
+
+    async fn requeue_where(&self, db: Db, which: Requeue<'_>) -> Result<u64> {
+        let requeued = db.requeue(self.statements(), which).await.map_err(|e| self.not_migrated(e))?;
+        info!(?which, requeued, "requeued FAILED records");
         if requeued > 0 {
             self.wake_after_resolving(&db).await;
         }

@@ -344,6 +344,25 @@ pub struct FailedPosition {
     pub seq: i64,
 }
 
+/// Which FAILED records a requeue gives a fresh retry budget.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Requeue<'a> {
+    One(Uuid),
+    Key(&'a str),
+    All,
+}
+
+impl<'a> Requeue<'a> {
+    /// As the statements take it: an id, a key, or all.
+    pub(crate) fn binds(self) -> (Option<Uuid>, Option<&'a str>, bool) {
+        match self {
+            Requeue::One(id) => (Some(id), None, false),
+            Requeue::Key(key) => (None, Some(key), false),
+            Requeue::All => (None, None, true),
+        }
+    }
+}
+
 /// Which FAILED records to list.
 #[derive(Debug, Clone, Default)]
 pub struct FailedFilter {

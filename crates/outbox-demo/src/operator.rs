@@ -28,11 +28,14 @@ pub enum FailedCommand {
     /// Requeues a FAILED record (or all of a key) with a fresh retry budget.
     Requeue {
         /// The record id.
-        #[arg(required_unless_present = "key")]
+        #[arg(required_unless_present_any = ["key", "all"])]
         id: Option<Uuid>,
         /// Every FAILED record of this key instead.
-        #[arg(long, conflicts_with = "id")]
+        #[arg(long, conflicts_with_all = ["id", "all"])]
         key: Option<String>,
+        /// Every FAILED record (after an outage that failed many).
+        #[arg(long, conflicts_with = "id")]
+        all: bool,
     },
     /// Marks a FAILED record handled without delivering it; its key's next record proceeds.
     Skip {
@@ -123,11 +126,15 @@ pub async fn failed(ctx: &Context, command: FailedCommand) -> Result<(), Failure
             ctx.outbox.requeue(&ctx.db, id).await?;
             println!("requeued {id}");
         }
+        FailedCommand::Requeue { all: true, .. } => {
+            let n = ctx.outbox.requeue_all(&ctx.db).await?;
+            println!("requeued {n} FAILED records");
+        }
         FailedCommand::Requeue { key: Some(key), .. } => {
             let n = ctx.outbox.requeue_key(&ctx.db, &key).await?;
             println!("requeued {n} records of key {key:?}");
         }
-        FailedCommand::Requeue { .. } => return Err(Failure("give a record id or --key".into())),
+        FailedCommand::Requeue { .. } => return Err(Failure("give a record id, --key or --all".into())),
         FailedCommand::Skip { id } => {
             ctx.outbox.skip(&ctx.db, id).await?;
             println!("skipped {id}");

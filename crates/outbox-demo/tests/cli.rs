@@ -344,6 +344,14 @@ async fn failed_records_can_be_listed_requeued_and_skipped_and_purged(
     assert!(by_key.contains("1 FAILED records"), "{by_key}");
 
     assert!(env.ok(&["failed", "requeue", &ids[0].0.to_string()]).contains("requeued"));
+    assert_eq!(count(sql.count_failed).await, 1);
+    db.execute(sql.fail_first, &[]).await.unwrap();
+    assert_eq!(count(sql.count_failed).await, 2, "both FAILED again");
+    let all = env.ok(&["failed", "requeue", "--all"]);
+    assert!(all.contains("requeued 2 FAILED records"), "{all}");
+    assert_eq!(count(sql.count_failed).await, 0);
+    db.execute(sql.fail_first, &[]).await.unwrap();
+    assert!(env.ok(&["failed", "requeue", &ids[0].0.to_string()]).contains("requeued"));
     assert!(env.ok(&["failed", "skip", &ids[1].0.to_string()]).contains("skipped"));
     let out = env.run(&["failed", "skip", &ids[1].0.to_string()]);
     assert!(!out.status.success() && stderr(&out).contains("not found in state FAILED"), "{}", stderr(&out));

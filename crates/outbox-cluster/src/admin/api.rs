@@ -314,22 +314,27 @@ pub(super) async fn resolve(
     Ok(Json(serde_json::json!({ "resolved": 1 })))
 }
 
-/// `POST /api/requeue` body.
+/// `POST /api/requeue` body: `{"key": …}` for a key's FAILED records, `{"all": true}` for every one.
 #[derive(Debug, Deserialize)]
-pub(super) struct RequeueKey {
-    key: String,
+#[serde(deny_unknown_fields)]
+pub(super) struct RequeueMany {
+    key: Option<String>,
+    #[serde(default)]
+    all: bool,
 }
 
-pub(super) async fn requeue_key(
+pub(super) async fn requeue_many(
     State(admin): State<Admin>,
     Operator(who): Operator,
-    Json(body): Json<RequeueKey>,
+    Json(body): Json<RequeueMany>,
 ) -> ApiResult<serde_json::Value> {
-    if body.key.is_empty() {
-        return Err(ApiError::BadRequest("key is empty".into()));
-    }
-    let n = admin.inner.outbox.requeue_key(admin.inner.db.clone(), &body.key).await?;
-    info!(token = %who, key = %body.key, requeued = n, "admin: requeued a key's FAILED records");
+    let (outbox, db) = (&admin.inner.outbox, admin.inner.db.clone());
+    let n = match (body.key.as_deref(), body.all) {
+        (Some(key), false) if !key.is_empty() => outbox.requeue_key(db, key).await?,
+        (None, true) => outbox.requeue_all(db).await?,
+        _ => return Err(ApiError::BadRequest("give a non-empty key, or all: true".into())),
+    };
+    info!(token = %who, key = ?body.key, all = body.all, requeued = n, "admin: requeued FAILED records");
     Ok(Json(serde_json::json!({ "requeued": n })))
 }
 

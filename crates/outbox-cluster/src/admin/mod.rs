@@ -7,7 +7,7 @@
 //! - `GET /api/status`, `GET /api/partitions`, `GET /api/failed`: what the page shows ([`StatusView`],
 //!   [`PartitionView`], [`FailedPage`]).
 //! - `POST /api/failed/{id}/requeue`, `POST /api/failed/{id}/skip`, `POST /api/requeue` (a key's FAILED
-//!   records), `POST /api/purge`: each needs `Authorization: Bearer <token>` naming one of the configured
+//!   records, or all), `POST /api/purge`: each needs `Authorization: Bearer <token>` naming one of the configured
 //!   tokens ([`AdminConfig::tokens`]), and is logged with that token's name. Without tokens the page is
 //!   read-only. The token travels in a header, never a cookie, so a form on another site cannot use it.
 //!
@@ -121,7 +121,7 @@ impl Admin {
             .route("/api/partitions", get(api::partitions))
             .route("/api/failed", get(api::failed))
             .route("/api/failed/{id}/{action}", post(api::resolve))
-            .route("/api/requeue", post(api::requeue_key))
+            .route("/api/requeue", post(api::requeue_many))
             .route("/api/purge", post(api::purge))
             .with_state(self)
     }

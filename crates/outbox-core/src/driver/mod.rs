@@ -33,7 +33,7 @@ use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};
 use crate::migrate::Migration;
 use crate::notice::{Message, Wakeups};
-use crate::stored::{FailedFilter, FailedRecord, Found, NewRow, Outcome, PartitionStats, Request, Written};
+use crate::stored::{FailedFilter, FailedRecord, Found, NewRow, Outcome, PartitionStats, Request, Requeue, Written};
 
 /// Runs `$body` with `$pool` bound to the backend's pool (or connection) and `$s` to its statements.
 macro_rules! dispatch {
@@ -357,8 +357,8 @@ impl Db {
 
     /// Requeues FAILED records (one id, or all of a key) with a fresh retry budget, counting the
     /// requeue; returns how many.
-    pub(crate) async fn requeue(&self, statements: &Statements, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
-        dispatch!(self, statements, |pool, s| pool_of(pool, s).requeue(id, key).await)
+    pub(crate) async fn requeue(&self, statements: &Statements, which: Requeue<'_>) -> Result<u64> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).requeue(which).await)
     }
 
     /// Removes a FAILED record, kept in `completed` as `skipped`; `false` if there is no such record.

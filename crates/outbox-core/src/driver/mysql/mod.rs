@@ -21,8 +21,8 @@ use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
-    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Runs, StatsRow, Verdict,
-    Written, grants_list,
+    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, Runs, StatsRow,
+    Verdict, Written, grants_list,
 };
 
 /// The migrations of the MySQL schema, in order (`{s}` is the table prefix, `{bin}` the key collation).
@@ -314,8 +314,9 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             .await?)
     }
 
-    pub(crate) async fn requeue(&self, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
-        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key);
+    pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
+        let (id, key, all) = which.binds();
+        let query = sqlx::query(statement(&self.statements.requeue)).bind(all).bind(id).bind(key);
         Ok(query.execute(self.pool).await?.rows_affected())
     }
 

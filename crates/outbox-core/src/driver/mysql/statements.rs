@@ -141,7 +141,7 @@ ORDER BY `partition`, `key`, seq LIMIT ?";
 /// Binds: id, key.
 const REQUEUE: &str =
     "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
-WHERE failed_at IS NOT NULL AND (id = ? OR `key` = ?)";
+WHERE failed_at IS NOT NULL AND (? OR id = ? OR `key` = ?)";
 
 const SKIP_KEEP: &str =
     "INSERT INTO {s}_completed (id, `partition`, `key`, seq, event_type, payload, headers, created_at, attempts, outcome)

@@ -21,7 +21,8 @@ use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
 use crate::notice::{Channel, Wakeups};
 use crate::stored::{
-    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, StatsRow, Verdict, Written,
+    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, StatsRow,
+    Verdict, Written,
 };
 
 /// The migrations of the PostgreSQL schema, in order.
@@ -288,8 +289,9 @@ impl Driver<'_, PgPool, PgStatements> {
             .await?)
     }
 
-    pub(crate) async fn requeue(&self, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
-        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key);
+    pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
+        let (id, key, all) = which.binds();
+        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key).bind(all);
         Ok(query.execute(self.pool).await?.rows_affected())
     }
 

@@ -187,12 +187,12 @@ WHERE failed_at IS NOT NULL AND ($1::text IS NULL OR key = $1) AND ($2::smallint
     AND ($4::smallint IS NULL OR (partition, key, seq) > ($4, $5::text, $6::bigint))
 ORDER BY partition, key, seq LIMIT $3";
 
-/// Requeues FAILED records (one id `$1`, or all of key `$2`) with a fresh retry budget, counting the
+/// Requeues FAILED records (one id `$1`, all of key `$2`, or all if `$3`) with a fresh retry budget, counting the
 /// requeue. Not fenced: owners never write FAILED rows (nor rows requeued since they fetched them), so
 /// operator and owner cannot race on them.
 const REQUEUE: &str =
     "UPDATE {s}.records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
-WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)
+WHERE failed_at IS NOT NULL AND ($3::boolean OR id = $1 OR key = $2)
 RETURNING id";
 
 /// Skips a FAILED record: it leaves the queue, and the `completed` table keeps it as `skipped`.

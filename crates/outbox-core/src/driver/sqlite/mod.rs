@@ -23,8 +23,8 @@ use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
-    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Runs, StatsRow, Verdict,
-    Written, grants_list,
+    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, Runs, StatsRow,
+    Verdict, Written, grants_list,
 };
 
 /// The migrations of the SQLite schema, in order (`{s}` is the table prefix).
@@ -279,9 +279,10 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             .await?)
     }
 
-    pub(crate) async fn requeue(&self, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
+    pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
+        let (id, key, all) = which.binds();
         let mut tx = write(self.pool).await?;
-        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key);
+        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key).bind(all);
         let requeued = query.execute(&mut *tx).await?.rows_affected();
         tx.commit().await?;
         Ok(requeued)

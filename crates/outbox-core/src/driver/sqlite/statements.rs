@@ -130,7 +130,7 @@ ORDER BY partition, key, seq LIMIT $3";
 
 const REQUEUE: &str =
     "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
-WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)";
+WHERE failed_at IS NOT NULL AND ($3 OR id = $1 OR key = $2)";
 
 const SKIP_KEEP: &str =
     "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
