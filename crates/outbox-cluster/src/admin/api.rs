@@ -6,18 +6,17 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use chrono::Utc;
 use outbox_core::operator::{FailedFilter, FailedPosition, FailedRecord};
 use outbox_core::{Epoch, InstanceId, Partition};
 use serde::{Deserialize, Serialize};
-use tracing::{info, warn};
+use tracing::info;
 use uuid::Uuid;
 
 use super::Admin;
 use super::auth::Operator;
+use super::error::ApiError;
 use crate::status::InstanceInfo;
 
 /// The most FAILED records one page lists.
@@ -130,66 +129,6 @@ impl From<FailedRecord> for FailedView {
             Some(Err(e)) => (None, Some(base64::engine::general_purpose::STANDARD.encode(e.into_bytes()))),
         };
         FailedView { record, payload, payload_base64 }
-    }
-}
-
-/// An API error: its status and a JSON `{"error": …}` the page shows.
-#[derive(Debug)]
-pub(super) enum ApiError {
-    ReadOnly,
-    Unauthenticated,
-    Forbidden,
-    BadRequest(String),
-    NotFound(String),
-    Unavailable(String),
-}
-
-impl From<outbox_core::Error> for ApiError {
-    fn from(e: outbox_core::Error) -> Self {
-        match e {
-            e @ outbox_core::Error::RecordNotFound { .. } => ApiError::NotFound(e.to_string()),
-            e @ (outbox_core::Error::EmptyKey | outbox_core::Error::KeyTooLong { .. }) => {
-                ApiError::BadRequest(e.to_string())
-            }
-            e => ApiError::Unavailable(e.to_string()),
-        }
-    }
-}
-
-impl From<crate::Error> for ApiError {
-    fn from(e: crate::Error) -> Self {
-        match e {
-            crate::Error::Core(core) => core.into(),
-            other => ApiError::Unavailable(other.to_string()),
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let (status, message) = match self {
-            ApiError::ReadOnly => (
-                StatusCode::FORBIDDEN,
-                "read-only: no admin token is configured, so nothing can be changed here".into(),
-            ),
-            ApiError::Unauthenticated => {
-                (StatusCode::UNAUTHORIZED, "an admin token is required (Authorization: Bearer …)".into())
-            }
-            ApiError::Forbidden => {
-                (StatusCode::FORBIDDEN, "the admin token is not one of the configured tokens".into())
-            }
-            ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, m),
-            ApiError::NotFound(m) => (StatusCode::NOT_FOUND, m),
-            ApiError::Unavailable(m) => {
-                warn!(error = %m, "admin request failed");
-                (StatusCode::SERVICE_UNAVAILABLE, m)
-            }
-        };
-        let mut response = (status, Json(serde_json::json!({ "error": message }))).into_response();
-        if status == StatusCode::UNAUTHORIZED {
-            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        }
-        response
     }
 }
 

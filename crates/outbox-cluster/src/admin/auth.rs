@@ -7,7 +7,7 @@ use axum::http::request::Parts;
 use subtle::ConstantTimeEq;
 
 use super::Admin;
-use super::api::ApiError;
+use super::error::ApiError;
 
 /// The name of the token a mutating request carried.
 pub(super) struct Operator(pub(super) String);

@@ -22,6 +22,7 @@
 
 mod api;
 mod auth;
+mod error;
 mod snapshot;
 
 use std::collections::BTreeMap;

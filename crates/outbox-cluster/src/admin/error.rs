@@ -1,0 +1,66 @@
+//! The API's errors: a status and a JSON `{"error": …}` the page shows.
+
+use axum::Json;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use tracing::warn;
+
+/// An API error: its status and a JSON `{"error": …}` the page shows.
+#[derive(Debug)]
+pub(super) enum ApiError {
+    ReadOnly,
+    Unauthenticated,
+    Forbidden,
+    BadRequest(String),
+    NotFound(String),
+    Unavailable(String),
+}
+
+impl From<outbox_core::Error> for ApiError {
+    fn from(e: outbox_core::Error) -> Self {
+        match e {
+            e @ outbox_core::Error::RecordNotFound { .. } => ApiError::NotFound(e.to_string()),
+            e @ (outbox_core::Error::EmptyKey | outbox_core::Error::KeyTooLong { .. }) => {
+                ApiError::BadRequest(e.to_string())
+            }
+            e => ApiError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+impl From<crate::Error> for ApiError {
+    fn from(e: crate::Error) -> Self {
+        match e {
+            crate::Error::Core(core) => core.into(),
+            other => ApiError::Unavailable(other.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, message) = match self {
+            ApiError::ReadOnly => (
+                StatusCode::FORBIDDEN,
+                "read-only: no admin token is configured, so nothing can be changed here".into(),
+            ),
+            ApiError::Unauthenticated => {
+                (StatusCode::UNAUTHORIZED, "an admin token is required (Authorization: Bearer …)".into())
+            }
+            ApiError::Forbidden => {
+                (StatusCode::FORBIDDEN, "the admin token is not one of the configured tokens".into())
+            }
+            ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, m),
+            ApiError::NotFound(m) => (StatusCode::NOT_FOUND, m),
+            ApiError::Unavailable(m) => {
+                warn!(error = %m, "admin request failed");
+                (StatusCode::SERVICE_UNAVAILABLE, m)
+            }
+        };
+        let mut response = (status, Json(serde_json::json!({ "error": message }))).into_response();
+        if status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
