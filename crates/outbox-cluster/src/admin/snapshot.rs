@@ -1,5 +1,5 @@
-//! One read of the cluster and its backlog, shared by every request within a second, and the history
-//! of delivered/s and backlog those reads leave behind.
+//! One read of the cluster and its backlog, shared by every request while it is fresh, and the
+//! history of delivered/s and backlog those reads leave behind.
 //!
 //! However many pages are open, the database answers at most one status and one backlog read per
 //! [`FRESH_FOR`], or per [`BUSY_SHARE`]⁻¹ times the last read's duration if that is longer: the backlog
@@ -107,5 +107,39 @@ impl State {
         }
         self.counts.retain(|id, _| rates.contains_key(id));
         rates
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::InstanceInfo;
+
+    fn cluster(at_ms: i64, delivered: i64, id: InstanceId) -> ClusterStatus {
+        let at = DateTime::from_timestamp_millis(at_ms).unwrap();
+        let instance = InstanceInfo {
+            id,
+            name: "w1".into(),
+            started_at: at,
+            heartbeat_at: at,
+            live: true,
+            draining: false,
+            partitions: 256,
+            delivered,
+        };
+        ClusterStatus { instances: vec![instance], partitions: Vec::new() }
+    }
+
+    #[test]
+    fn rates_follow_the_heartbeats_that_reported_the_counts() {
+        let (id, mut state) = (InstanceId::new(), State::default());
+        assert_eq!(state.rates(&cluster(0, 500, id))[&id], 0.0, "one count is no rate yet");
+        assert_eq!(state.rates(&cluster(2_000, 1_500, id))[&id], 500.0, "1,000 in the 2 s between heartbeats");
+        assert_eq!(state.rates(&cluster(2_000, 1_500, id))[&id], 500.0, "no new heartbeat: the same rate");
+        assert_eq!(state.rates(&cluster(4_000, 1_500, id))[&id], 0.0, "idle");
+        let other = InstanceId::new();
+        let rates = state.rates(&cluster(6_000, 9, other));
+        assert_eq!(rates.len(), 1, "an instance gone is forgotten");
+        assert!(state.counts.len() == 1 && state.counts.contains_key(&other));
     }
 }
