@@ -23,6 +23,7 @@ every_backend!(
     payloads_are_listed_only_when_enabled,
     mutations_need_a_configured_token_and_act,
     without_tokens_the_page_is_read_only,
+    the_router_serves_under_a_path_of_the_service,
 );
 
 const TOKEN: &str = "ops-token-0123456789";
@@ -248,6 +249,23 @@ async fn without_tokens_the_page_is_read_only(db: TestDb) {
     assert_eq!(failed_count(&db).await, 1);
     let (status, _) = call(&admin, "GET", "/", None, None).await;
     assert_eq!(status, StatusCode::OK);
+}
+
+/// A service mounts the page under its own path; the page and its API answer there (the page addresses
+/// the API relative to itself).
+async fn the_router_serves_under_a_path_of_the_service(db: TestDb) {
+    let outbox = outbox(&db, hourly).await;
+    failed_records(&outbox, &db, 1).await;
+    let service = Router::new().nest("/ops/outbox", router(&outbox, &db, with_token()));
+    let (status, _) = call(&service, "GET", "/ops/outbox", None, None).await;
+    assert_eq!(status, StatusCode::OK);
+    let status: StatusView = get(&service, "/ops/outbox/api/status").await;
+    assert_eq!((status.read_only, status.backlog.failed), (false, 1));
+    let page: FailedPage = get(&service, "/ops/outbox/api/failed").await;
+    let skip = format!("/ops/outbox/api/failed/{}/skip", page.records[0].record.id);
+    assert_eq!(call(&service, "POST", &skip, Some(TOKEN), None).await.0, StatusCode::OK);
+    assert_eq!(failed_count(&db).await, 0);
+    assert_eq!(call(&service, "GET", "/api/status", None, None).await.0, StatusCode::NOT_FOUND, "only under its path");
 }
 
 #[test]
