@@ -24,6 +24,7 @@ every_backend!(
     mutations_need_a_configured_token_and_act,
     without_tokens_the_page_is_read_only,
     the_router_serves_under_a_path_of_the_service,
+    an_instance_registered_again_counts_its_deliveries_from_zero,
 );
 
 const TOKEN: &str = "ops-token-0123456789";
@@ -266,6 +267,36 @@ async fn the_router_serves_under_a_path_of_the_service(db: TestDb) {
     assert_eq!(call(&service, "POST", &skip, Some(TOKEN), None).await.0, StatusCode::OK);
     assert_eq!(failed_count(&db).await, 0);
     assert_eq!(call(&service, "GET", "/api/status", None, None).await.0, StatusCode::NOT_FOUND, "only under its path");
+}
+
+/// The delivered count is per instance id: one declared dead and registered again must not report the
+/// process's earlier deliveries under its new id (the page would show them as a burst of delivered/s).
+async fn an_instance_registered_again_counts_its_deliveries_from_zero(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let ok = handler_fn(|_| async { Ok::<(), HandlerError>(()) });
+    let node = start(&outbox, &db, Handlers::new().default_route(Route::new(ok))).await;
+    commit(&outbox, &db, (0..10).map(|i| NewRecord::new(format!("k{i}"), "t", "")).collect()).await;
+    drained(&db, LONG).await;
+    let instance = |id| {
+        let (outbox, db) = (outbox.clone(), db.clone());
+        async move {
+            let status = outbox_cluster::status(&db, &outbox).await.unwrap();
+            status.instances.into_iter().find(|i| i.id == id)
+        }
+    };
+    let first = node.id();
+    wait_for("10 deliveries reported", LONG, || async { instance(first).await.is_some_and(|i| i.delivered == 10) })
+        .await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:1} WHERE id = $1", first);
+    wait_for("registered again under a new id", LONG, || async { node.id() != first }).await;
+    let again = node.id();
+    let registered = instance(again).await.unwrap().heartbeat_at;
+    wait_for("a heartbeat under the new id", LONG, || async {
+        instance(again).await.is_some_and(|i| i.heartbeat_at > registered)
+    })
+    .await;
+    assert_eq!(instance(again).await.unwrap().delivered, 0);
+    node.shutdown().await.unwrap();
 }
 
 #[test]

@@ -51,6 +51,9 @@ impl Heartbeat {
         let mut ticker = tokio::time::interval(self.config.heartbeat_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut conn = HeartbeatConnection::default();
+        // Each instance id reports what was delivered since it registered: an id registered again
+        // starts from the processor's count at that moment, not from the process's total.
+        let mut counted_from = 0;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -58,14 +61,18 @@ impl Heartbeat {
             }
             let id = self.assign.borrow().instance;
             let sent = Deadline::now();
-            let delivered = self.delivered.load(Ordering::Relaxed);
+            let delivered = self.delivered.load(Ordering::Relaxed).saturating_sub(counted_from);
             let renewal = conn.renew(&self.store, id, lease(&self.config), delivered);
             match tokio::time::timeout(self.config.lease(), renewal).await {
                 Ok(Ok(Some(remaining))) => {
                     metrics::histogram!("outbox_heartbeat_seconds").record(sent.instant().elapsed().as_secs_f64());
                     self.extend_lease(id, sent.after(remaining));
                 }
-                Ok(Ok(None)) => self.declared_dead(id).await,
+                Ok(Ok(None)) => {
+                    if self.declared_dead(id).await {
+                        counted_from = self.delivered.load(Ordering::Relaxed);
+                    }
+                }
                 Ok(Err(e)) => {
                     warn!(instance = %id, error = %e, "heartbeat failed; reconnecting");
                     conn = HeartbeatConnection::default();
@@ -90,8 +97,8 @@ impl Heartbeat {
     }
 
     /// The lease of `id` had expired: others may take (or have taken) its partitions. Fence at once,
-    /// then register again under a new id, with no partitions.
-    async fn declared_dead(&self, id: InstanceId) {
+    /// then register again under a new id, with no partitions; `true` once registered again.
+    async fn declared_dead(&self, id: InstanceId) -> bool {
         let fenced = self.assign.send_if_modified(|current| {
             if current.instance != id {
                 return false;
@@ -108,8 +115,12 @@ impl Heartbeat {
                 let new = fresh.instance;
                 self.assign.send_modify(|current| *current = fresh);
                 info!(instance = %new, previous = %id, name = %self.config.name, "instance registered again under a new id");
+                true
             }
-            Err(e) => warn!(instance = %id, error = %e, "registering again failed; retrying at the next heartbeat"),
+            Err(e) => {
+                warn!(instance = %id, error = %e, "registering again failed; retrying at the next heartbeat");
+                false
+            }
         }
     }
 }

@@ -21,7 +21,8 @@ pub struct InstanceInfo {
     pub live: bool,
     /// Whether it is shutting down, handing its partitions over.
     pub draining: bool,
-    /// Records it delivered (by their handler or a fallback) since it started, as of its last heartbeat.
+    /// Records it delivered (by their handler or a fallback) since it registered, as of its last
+    /// heartbeat.
     pub delivered: i64,
     /// Partitions it owns.
     pub partitions: i64,
