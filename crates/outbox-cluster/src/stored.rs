@@ -17,6 +17,8 @@ pub struct InstanceInfo {
     pub started_at: DateTime<Utc>,
     /// Its last heartbeat.
     pub heartbeat_at: DateTime<Utc>,
+    /// Milliseconds since its last heartbeat, by database time (no host clock involved).
+    pub heartbeat_age_ms: i64,
     /// Whether its lease is still valid by database time.
     pub live: bool,
     /// Whether it is shutting down, handing its partitions over.

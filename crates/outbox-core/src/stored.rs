@@ -298,7 +298,7 @@ impl Written {
 
 /// A FAILED record, with its payload only when asked for ([`FailedFilter::payloads`]). Serialized
 /// without the payload: whoever shows it decides how.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, PartialEq, sqlx::FromRow, serde::Serialize, serde::Deserialize)]
 pub struct FailedRecord {
     /// Record id.
     pub id: Uuid,
@@ -326,6 +326,25 @@ pub struct FailedRecord {
     pub payload: Option<Vec<u8>>,
 }
 
+/// Without the payload's bytes (only their length): a record printed with `{:?}` must not log it.
+impl std::fmt::Debug for FailedRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FailedRecord")
+            .field("id", &self.id)
+            .field("partition", &self.partition)
+            .field("key", &self.key)
+            .field("seq", &self.seq)
+            .field("event_type", &self.event_type)
+            .field("attempts", &self.attempts)
+            .field("requeues", &self.requeues)
+            .field("last_error", &self.last_error)
+            .field("created_at", &self.created_at)
+            .field("failed_at", &self.failed_at)
+            .field("payload_bytes", &self.payload.as_ref().map(Vec::len))
+            .finish()
+    }
+}
+
 impl FailedRecord {
     /// Where a listing that ended with this record goes on from ([`FailedFilter::after`]).
     pub fn position(&self) -> FailedPosition {
@@ -350,17 +369,6 @@ pub(crate) enum Requeue<'a> {
     One(Uuid),
     Key(&'a str),
     All,
-}
-
-impl<'a> Requeue<'a> {
-    /// As the statements take it: an id, a key, or all.
-    pub(crate) fn binds(self) -> (Option<Uuid>, Option<&'a str>, bool) {
-        match self {
-            Requeue::One(id) => (Some(id), None, false),
-            Requeue::Key(key) => (None, Some(key), false),
-            Requeue::All => (None, None, true),
-        }
-    }
 }
 
 /// Which FAILED records to list.

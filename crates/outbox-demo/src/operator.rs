@@ -59,7 +59,7 @@ pub async fn status(ctx: &Context) -> Result<(), Failure> {
     let mut names: BTreeMap<InstanceId, String> = BTreeMap::new();
     for i in &cluster.instances {
         names.insert(i.id, i.name.clone());
-        let age = (chrono::Utc::now() - i.heartbeat_at).to_std().unwrap_or_default();
+        let age = Duration::from_millis(u64::try_from(i.heartbeat_age_ms).unwrap_or(0));
         println!(
             "  {:<16} {}  {:<5} last heartbeat {:>6.1?} ago  {:>3} partitions",
             i.name,

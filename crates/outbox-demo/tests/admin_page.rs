@@ -14,6 +14,7 @@ use outbox_tests::process::Process;
 use sqlx::PgPool;
 
 const TOKEN: &str = "browser-test-token-0123";
+const XSS_KEY: &str = "<b id=\"xss\">order-3</b>";
 
 /// Polls `condition` every 100 ms for up to 60 s.
 async fn eventually<F, Fut>(what: &str, mut condition: F)
@@ -39,8 +40,10 @@ async fn three_failed_records(db: &Db) {
         .await
         .unwrap();
     let mut tx = db.begin().await.unwrap();
+    // A key that is HTML must show as text (the page escapes what it writes), never as markup.
+    let keys = ["order-1", "order-2", XSS_KEY];
     let records: Vec<NewRecord> =
-        (1..=3).map(|i| NewRecord::new(format!("order-{i}"), "order.paid", format!("{{\"order\":{i}}}"))).collect();
+        keys.iter().map(|key| NewRecord::new(*key, "order.paid", format!("{{\"order\":{key:?}}}"))).collect();
     outbox.schedule_batch(&mut tx, &records).await.unwrap();
     tx.commit().await.unwrap();
     eventually("three FAILED records", || async {
@@ -126,12 +129,13 @@ async fn the_page_shows_the_cluster_and_requeues_through_its_button(pool: PgPool
     let (_driver, client) = browser().await;
     let url = format!("http://127.0.0.1:{admin_port}/");
     eventually("the worker serves the page", || async { client.goto(&url).await.is_ok() }).await;
-    assert_eq!(client.find_all(Locator::Css("#grid .cell")).await.unwrap().len(), 256);
     eventually("both instances listed, sharing all 256 partitions", || async {
         let instances = text(&client, "#instances").await;
         instances.contains("w1")
             && instances.contains("w2")
             && text(&client, "#owned").await.to_lowercase().contains("256 of 256")
+            && client.find_all(Locator::Css("#grid .cell")).await.unwrap().len() == 256
+            && client.find_all(Locator::Css("#grid .cell.free")).await.unwrap().is_empty()
     })
     .await;
     eventually("three FAILED records shown", || async {
@@ -139,6 +143,9 @@ async fn the_page_shows_the_cluster_and_requeues_through_its_button(pool: PgPool
             && client.find_all(Locator::Css("button.requeue")).await.unwrap().len() == 3
     })
     .await;
+
+    assert!(text(&client, "#failed").await.contains(XSS_KEY), "the HTML key shown as text");
+    assert!(client.find(Locator::Id("xss")).await.is_err(), "and never as markup");
 
     client.find(Locator::Id("token")).await.unwrap().send_keys(TOKEN).await.unwrap();
     let button = client.find(Locator::Css("button.requeue")).await.unwrap();

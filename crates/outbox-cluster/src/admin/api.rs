@@ -1,5 +1,6 @@
-//! The JSON API: what the page reads, and the operator's actions on FAILED records. Times are
-//! milliseconds since the Unix epoch, ages milliseconds.
+//! The JSON API: what the page reads, and the operator's actions on FAILED records. The rows' times
+//! are RFC 3339 (`started_at`, `heartbeat_at`, `created_at`, `failed_at`); the history's `at_ms` is
+//! milliseconds since the Unix epoch, and every `…_ms` age or duration milliseconds.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -7,7 +8,6 @@ use std::time::Duration;
 use axum::Json;
 use axum::extract::{Path, Query, State};
 use base64::Engine;
-use chrono::Utc;
 use outbox_core::operator::{FailedFilter, FailedPosition, FailedRecord};
 use outbox_core::{Epoch, InstanceId, Partition};
 use serde::{Deserialize, Serialize};
@@ -45,8 +45,6 @@ pub struct InstanceView {
     /// The instance as registered.
     #[serde(flatten)]
     pub instance: InstanceInfo,
-    /// Since its last heartbeat (by this process's clock against the database's).
-    pub heartbeat_age_ms: i64,
     /// Its delivered/s between its last two reporting heartbeats.
     pub delivered_per_s: f64,
 }
@@ -110,7 +108,7 @@ pub struct FailedPage {
 }
 
 /// One FAILED record, with its payload when payloads are shown.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 pub struct FailedView {
     /// The record.
     #[serde(flatten)]
@@ -119,6 +117,14 @@ pub struct FailedView {
     pub payload: Option<String>,
     /// The payload in base64, when it is not UTF-8.
     pub payload_base64: Option<String>,
+}
+
+/// The record's own `Debug`, and the payload's length only: never its text in a log.
+impl std::fmt::Debug for FailedView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shown = self.payload.as_ref().map(String::len).or(self.payload_base64.as_ref().map(String::len));
+        f.debug_struct("FailedView").field("record", &self.record).field("payload_chars", &shown).finish()
+    }
 }
 
 impl From<FailedRecord> for FailedView {
@@ -141,14 +147,12 @@ fn millis(d: Duration) -> i64 {
 pub(super) async fn status(State(admin): State<Admin>) -> ApiResult<StatusView> {
     let inner = &admin.inner;
     let snapshot = inner.snapshots.get(&inner.outbox, &inner.db).await?;
-    let now = Utc::now();
     let instances = snapshot
         .cluster
         .instances
         .iter()
         .map(|i| InstanceView {
             instance: i.clone(),
-            heartbeat_age_ms: (now - i.heartbeat_at).num_milliseconds().max(0),
             delivered_per_s: snapshot.rates.get(&i.id).copied().unwrap_or(0.0),
         })
         .collect();

@@ -1,10 +1,15 @@
 //! Who may change anything: the bearer token of a mutating request, matched against the configured
-//! tokens in constant time.
+//! tokens in constant time; and by which host names the page may be reached at all.
 
-use axum::extract::FromRequestParts;
-use axum::http::header::AUTHORIZATION;
+use std::net::IpAddr;
+
+use axum::extract::{FromRequestParts, Request, State};
+use axum::http::header::{AUTHORIZATION, HOST};
 use axum::http::request::Parts;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use subtle::ConstantTimeEq;
+use tracing::warn;
 
 use super::Admin;
 use super::error::ApiError;
@@ -24,9 +29,14 @@ impl FromRequestParts<Admin> for Operator {
             .headers
             .get(AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .ok_or(ApiError::Unauthenticated)?;
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim())
+            .filter(|token| !token.is_empty());
+        let Some(given) = given else {
+            warn!(method = %parts.method, path = %parts.uri.path(), "admin: change refused, no token");
+            return Err(ApiError::Unauthenticated);
+        };
         // Every token is compared, so the time taken says nothing about which one nearly matched.
         let mut found = None;
         for (name, token) in tokens {
@@ -34,6 +44,33 @@ impl FromRequestParts<Admin> for Operator {
                 found = Some(name.clone());
             }
         }
-        found.map(Operator).ok_or(ApiError::Forbidden)
+        found.map(Operator).ok_or_else(|| {
+            warn!(method = %parts.method, path = %parts.uri.path(), "admin: change refused, unknown token");
+            ApiError::Forbidden
+        })
     }
+}
+
+/// Refuses a request whose `Host` is a name other than `localhost` or one of [`AdminConfig::hosts`]
+/// (IP addresses pass: a rebound name never arrives as one). No `Host` at all (not a browser) passes.
+///
+/// [`AdminConfig::hosts`]: super::AdminConfig::hosts
+pub(super) async fn known_host(State(admin): State<Admin>, request: Request, next: Next) -> Response {
+    let host = request.headers().get(HOST).map(|h| h.to_str().unwrap_or_default().to_ascii_lowercase());
+    if let Some(host) = host {
+        let name = match host.strip_prefix('[') {
+            Some(v6) => v6.split(']').next().unwrap_or_default(),
+            None => host.rsplit_once(':').map_or(host.as_str(), |(name, port)| {
+                if port.bytes().all(|b| b.is_ascii_digit()) { name } else { host.as_str() }
+            }),
+        };
+        let known = name.parse::<IpAddr>().is_ok()
+            || name == "localhost"
+            || admin.inner.config.hosts.iter().any(|h| h.eq_ignore_ascii_case(name));
+        if !known {
+            warn!(host = %name, path = %request.uri().path(), "admin: request for an unknown host refused");
+            return ApiError::UnknownHost(name.to_string()).into_response();
+        }
+    }
+    next.run(request).await
 }

@@ -13,7 +13,12 @@ pub(super) enum ApiError {
     Forbidden,
     BadRequest(String),
     NotFound(String),
+    /// The database failed: the detail goes to the log, not to a client that may hold no token.
     Unavailable(String),
+    /// The database did not answer in time.
+    TimedOut,
+    /// The request named a host the page is not known by.
+    UnknownHost(String),
 }
 
 impl From<outbox_core::Error> for ApiError {
@@ -54,7 +59,15 @@ impl IntoResponse for ApiError {
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, m),
             ApiError::Unavailable(m) => {
                 warn!(error = %m, "admin request failed");
-                (StatusCode::SERVICE_UNAVAILABLE, m)
+                (StatusCode::SERVICE_UNAVAILABLE, "the outbox database failed; this service's log says how".into())
+            }
+            ApiError::UnknownHost(name) => (
+                StatusCode::FORBIDDEN,
+                format!("this page is not served as {name:?}: add it to the admin configuration's hosts"),
+            ),
+            ApiError::TimedOut => {
+                warn!("admin request timed out waiting for the database");
+                (StatusCode::SERVICE_UNAVAILABLE, "the outbox database did not answer in time".into())
             }
         };
         let mut response = (status, Json(serde_json::json!({ "error": message }))).into_response();

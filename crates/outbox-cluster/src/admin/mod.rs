@@ -32,6 +32,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::http::header;
+use axum::middleware;
 use axum::response::{Html, IntoResponse};
 use axum::routing::{get, post};
 use outbox_core::{Db, Outbox};
@@ -56,6 +57,10 @@ pub struct AdminConfig {
     pub tokens: BTreeMap<String, String>,
     /// Whether FAILED records' payloads are shown (they may hold personal data).
     pub show_payloads: bool,
+    /// Host names the page may be reached by, besides IP addresses and `localhost`: a request naming
+    /// any other host is refused, so a web page whose name an attacker points at 127.0.0.1 (DNS
+    /// rebinding) cannot read the API from the operator's browser.
+    pub hosts: Vec<String>,
 }
 
 impl fmt::Debug for AdminConfig {
@@ -63,6 +68,7 @@ impl fmt::Debug for AdminConfig {
         f.debug_struct("AdminConfig")
             .field("tokens", &self.tokens.keys().collect::<Vec<_>>())
             .field("show_payloads", &self.show_payloads)
+            .field("hosts", &self.hosts)
             .finish()
     }
 }
@@ -73,6 +79,9 @@ impl AdminConfig {
         for (name, token) in &self.tokens {
             if name.trim().is_empty() {
                 return Err(Error::Config("admin.tokens: a token has an empty name".into()));
+            }
+            if token.contains(char::is_whitespace) {
+                return Err(Error::Config(format!("admin.tokens.{name}: holds white space")));
             }
             if token.chars().count() < MIN_TOKEN_LEN {
                 return Err(Error::Config(format!("admin.tokens.{name}: shorter than {MIN_TOKEN_LEN} characters")));
@@ -124,6 +133,7 @@ impl Admin {
             .route("/api/failed/{id}/{action}", post(api::resolve))
             .route("/api/requeue", post(api::requeue_many))
             .route("/api/purge", post(api::purge))
+            .layer(middleware::from_fn_with_state(self.clone(), auth::known_host))
             .with_state(self)
     }
 }

@@ -19,7 +19,7 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use super::api::Sample;
-use crate::error::Result;
+use super::error::ApiError;
 use crate::status::{ClusterStatus, status};
 
 /// A read younger than this is served again.
@@ -28,6 +28,8 @@ const FRESH_FOR: Duration = Duration::from_secs(1);
 const BUSY_SHARE: u32 = 10;
 /// At most one history sample per this.
 const SAMPLE_EVERY: Duration = Duration::from_secs(2);
+/// A read that takes longer fails (requests wait behind it; a hung database must not hold them all).
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// How far back the history goes.
 const HISTORY: Duration = Duration::from_secs(10 * 60);
 
@@ -56,7 +58,7 @@ struct State {
 
 impl Snapshots {
     /// The last read if fresh, else a new one (requests arriving meanwhile wait for it).
-    pub(super) async fn get(&self, outbox: &Outbox, db: &Db) -> Result<Arc<Snapshot>> {
+    pub(super) async fn get(&self, outbox: &Outbox, db: &Db) -> Result<Arc<Snapshot>, ApiError> {
         let mut state = self.state.lock().await;
         if let Some((at, fresh_for, snapshot)) = &state.last
             && at.elapsed() < *fresh_for
@@ -64,8 +66,8 @@ impl Snapshots {
             return Ok(snapshot.clone());
         }
         let started = Instant::now();
-        let cluster = status(db.clone(), outbox).await?;
-        let stats = outbox.stats(db.clone()).await?;
+        let read = async { Ok::<_, ApiError>((status(db.clone(), outbox).await?, outbox.stats(db.clone()).await?)) };
+        let (cluster, stats) = tokio::time::timeout(READ_TIMEOUT, read).await.map_err(|_| ApiError::TimedOut)??;
         let now = Instant::now();
         let fresh_for = FRESH_FOR.max((now - started) * BUSY_SHARE);
         let rates = state.rates(&cluster);
@@ -122,6 +124,7 @@ mod tests {
             name: "w1".into(),
             started_at: at,
             heartbeat_at: at,
+            heartbeat_age_ms: 0,
             live: true,
             draining: false,
             partitions: 256,

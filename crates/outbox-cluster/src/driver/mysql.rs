@@ -19,8 +19,8 @@ use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, Taken, View, ViewR
 const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbeat_ms)
 VALUES (?, ?, {now} + INTERVAL (? * 1000) MICROSECOND, ?)";
 
-/// Renews a lease that has not expired (see the PostgreSQL statement). Binds: lease ms, id. No row
-/// matched: the lease had expired.
+/// Renews a lease that has not expired (see the PostgreSQL statement). Binds: lease ms, delivered, id. No
+/// row matched: the lease had expired.
 const HEARTBEAT: &str =
     "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + INTERVAL (? * 1000) MICROSECOND,
     delivered = ?
@@ -78,7 +78,7 @@ STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.x
 SET p.owner = NULL, p.epoch = p.epoch + 1, p.changed_at = {now}";
 
 const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > {now} AS live,
-    i.draining, i.delivered,
+    i.draining, i.delivered, CAST(TIMESTAMPDIFF(MICROSECOND, i.heartbeat_at, {now}) DIV 1000 AS SIGNED) AS heartbeat_age_ms,
     (SELECT count(*) FROM {s}_partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}_instances i ORDER BY i.started_at";
 

@@ -79,7 +79,7 @@ RETURNING p.partition";
 
 /// Instances with their lease state and partition counts, for status.
 const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > now() AS live,
-    i.draining, i.delivered,
+    i.draining, i.delivered, (extract(epoch FROM now() - i.heartbeat_at) * 1000)::bigint AS heartbeat_age_ms,
     (SELECT count(*) FROM {s}.partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}.instances i ORDER BY i.started_at";
 

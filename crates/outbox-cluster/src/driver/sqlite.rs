@@ -59,6 +59,7 @@ WHERE partition = $2 AND epoch = $3 AND owner = $1 RETURNING partition";
 
 const INSTANCES: &str = "SELECT i.id, i.name, {time:i.started_at} AS started_at,
     {time:i.heartbeat_at} AS heartbeat_at, i.expires_at > {now} AS live, i.draining, i.delivered,
+    {now} - i.heartbeat_at AS heartbeat_age_ms,
     (SELECT count(*) FROM {s}_partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}_instances i ORDER BY i.started_at";
 

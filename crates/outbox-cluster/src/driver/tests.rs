@@ -70,6 +70,11 @@ async fn a_lease_is_renewed_only_until_it_expires(pool: PgPool) {
             [(id, true, false, 42), (dead, false, false, 0)],
             "{backend}: the renewal reported 42 deliveries"
         );
+        let ages: Vec<i64> = instances.iter().map(|i| i.heartbeat_age_ms).collect();
+        assert!(
+            ages.iter().all(|age| (0..60_000).contains(age)),
+            "{backend}: heartbeat ages by database time {ages:?}"
+        );
 
         assert_eq!(store.reap(Duration::from_secs(3600)).await.unwrap(), 0, "{backend}: within the grace");
         assert_eq!(store.reap(Duration::ZERO).await.unwrap(), 1, "{backend}: only the expired one");

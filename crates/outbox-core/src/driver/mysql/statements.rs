@@ -129,7 +129,8 @@ const FAIL: &str = "UPDATE {s}_records SET attempts = ?, last_error = ?,
     failed_at = IF(?, UTC_TIMESTAMP(6), NULL)
 WHERE id = ? AND failed_at IS NULL AND requeues = ?";
 
-/// Binds: key, key, partition, partition, limit.
+/// Binds: payloads, key, key, partition, partition, after partition, after partition, after key, after
+/// seq, limit.
 const LIST_FAILED: &str =
     "SELECT id, `partition`, `key`, seq, event_type, attempts, requeues, last_error, created_at, failed_at,
     CASE WHEN ? THEN payload END AS payload
@@ -141,7 +142,11 @@ ORDER BY `partition`, `key`, seq LIMIT ?";
 /// Binds: id, key.
 const REQUEUE: &str =
     "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
-WHERE failed_at IS NOT NULL AND (? OR id = ? OR `key` = ?)";
+WHERE failed_at IS NOT NULL AND (id = ? OR `key` = ?)";
+
+const REQUEUE_ALL: &str =
+    "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
+WHERE failed_at IS NOT NULL";
 
 const SKIP_KEEP: &str =
     "INSERT INTO {s}_completed (id, `partition`, `key`, seq, event_type, payload, headers, created_at, attempts, outcome)
@@ -204,6 +209,7 @@ pub struct MySqlStatements {
     pub(super) fail: Arc<str>,
     pub(super) list_failed: Arc<str>,
     pub(super) requeue: Arc<str>,
+    pub(super) requeue_all: Arc<str>,
     pub(super) skip_keep: Arc<str>,
     pub(super) skip_delete: Arc<str>,
     pub(super) stats: Arc<str>,
@@ -244,6 +250,7 @@ impl MySqlStatements {
             fail: build(FAIL),
             list_failed: build(LIST_FAILED),
             requeue: build(REQUEUE),
+            requeue_all: build(REQUEUE_ALL),
             skip_keep: build(SKIP_KEEP),
             skip_delete: build(SKIP_DELETE),
             stats: build(STATS),

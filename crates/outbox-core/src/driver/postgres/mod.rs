@@ -290,8 +290,11 @@ impl Driver<'_, PgPool, PgStatements> {
     }
 
     pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
-        let (id, key, all) = which.binds();
-        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key).bind(all);
+        let query = match which {
+            Requeue::All => sqlx::query(statement(&self.statements.requeue_all)),
+            Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
+            Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
+        };
         Ok(query.execute(self.pool).await?.rows_affected())
     }
 

@@ -187,13 +187,18 @@ WHERE failed_at IS NOT NULL AND ($1::text IS NULL OR key = $1) AND ($2::smallint
     AND ($4::smallint IS NULL OR (partition, key, seq) > ($4, $5::text, $6::bigint))
 ORDER BY partition, key, seq LIMIT $3";
 
-/// Requeues FAILED records (one id `$1`, all of key `$2`, or all if `$3`) with a fresh retry budget, counting the
+/// Requeues FAILED records (one id `$1`, or all of key `$2`) with a fresh retry budget, counting the
 /// requeue. Not fenced: owners never write FAILED rows (nor rows requeued since they fetched them), so
 /// operator and owner cannot race on them.
 const REQUEUE: &str =
     "UPDATE {s}.records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
-WHERE failed_at IS NOT NULL AND ($3::boolean OR id = $1 OR key = $2)
+WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)
 RETURNING id";
+
+/// Requeues every FAILED record (a statement of its own: the one above seeks by id or key).
+const REQUEUE_ALL: &str =
+    "UPDATE {s}.records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
+WHERE failed_at IS NOT NULL";
 
 /// Skips a FAILED record: it leaves the queue, and the `completed` table keeps it as `skipped`.
 const SKIP: &str = "WITH d AS (
@@ -259,6 +264,7 @@ pub struct PgStatements {
     pub(crate) fail: Arc<str>,
     pub(crate) list_failed: Arc<str>,
     pub(crate) requeue: Arc<str>,
+    pub(crate) requeue_all: Arc<str>,
     pub(crate) skip: Arc<str>,
     pub(crate) stats: Arc<str>,
     pub(crate) purge: Arc<str>,
@@ -299,6 +305,7 @@ impl PgStatements {
             fail: build(FAIL),
             list_failed: build(LIST_FAILED),
             requeue: build(REQUEUE),
+            requeue_all: build(REQUEUE_ALL),
             skip: build(SKIP),
             stats: build(STATS),
             purge: build(PURGE),

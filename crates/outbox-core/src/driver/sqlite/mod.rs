@@ -280,9 +280,12 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
     }
 
     pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
-        let (id, key, all) = which.binds();
+        let query = match which {
+            Requeue::All => sqlx::query(statement(&self.statements.requeue_all)),
+            Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
+            Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
+        };
         let mut tx = write(self.pool).await?;
-        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key).bind(all);
         let requeued = query.execute(&mut *tx).await?.rows_affected();
         tx.commit().await?;
         Ok(requeued)

@@ -130,7 +130,11 @@ ORDER BY partition, key, seq LIMIT $3";
 
 const REQUEUE: &str =
     "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
-WHERE failed_at IS NOT NULL AND ($3 OR id = $1 OR key = $2)";
+WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)";
+
+const REQUEUE_ALL: &str =
+    "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
+WHERE failed_at IS NOT NULL";
 
 const SKIP_KEEP: &str =
     "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
@@ -177,6 +181,7 @@ pub struct SqliteStatements {
     pub(super) fail: Arc<str>,
     pub(super) list_failed: Arc<str>,
     pub(super) requeue: Arc<str>,
+    pub(super) requeue_all: Arc<str>,
     pub(super) skip_keep: Arc<str>,
     pub(super) skip_delete: Arc<str>,
     pub(super) stats: Arc<str>,
@@ -233,6 +238,7 @@ impl SqliteStatements {
             fail: build(FAIL),
             list_failed: build(LIST_FAILED),
             requeue: build(REQUEUE),
+            requeue_all: build(REQUEUE_ALL),
             skip_keep: build(SKIP_KEEP),
             skip_delete: build(SKIP_DELETE),
             stats: build(STATS),
