@@ -31,6 +31,9 @@ async fn stats_count_pending_and_failed_per_partition_with_the_oldest_age(db: Te
     assert!(a.oldest_pending.unwrap() >= Duration::from_secs(90));
     let b = stats.iter().find(|s| s.partition == partition_of("b")).unwrap();
     assert_eq!((b.pending, b.failed, b.oldest_pending), (0, 1, None));
+    let totals = outbox_core::operator::BacklogTotals::of(&stats);
+    assert_eq!((totals.pending, totals.scheduled, totals.failed), (2, 0, 1));
+    assert_eq!(totals.oldest_pending, a.oldest_pending, "the oldest over every partition");
 }
 
 async fn purge_deletes_only_expired_completed_records_in_bounded_batches(db: TestDb) {

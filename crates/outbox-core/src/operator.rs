@@ -8,7 +8,7 @@ use crate::driver::Db;
 use crate::error::{Error, Result};
 use crate::notice::{Partitions, Wake};
 use crate::stored::Requeue;
-pub use crate::stored::{FailedFilter, FailedPosition, FailedRecord, PartitionStats};
+pub use crate::stored::{BacklogTotals, FailedFilter, FailedPosition, FailedRecord, PartitionStats};
 
 impl Outbox {
     /// Lists FAILED records in (partition, key, seq) order.

@@ -403,6 +403,31 @@ pub struct PartitionStats {
     pub oldest_pending: Option<Duration>,
 }
 
+/// The whole backlog: [`PartitionStats`] summed over the partitions.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BacklogTotals {
+    /// Records waiting for delivery.
+    pub pending: i64,
+    /// Records scheduled for later whose time has not come.
+    pub scheduled: i64,
+    /// FAILED records.
+    pub failed: i64,
+    /// The oldest pending record's wait, over every partition.
+    pub oldest_pending: Option<Duration>,
+}
+
+impl BacklogTotals {
+    /// The totals of `stats` (as [`Outbox::stats`](crate::Outbox::stats) returns them).
+    pub fn of(stats: &[PartitionStats]) -> BacklogTotals {
+        stats.iter().fold(BacklogTotals::default(), |t, s| BacklogTotals {
+            pending: t.pending + s.pending,
+            scheduled: t.scheduled + s.scheduled,
+            failed: t.failed + s.failed,
+            oldest_pending: t.oldest_pending.max(s.oldest_pending),
+        })
+    }
+}
+
 /// A partition's statistics as every driver's statement returns them (the age in seconds).
 #[derive(sqlx::FromRow)]
 pub(crate) struct StatsRow {

@@ -172,7 +172,7 @@ pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
             checker.next_seq = last_seq + 1;
         }
         let delivered = checker.seen.len();
-        let pending: i64 = ctx.outbox.stats(&ctx.db).await?.iter().map(|s| s.pending).sum();
+        let pending = outbox_core::operator::BacklogTotals::of(&ctx.outbox.stats(&ctx.db).await?).pending;
         let map = partition_map(ctx).await?;
         println!(
             "t={:>3}s  {map:<40} pending {pending:>5}  delivered {delivered:>6} (+{}/s)  order violations {}  duplicates {}",

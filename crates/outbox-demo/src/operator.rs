@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use clap::Subcommand;
-use outbox_core::operator::FailedFilter;
+use outbox_core::operator::{BacklogTotals, FailedFilter};
 use outbox_core::{Epoch, InstanceId};
 use uuid::Uuid;
 
@@ -85,10 +85,7 @@ pub async fn status(ctx: &Context) -> Result<(), Failure> {
         let more = if parts.len() > 8 { ", …" } else { "" };
         println!("  {owner:<16} {:>3} partitions  epochs {lo}..={hi}  [{}{more}]", parts.len(), first.join(", "));
     }
-    let pending: i64 = stats.iter().map(|s| s.pending).sum();
-    let scheduled: i64 = stats.iter().map(|s| s.scheduled).sum();
-    let failed: i64 = stats.iter().map(|s| s.failed).sum();
-    let oldest = stats.iter().filter_map(|s| s.oldest_pending).max();
+    let BacklogTotals { pending, scheduled, failed, oldest_pending: oldest } = BacklogTotals::of(&stats);
     println!("backlog");
     println!(
         "  pending {pending}  scheduled for later {scheduled}  FAILED {failed}  oldest pending {}",

@@ -88,9 +88,9 @@ async fn backlog_gauges(outbox: outbox_core::Outbox, db: outbox_core::Db) {
             metrics::gauge!("outbox_pending_records", "partition" => s.partition.to_string()).set(s.pending as f64);
             metrics::gauge!("outbox_scheduled_records", "partition" => s.partition.to_string()).set(s.scheduled as f64);
         }
-        let failed: i64 = stats.iter().map(|s| s.failed).sum();
-        metrics::gauge!("outbox_failed_records").set(failed as f64);
-        let oldest = stats.iter().filter_map(|s| s.oldest_pending).max().unwrap_or_default();
+        let totals = outbox_core::operator::BacklogTotals::of(&stats);
+        metrics::gauge!("outbox_failed_records").set(totals.failed as f64);
+        let oldest = totals.oldest_pending.unwrap_or_default();
         metrics::gauge!("outbox_oldest_pending_seconds").set(oldest.as_secs_f64());
         reported = now;
     }

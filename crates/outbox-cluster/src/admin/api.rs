@@ -156,16 +156,16 @@ pub(super) async fn status(State(admin): State<Admin>) -> ApiResult<StatusView> 
             delivered_per_s: snapshot.rates.get(&i.id).copied().unwrap_or(0.0),
         })
         .collect();
-    let stats = &snapshot.stats;
+    let totals = &snapshot.totals;
     Ok(Json(StatusView {
         read_only: inner.config.read_only(),
         show_payloads: inner.config.show_payloads,
         instances,
         backlog: Backlog {
-            pending: stats.iter().map(|s| s.pending).sum(),
-            scheduled: stats.iter().map(|s| s.scheduled).sum(),
-            failed: stats.iter().map(|s| s.failed).sum(),
-            oldest_pending_ms: stats.iter().filter_map(|s| s.oldest_pending).max().map(millis),
+            pending: totals.pending,
+            scheduled: totals.scheduled,
+            failed: totals.failed,
+            oldest_pending_ms: totals.oldest_pending.map(millis),
         },
         delivered_per_s: snapshot.rates.values().sum(),
         history: snapshot.history.clone(),

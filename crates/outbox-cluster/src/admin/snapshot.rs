@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_core::operator::PartitionStats;
+use outbox_core::operator::{BacklogTotals, PartitionStats};
 use outbox_core::{Db, InstanceId, Outbox};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
@@ -37,6 +37,7 @@ const HISTORY: Duration = Duration::from_secs(10 * 60);
 pub(super) struct Snapshot {
     pub(super) cluster: ClusterStatus,
     pub(super) stats: Vec<PartitionStats>,
+    pub(super) totals: BacklogTotals,
     /// Delivered/s per instance, from its last two heartbeats that moved its count's time.
     pub(super) rates: HashMap<InstanceId, f64>,
     pub(super) history: Vec<Sample>,
@@ -71,10 +72,11 @@ impl Snapshots {
         let now = Instant::now();
         let fresh_for = FRESH_FOR.max((now - started) * BUSY_SHARE);
         let rates = state.rates(&cluster);
+        let totals = BacklogTotals::of(&stats);
         let sample = Sample {
             at_ms: Utc::now().timestamp_millis(),
-            pending: stats.iter().map(|s| s.pending).sum(),
-            failed: stats.iter().map(|s| s.failed).sum(),
+            pending: totals.pending,
+            failed: totals.failed,
             delivered_per_s: rates.values().sum(),
         };
         if state.history.back().is_none_or(|(at, _)| now.duration_since(*at) >= SAMPLE_EVERY) {
@@ -84,7 +86,7 @@ impl Snapshots {
             state.history.pop_front();
         }
         let history = state.history.iter().map(|(_, s)| s.clone()).collect();
-        let snapshot = Arc::new(Snapshot { cluster, stats, rates, history });
+        let snapshot = Arc::new(Snapshot { cluster, stats, totals, rates, history });
         state.last = Some((now, fresh_for, snapshot.clone()));
         Ok(snapshot)
     }
