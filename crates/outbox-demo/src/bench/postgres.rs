@@ -84,6 +84,11 @@ impl Postgres {
         Ok(())
     }
 
+    /// The process id of one of the server's backends: the CPU meter finds the postmaster from it.
+    pub async fn backend_pid(&self) -> Result<i32, Failure> {
+        sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&self.pool).await.map_err(pg)
+    }
+
     /// (distinct owners, partitions without an owner or with a handover pending).
     pub async fn ownership(&self) -> Result<(i64, i64), Failure> {
         let query = format!(

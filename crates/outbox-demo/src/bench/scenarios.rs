@@ -46,6 +46,7 @@ impl Bench {
         };
         let handlers = Handlers::new().default_route(route);
         let db = self.separate_db().await?;
+        let cpu = self.cpu.sample();
         let started = Instant::now();
         let node = Node::start(outbox.clone(), &db, handlers, Self::cluster("bench")).await?;
         match target {
@@ -54,10 +55,12 @@ impl Bench {
             Target::Nothing => self.wait_drained().await?,
         }
         let elapsed = started.elapsed();
+        let mut extra = self.cpu.per_thousand(cpu, n);
         node.shutdown().await?;
         db.close().await;
         let rate = n as f64 / elapsed.as_secs_f64();
-        let mut extra = json!({"records": n, "secs": elapsed.as_secs_f64()});
+        extra["records"] = json!(n);
+        extra["secs"] = json!(elapsed.as_secs_f64());
         if self.on_postgres {
             let written = self.pg.rows_written().await? - before;
             extra["pg_rows_written_per_record"] = json!(written as f64 / n as f64);
@@ -99,11 +102,12 @@ impl Bench {
         let drained = async {
             self.wait_settled(count).await?;
             self.pg.release_backlog().await?;
+            let cpu = self.cpu.sample();
             let started = Instant::now();
             // As the producers of the backlog would have, once it is committed.
             self.outbox.wake(&self.db, &scheduled).await?;
             self.wait_delivered(n).await?;
-            Ok::<_, Failure>(started.elapsed())
+            Ok::<_, Failure>((started.elapsed(), self.cpu.per_thousand(cpu, n)))
         }
         .await;
         let peak_rss_kib = workers.iter().filter_map(|w| report::peak_rss_kib(w.id())).max().unwrap_or(0);
@@ -113,14 +117,14 @@ impl Bench {
             let _ = worker.wait();
         }
         let _ = std::fs::remove_file(&config);
-        let elapsed = drained?;
+        let (elapsed, mut extra) = drained?;
         let rate = n as f64 / elapsed.as_secs_f64();
-        Ok(Row {
-            scenario,
-            value: rate,
-            unit: "records/s",
-            extra: json!({"records": n, "processes": count, "secs": elapsed.as_secs_f64(), "worker_peak_rss_mib": peak_rss_kib as f64 / 1024.0, "includes_process_start": false}),
-        })
+        extra["records"] = json!(n);
+        extra["processes"] = json!(count);
+        extra["secs"] = json!(elapsed.as_secs_f64());
+        extra["worker_peak_rss_mib"] = json!(peak_rss_kib as f64 / 1024.0);
+        extra["includes_process_start"] = json!(false);
+        Ok(Row { scenario, value: rate, unit: "records/s", extra })
     }
 
     /// Waits until `count` instances own all 256 partitions with no handover pending.

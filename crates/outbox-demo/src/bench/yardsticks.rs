@@ -73,6 +73,7 @@ impl Bench {
         let n = self.preload().await?.len();
         let js = async_nats::jetstream::new(client);
         let relay = self.pg.relay().await?;
+        let cpu = self.cpu.sample();
         let started = Instant::now();
         loop {
             let rows = relay.next().await?;
@@ -91,7 +92,9 @@ impl Bench {
             relay.delete(&ids).await?;
         }
         let rate = n as f64 / started.elapsed().as_secs_f64();
+        let mut extra = self.cpu.per_thousand(cpu, n);
+        extra["records"] = json!(n);
         relay.close().await;
-        Ok(Row { scenario: "yardstick_idealised_relay", value: rate, unit: "records/s", extra: json!({"records": n}) })
+        Ok(Row { scenario: "yardstick_idealised_relay", value: rate, unit: "records/s", extra })
     }
 }
