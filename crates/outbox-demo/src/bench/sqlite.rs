@@ -28,11 +28,14 @@ pub async fn file(path: &std::path::Path, durability: Durability) -> Result<outb
 }
 
 /// A fresh, empty table of the shape of `records` (its columns, constraints and indexes, from the
-/// schema's own text): the producer's yardstick writes into it.
+/// schema's own text, but none of its triggers): the producer's yardstick writes into it.
 pub async fn plain_table(db: &outbox_core::Db, records: &str) -> Result<String, Failure> {
     let plain = records.replace("records", "plain");
     let ddl: Vec<(String,)> = db
-        .fetch_all("SELECT sql FROM sqlite_master WHERE tbl_name = $1 AND sql IS NOT NULL", &[records.into()])
+        .fetch_all(
+            "SELECT sql FROM sqlite_master WHERE tbl_name = $1 AND type IN ('table', 'index') AND sql IS NOT NULL",
+            &[records.into()],
+        )
         .await?;
     let create: Vec<String> = ddl.iter().map(|(sql,)| sql.replace(records, &plain)).collect();
     db.execute_script(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {plain};\n{};", create.join(";\n")))).await?;
