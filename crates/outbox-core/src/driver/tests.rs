@@ -217,12 +217,14 @@ fn case() -> impl Strategy<Value = Case> {
         (1usize..6, 0usize..5, prop_oneof![Just(usize::MAX), 0usize..60]),
     )
         .prop_map(|(keys, order, unheld, cursors, exclude, (limit, followers, budget))| {
-            // One key per (partition, name).
+            // One key per (partition, name). Sequence numbers are database-wide, as the databases give
+            // them (on SQLite the number is the row's id): no two keys share one.
             let mut seen = std::collections::BTreeSet::new();
             let keys = keys
                 .into_iter()
                 .filter(|(p, k, ..)| seen.insert((*p, *k)))
-                .map(|(p, k, first, step, states)| (p, key_name(p, k), first, step, states))
+                .enumerate()
+                .map(|(j, (p, k, first, step, states))| (p, key_name(p, k), first * 16 + j as i64, step * 16, states))
                 .collect();
             // Cursors fall between, on and around the keys.
             let cursors = std::array::from_fn(|p| cursors[p].map(|n| format!("p{p}-k{}", u32::from(n) * 3 % 13)));

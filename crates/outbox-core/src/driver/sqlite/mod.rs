@@ -51,6 +51,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "delivered counts",
         sql: include_str!("../../../../../migrations/sqlite/0006_delivered_counts.sql"),
     },
+    Migration {
+        version: 7,
+        name: "numbered_by_rowid",
+        sql: include_str!("../../../../../migrations/sqlite/0007_numbered_by_rowid.sql"),
+    },
 ];
 
 /// How long a connection waits for the write lock before a statement fails with "busy". Writers hold
@@ -108,18 +113,29 @@ pub(super) fn is_not_migrated(db: &dyn sqlx::error::DatabaseError) -> Option<boo
 
 /// Inserts records on the caller's connection (see `Conn::schedule`).
 ///
-/// One record in the caller's transaction is one statement: the insert numbers it one past the counter
-/// and a trigger moves the counter (migration 3), atomically with the insert. Anything else takes its
-/// numbers and inserts a JSON list, in a transaction of sqlx's own (a savepoint inside
-/// the caller's transaction, or `BEGIN IMMEDIATE` on a bare connection), which sqlx rolls back if this
-/// future is dropped half way (say, by a timeout while waiting for the write lock).
+/// One statement: SQLite numbers the records as it inserts them (migration 7), one past the last number
+/// it gave, and the result names the last; a statement's rows are numbered one after another in list
+/// order, so the first is `n - 1` below it. One record binds its values, more go as one JSON list. On a
+/// bare connection the statement runs in a `BEGIN IMMEDIATE` transaction of sqlx's own, which sqlx rolls
+/// back if this future is dropped half way (say, by a timeout while waiting for the write lock), where a
+/// lone statement would still write once the lock came free.
 pub(super) async fn schedule(
     conn: &mut SqliteConnection,
     s: &SqliteStatements,
     rows: &[NewRow<'_>],
 ) -> Result<Vec<(Uuid, i64)>> {
-    if let ([row], true) = (rows, conn.is_in_transaction()) {
-        let seq: i64 = sqlx::query_scalar(statement(&s.insert))
+    if conn.is_in_transaction() {
+        return insert(conn, s, rows).await;
+    }
+    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+    let numbered = insert(&mut tx, s, rows).await?;
+    tx.commit().await?;
+    Ok(numbered)
+}
+
+async fn insert(conn: &mut SqliteConnection, s: &SqliteStatements, rows: &[NewRow<'_>]) -> Result<Vec<(Uuid, i64)>> {
+    let done = if let [row] = rows {
+        sqlx::query(statement(&s.insert))
             .bind(row.id)
             .bind(i16::from(row.partition))
             .bind(row.key)
@@ -128,26 +144,21 @@ pub(super) async fn schedule(
             .bind(&row.headers)
             .bind(row.deliver_at.map(|at| at.timestamp_millis()))
             .bind(row.deliver_after_ms)
-            .fetch_one(conn)
-            .await?;
-        return Ok(vec![(row.id, seq)]);
-    }
-    let mut tx =
-        if conn.is_in_transaction() { conn.begin().await? } else { conn.begin_with("BEGIN IMMEDIATE").await? };
-    let n = count(rows.len());
-    let last: i64 = sqlx::query_scalar(statement(&s.take_seqs)).bind(n).fetch_one(&mut *tx).await?;
-    let first = last - n + 1;
-    let list: Vec<_> = rows
-        .iter()
-        .map(|r| {
-            let payload = hex::encode(r.payload);
-            let at = r.deliver_at.map(|at| at.timestamp_millis());
-            let (id, partition) = (r.id.simple().to_string(), i16::from(r.partition));
-            (id, partition, r.key, r.event_type, payload, r.headers.as_str(), at, r.deliver_after_ms)
-        })
-        .collect();
-    sqlx::query(statement(&s.insert_many)).bind(json(&list)?).bind(first).execute(&mut *tx).await?;
-    tx.commit().await?;
+            .execute(conn)
+            .await?
+    } else {
+        let list: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                let payload = hex::encode(r.payload);
+                let at = r.deliver_at.map(|at| at.timestamp_millis());
+                let (id, partition) = (r.id.simple().to_string(), i16::from(r.partition));
+                (id, partition, r.key, r.event_type, payload, r.headers.as_str(), at, r.deliver_after_ms)
+            })
+            .collect();
+        sqlx::query(statement(&s.insert_many)).bind(json(&list)?).execute(conn).await?
+    };
+    let first = done.last_insert_rowid() - count(rows.len()) + 1;
     Ok((first..).zip(rows).map(|(seq, row)| (row.id, seq)).collect())
 }
 
@@ -425,11 +436,13 @@ mod tests {
         let mut tx = pool.begin().await.unwrap();
         assert!(outbox.schedule_batch(&mut tx, &batch).await.is_err());
         tx.commit().await.unwrap();
-        let counts: (i64, i64) =
-            sqlx::query_as("SELECT (SELECT count(*) FROM outbox_records), (SELECT last FROM outbox_sequence)")
-                .fetch_one(&pool)
-                .await
-                .unwrap();
+        let counts: (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM outbox_records),
+                        (SELECT coalesce(max(seq), 0) FROM sqlite_sequence WHERE name = 'outbox_records')",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
         assert_eq!(counts, (0, 0), "no record, and no sequence number taken");
         // Without a transaction too, and the connection is left outside one.
         let mut conn = pool.acquire().await.unwrap();
@@ -504,24 +517,31 @@ mod tests {
         assert_eq!(stored, vec![(first.seq, b"1".to_vec()), (third.seq, b"3".to_vec())]);
     }
 
-    /// A database file left at version 1 (per-key counter rows) is upgraded without any key's sequence
-    /// going backwards.
-    #[tokio::test]
-    async fn upgrading_from_version_1_keeps_every_keys_sequence_growing() {
+    /// A database with the first `version` migrations applied, as an older release left it.
+    async fn at_version(version: usize) -> sqlx::SqlitePool {
         let pool = sqlite_memory().await;
-        let super::Migration { version, name, sql: text } = super::MIGRATIONS[0];
         sqlx::raw_sql(AssertSqlSafe(render(super::MIGRATIONS_TABLE, "outbox").to_string()))
             .execute(&pool)
             .await
             .unwrap();
-        sqlx::raw_sql(AssertSqlSafe(render(text, "outbox").to_string())).execute(&pool).await.unwrap();
-        sqlx::query("INSERT INTO outbox_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)")
-            .bind(version)
-            .bind(name)
-            .bind(crate::migrate::checksum(text))
-            .execute(&pool)
-            .await
-            .unwrap();
+        for super::Migration { version, name, sql: text } in &super::MIGRATIONS[..version] {
+            sqlx::raw_sql(AssertSqlSafe(render(text, "outbox").to_string())).execute(&pool).await.unwrap();
+            sqlx::query("INSERT INTO outbox_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)")
+                .bind(version)
+                .bind(name)
+                .bind(crate::migrate::checksum(text))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        pool
+    }
+
+    /// A database file left at version 1 (per-key counter rows) is upgraded without any key's sequence
+    /// going backwards.
+    #[tokio::test]
+    async fn upgrading_from_version_1_keeps_every_keys_sequence_growing() {
+        let pool = at_version(1).await;
         sqlx::query("INSERT INTO outbox_keys (key, last_seq) VALUES ('old', 41), ('drained', 7)")
             .execute(&pool)
             .await
@@ -533,6 +553,45 @@ mod tests {
         let drained = outbox.schedule(&mut tx, crate::NewRecord::new("drained", "t", "")).await.unwrap();
         tx.commit().await.unwrap();
         assert!(old.seq > 41 && drained.seq > 41, "{} {}", old.seq, drained.seq);
+    }
+
+    /// A database file at version 6 (numbers from a counter row) is upgraded with its pending records'
+    /// numbers kept, and numbering goes on past every number the counter gave out, even to records
+    /// already completed. A batch's numbers, as `schedule_batch` returns them, are the stored ones, in
+    /// list order.
+    #[tokio::test]
+    async fn upgrading_from_version_6_numbers_on_past_the_counter() {
+        let pool = at_version(6).await;
+        sqlx::raw_sql(
+            "INSERT INTO outbox_records (id, partition, key, seq, event_type, payload) VALUES (x'01', 1, 'k', 5, 't', x'');
+             UPDATE outbox_sequence SET last = 9",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+
+        let kept: i64 = sqlx::query_scalar("SELECT seq FROM outbox_records").fetch_one(&pool).await.unwrap();
+        assert_eq!(kept, 5);
+        let mut tx = pool.begin().await.unwrap();
+        let one = outbox.schedule(&mut tx, crate::NewRecord::new("k", "t", "")).await.unwrap();
+        let batch = ["k", "other", "k"].map(|key| crate::NewRecord::new(key, "t", ""));
+        let many = outbox.schedule_batch(&mut tx, &batch).await.unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(one.seq, 10);
+        assert_eq!(many.iter().map(|s| s.seq).collect::<Vec<_>>(), [11, 12, 13]);
+        for scheduled in many.iter().chain([&one]) {
+            let stored: i64 = sqlx::query_scalar("SELECT seq FROM outbox_records WHERE id = $1")
+                .bind(scheduled.id)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            assert_eq!(stored, scheduled.seq, "record {}", scheduled.id);
+        }
+        let counters: Vec<(String, i64)> =
+            sqlx::query_as("SELECT name, seq FROM sqlite_sequence").fetch_all(&pool).await.unwrap();
+        assert_eq!(counters, [("outbox_records".to_string(), 13)]);
     }
 
     /// A `schedule` on a bare pooled connection, dropped by a timeout while it waits for the write lock

@@ -12,21 +12,18 @@ pub(super) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}_schema
     checksum   INTEGER NOT NULL,
     applied_at INTEGER NOT NULL DEFAULT ({now}))";
 
-/// Takes `$1` sequence numbers; returns the last. The write takes the database write lock until commit.
-const TAKE_SEQS: &str = "UPDATE {s}_sequence SET last = last + $1 RETURNING last";
-
-/// One record, numbered one past the counter, which the insert's trigger then moves to it; returns the
-/// number. `$7` and `$8`: its delivery time or delay (ms).
+/// One record; SQLite numbers it (its AUTOINCREMENT rowid, migration 7), and the statement's result
+/// carries the number as the last inserted rowid. `$7` and `$8`: its delivery time or delay (ms).
 const INSERT: &str =
-    "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers, deliver_at, next_attempt_at)
-VALUES ($1, $2, $3, (SELECT last + 1 FROM {s}_sequence), $4, $5, $6, {deliver_at}, {deliver_at}) RETURNING seq";
+    "INSERT INTO {s}_records (id, partition, key, event_type, payload, headers, deliver_at, next_attempt_at)
+VALUES ($1, $2, $3, $4, $5, $6, {deliver_at}, {deliver_at})";
 
 /// The records of `$1` (JSON `[[hex id, partition, key, type, hex payload, headers, delivery time,
-/// delay], …]`) in one statement, numbered in list order from `$2`.
+/// delay], …]`) in one statement, inserted (and so numbered) in list order.
 const INSERT_MANY: &str =
-    "INSERT INTO {s}_records (id, partition, key, seq, event_type, payload, headers, deliver_at, next_attempt_at)
-SELECT unhex(j.value ->> 0), j.value ->> 1, j.value ->> 2, $2 + j.key, j.value ->> 3, unhex(j.value ->> 4),
-    j.value ->> 5, {deliver_at}, {deliver_at}
+    "INSERT INTO {s}_records (id, partition, key, event_type, payload, headers, deliver_at, next_attempt_at)
+SELECT unhex(j.value ->> 0), j.value ->> 1, j.value ->> 2, j.value ->> 3, unhex(j.value ->> 4), j.value ->> 5,
+    {deliver_at}, {deliver_at}
 FROM json_each($1) j ORDER BY j.key";
 
 /// When a record asked to be delivered at `{at}` (ms), or `{after}` ms from now, is due, if later than now.
@@ -171,7 +168,6 @@ const PURGE_INBOX: &str = "DELETE FROM {s}_inbox WHERE (source, message_id) IN (
 #[derive(Debug)]
 pub struct SqliteStatements {
     pub(super) schema: String,
-    pub(super) take_seqs: Arc<str>,
     pub(super) insert: Arc<str>,
     pub(super) insert_many: Arc<str>,
     pub(super) fetch: Arc<str>,
@@ -228,7 +224,6 @@ impl SqliteStatements {
             .replace("{step_due}", step_due);
         Self {
             schema: schema.to_string(),
-            take_seqs: build(TAKE_SEQS),
             insert: build(&deliver_at(INSERT, "$7", "$8")),
             insert_many: build(&deliver_at(INSERT_MANY, "j.value ->> 6", "j.value ->> 7")),
             fetch: build(&fetch),
