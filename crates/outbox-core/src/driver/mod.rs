@@ -144,11 +144,12 @@ impl Db {
     pub async fn begin(&self) -> Result<Tx> {
         Ok(match self {
             #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => Tx::Postgres(pool.begin().await?),
+            Db::Postgres(pool) => Tx::Postgres(begin_detached(pool, None).await?),
+            // sqlx's SQLite worker rolls back a `BEGIN` whose caller went away.
             #[cfg(feature = "sqlite")]
             Db::Sqlite(pool) => Tx::Sqlite(pool.begin_with("BEGIN IMMEDIATE").await?),
             #[cfg(feature = "mysql")]
-            Db::MySql(pool) => Tx::MySql(pool.begin().await?),
+            Db::MySql(pool) => Tx::MySql(begin_detached(pool, None).await?),
         })
     }
 
@@ -422,6 +423,25 @@ fn sized<DB: sqlx::Database>(options: &ConnectOptions) -> sqlx::pool::PoolOption
             }
             .boxed()
         })
+}
+
+/// Begins a transaction (with `statement` in place of the backend's plain `BEGIN`) on a task of its own,
+/// so a caller dropped while the `BEGIN` is in flight cannot leave the pooled connection inside a
+/// transaction nobody ends: sqlx 0.9 arms its rollback only once the answer is read
+/// (transact-rs/sqlx#4393), and the connection's next borrower would write, uncommitted, inside it.
+pub(crate) async fn begin_detached<DB: sqlx::Database>(
+    pool: &sqlx::Pool<DB>,
+    statement: Option<&'static str>,
+) -> sqlx::Result<sqlx::Transaction<'static, DB>> {
+    let pool = pool.clone();
+    let begun = tokio::spawn(async move {
+        match statement {
+            Some(statement) => pool.begin_with(statement).await,
+            None => pool.begin().await,
+        }
+    });
+    // The task is never aborted; it can only end without an answer if it panicked inside sqlx.
+    begun.await.unwrap_or(Err(sqlx::Error::WorkerCrashed))
 }
 
 /// The application's values as a backend's arguments.

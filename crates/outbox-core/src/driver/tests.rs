@@ -457,3 +457,56 @@ async fn a_new_pool_keeps_the_connection_settings() {
         other.fetch_one("SELECT count(*) FROM sqlite_master WHERE name = 'marker'", &[]).await.unwrap();
     assert_eq!(tables, 1, "the same database file");
 }
+
+/// A `begin` dropped at any point, even while its `BEGIN` is in flight, leaves no transaction open on
+/// the pooled connection: the pool's next statement commits as it runs, so another connection sees its
+/// row (inside a transaction left open it would not, and would hold its locks). Both the application's
+/// `Db::begin` and the outbox's own begin (completions, ownership rounds) are swept.
+#[sqlx::test(migrations = false)]
+async fn a_dropped_begin_leaves_no_transaction_open(pool: PgPool) {
+    use futures::FutureExt;
+    use futures::future::BoxFuture;
+    let dir = tempfile::tempdir().unwrap();
+    let file = Db::connect(&format!("sqlite://{}", dir.path().join("dropped.db").display())).await.unwrap();
+    for db in [Db::Postgres(pool), file, super::mysql::test_database().await] {
+        db.execute("CREATE TABLE dropped_begins (step BIGINT)", &[]).await.unwrap();
+        let single = db.new_pool(&ConnectOptions { max_connections: 1, ..ConnectOptions::default() }).await.unwrap();
+        let own = || -> BoxFuture<'static, ()> {
+            match single.clone() {
+                Db::Postgres(pool) => async move { drop(super::postgres::begin(&pool).await) }.boxed(),
+                Db::Sqlite(pool) => async move { drop(super::sqlite::write(&pool).await) }.boxed(),
+                Db::MySql(pool) => async move { drop(super::mysql::begin(&pool).await) }.boxed(),
+            }
+        };
+        let mut rows = 0;
+        for polls in 0..12 {
+            for gap in [0, 20, 100].map(std::time::Duration::from_micros) {
+                for (name, begin) in [("Db::begin", single.begin().map(drop).boxed()), ("own begin", own())] {
+                    dropped_after(begin, polls, gap).await;
+                    single.execute("INSERT INTO dropped_begins (step) VALUES ($1)", &[rows.into()]).await.unwrap();
+                    rows += 1;
+                    let (seen,): (i64,) = db.fetch_one("SELECT count(*) FROM dropped_begins", &[]).await.unwrap();
+                    let backend = db.backend();
+                    assert_eq!(
+                        seen, rows,
+                        "{backend}: a row written after dropping {name} at poll {polls} ({gap:?} apart)"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Polls `fut` up to `polls` times, `gap` of real time apart (a server answers meanwhile), and drops it
+/// unless it finished first: a drop point anywhere in a round trip, where a timer (1 ms grain) cannot
+/// place one.
+async fn dropped_after(fut: impl Future<Output = ()>, polls: u32, gap: std::time::Duration) {
+    let mut fut = std::pin::pin!(fut);
+    for _ in 0..polls {
+        if futures::poll!(fut.as_mut()).is_ready() {
+            return;
+        }
+        std::thread::sleep(gap);
+        tokio::task::yield_now().await;
+    }
+}

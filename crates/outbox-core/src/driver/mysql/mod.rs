@@ -54,8 +54,9 @@ pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<MySql
 /// COMMITTED, where InnoDB locks only the rows a locking read returns: at REPEATABLE READ it also locks
 /// every row and gap it passes, so an ownership round's look for its free partitions held all 256 rows
 /// and stalled every other worker's fenced completion. The caller's transactions keep their own level.
+/// Cancel-safe (`begin_detached`).
 pub async fn begin(pool: &MySqlPool) -> sqlx::Result<sqlx::Transaction<'static, sqlx::MySql>> {
-    pool.begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION").await
+    super::begin_detached(pool, Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")).await
 }
 
 /// Deadlock (1213), lock wait timeout (1205), too many connections (1040), server shutdown (1053),

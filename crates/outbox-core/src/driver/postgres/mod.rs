@@ -127,15 +127,9 @@ pub(super) async fn accept_in_order(
 }
 
 /// Starts a transaction for the processor's completions, with JIT compilation off (see
-/// `Db::fetch_pool`).
-///
-/// Cancel-safe: the `BEGIN` runs on a task of its own. sqlx 0.9's `begin` is not (a future dropped while
-/// `BEGIN` is in flight leaves its connection inside a transaction: transact-rs/sqlx#4393).
-async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>> {
-    let pool = pool.clone();
-    let begun = tokio::spawn(async move { pool.begin_with("BEGIN; SET LOCAL jit = off").await });
-    // The task is never aborted; it can only end without an answer if it panicked inside sqlx.
-    Ok(begun.await.unwrap_or(Err(sqlx::Error::WorkerCrashed))?)
+/// `Db::fetch_pool`); cancel-safe (`begin_detached`).
+pub(super) async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>> {
+    Ok(super::begin_detached(pool, Some("BEGIN; SET LOCAL jit = off")).await?)
 }
 
 impl Driver<'_, PgPool, PgStatements> {
@@ -444,35 +438,5 @@ mod tests {
         tokio::time::sleep(crate::driver::PING_IF_IDLE_FOR + std::time::Duration::from_millis(200)).await;
         let replaced: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&ours).await.unwrap();
         assert_ne!(replaced, pid);
-    }
-
-    /// A fetch or completion dropped at any point, even while its `BEGIN` is in flight, leaves no
-    /// transaction open on the pooled connection (sqlx's own `begin` does: transact-rs/sqlx#4393).
-    #[sqlx::test(migrations = false)]
-    async fn a_dropped_begin_leaves_no_transaction_open(pool: PgPool) {
-        let options = pool.connect_options().as_ref().clone();
-        let single = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
-        // Sweep the drop point across the BEGIN round trip (tens of microseconds on loopback).
-        for step in 0..300_u64 {
-            let dropped = tokio::time::timeout(std::time::Duration::from_micros(step * 2), super::begin(&single));
-            if let Ok(tx) = dropped.await {
-                drop(tx.unwrap());
-            }
-            // The task of a dropped `begin` finishes and rolls back before the connection idles in the pool.
-            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&single).await.unwrap();
-            let mut state = String::new();
-            for _ in 0..100 {
-                state = sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE pid = $1")
-                    .bind(pid)
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap();
-                if state != "active" {
-                    break;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-            }
-            assert_eq!(state, "idle", "connection state after dropping begin at {} µs", step * 2);
-        }
     }
 }

@@ -48,14 +48,11 @@ impl DerefMut for Write<'_> {
 
 /// Starts a write of the outbox's own (completions, heartbeats, ownership, operator commands): waits for
 /// this process's turn at the database file, then begins `BEGIN IMMEDIATE` (the write lock from the
-/// start). For crates that add statements over the outbox tables (`outbox-cluster`). The `BEGIN` runs on
-/// a task of its own, so a caller dropped while it runs cannot leave the pooled connection inside a
-/// transaction.
+/// start). For crates that add statements over the outbox tables (`outbox-cluster`). Cancel-safe: sqlx's
+/// SQLite worker rolls back a `BEGIN` whose caller went away.
 pub async fn write(pool: &SqlitePool) -> Result<Write<'static>> {
     let turn = turn_of(pool).lock_owned().await;
-    let pool = pool.clone();
-    let begun = tokio::spawn(async move { pool.begin_with("BEGIN IMMEDIATE").await });
-    let tx = begun.await.unwrap_or(Err(sqlx::Error::WorkerCrashed))?;
+    let tx = pool.begin_with("BEGIN IMMEDIATE").await?;
     Ok(Write { tx, _turn: turn })
 }
 
