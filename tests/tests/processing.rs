@@ -35,6 +35,7 @@ every_backend!(
     the_in_process_sink_passes_the_handler_conformance_suite,
     a_run_stops_at_the_lease_deadline,
     a_wake_up_delivers_without_waiting_for_the_poll,
+    a_busy_partition_does_not_hold_back_the_poll,
 );
 
 /// On PostgreSQL a producer in another process (here: another `Outbox`, with wake-ups of its own) wakes
@@ -84,6 +85,48 @@ async fn wakes_up(db: &TestDb, producer: &outbox_core::Outbox, consumer: &outbox
     assert!(sink.of_key("k-2").is_empty(), "a wake-up reads only the partitions it names");
     producer.wake(db, &unwoken).await.unwrap();
     wait_for("the other record delivered once woken", LONG, || async { sink.len() == 3 }).await;
+    node.shutdown().await.unwrap();
+}
+
+/// A fetch of a few partitions (one that follows a completion there) is no poll of the others: while one
+/// key's records complete one by one, a record committed without a wake-up on another partition is still
+/// found by the next poll, not after the busy key falls quiet.
+async fn a_busy_partition_does_not_hold_back_the_poll(db: TestDb) {
+    logs();
+    let outbox = outbox(&db, |c| {
+        c.poll_interval = Duration::from_millis(300);
+        c.listen_poll_interval = Duration::from_millis(300);
+        c.active_poll_interval = Duration::from_millis(300);
+        // Each of the busy key's records completes before the next is fetched, by its partition alone.
+        c.key_lookahead = 1;
+    })
+    .await;
+    let sink = Sink::new();
+    let recorded = sink.clone();
+    let handler = handler_fn(move |r: outbox_core::Record| {
+        let sink = recorded.clone();
+        async move {
+            if r.key == "busy" {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+            }
+            sink.record(&r);
+            Ok(())
+        }
+    });
+    let node = start(&outbox, &db, Handlers::new().default_route(Route::new(handler))).await;
+    wait_for("the node owning every partition", LONG, || async { node.assignment().borrow().epochs.len() == 256 })
+        .await;
+    let busy: Vec<_> = (0..60).map(|_| NewRecord::new("busy", "t", "b")).collect();
+    let busy = commit(&outbox, &db, busy).await;
+    outbox.wake(&db, &busy).await.unwrap();
+    wait_for("the busy key started", LONG, || async { !sink.of_key("busy").is_empty() }).await;
+    assert_ne!(partition_of("busy"), partition_of("quiet"));
+    commit(&outbox, &db, vec![NewRecord::new("quiet", "t", "q")]).await;
+    wait_for("the quiet record delivered", LONG, || async { sink.of_key("quiet").len() == 1 }).await;
+    // 60 records of 40 ms each take 2.4 s; polls come every 300 ms.
+    let busy_done = sink.of_key("busy").len();
+    assert!(busy_done < 60, "the quiet record waited for the busy key to finish ({busy_done} of 60 delivered first)");
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
 }
 

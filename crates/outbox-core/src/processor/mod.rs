@@ -217,7 +217,9 @@ struct State {
     tasks: HashMap<TaskId, String>,
     /// Outcomes waiting for the next completion.
     outcomes: Vec<Outcome>,
+    /// The fetch under way, and whether it reads every partition held (a poll).
     fetch: Pending<(Request, Result<Found>)>,
+    polling: bool,
     fetches: Fetches,
     completion: Pending<Completed>,
     complete_backoff: Duration,
@@ -250,6 +252,7 @@ impl State {
             tasks: HashMap::new(),
             outcomes: Vec::new(),
             fetch: None,
+            polling: false,
             fetches: Fetches::default(),
             completion: None,
             complete_backoff: COMPLETE_RETRY_MIN,
@@ -281,6 +284,7 @@ impl State {
             return;
         }
         let wanted = std::mem::take(&mut self.wanted);
+        self.polling = wanted == Partitions::ALL;
         let limit = self.config.batch_size.min(room);
         let Some(request) = self.fetches.request(&self.config, current, &self.fenced, &self.in_flight, &wanted, limit)
         else {
@@ -323,8 +327,12 @@ impl State {
         if !found.runs.is_empty() {
             self.last_found = Some(Instant::now());
         }
-        // A fetch that just ran is as good as a poll: the next poll is one interval after it.
-        self.next_poll = Instant::now() + self.poll_interval();
+        // A fetch of every partition that just ran is as good as a poll: the next poll is one interval
+        // after it. One of a few partitions (after completions there) is not, or a partition busy with
+        // completions would put off the poll of all the others for as long as it stays busy.
+        if self.polling {
+            self.next_poll = Instant::now() + self.poll_interval();
+        }
         self.fetches.served(&found.last_served);
         for run in found.runs {
             let Some(head) = run.first() else { continue };
