@@ -146,6 +146,15 @@ pub enum Error {
     /// A database error.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// A SQLite transaction waited this long for its turn at the file: another transaction of this
+    /// process held the write lock (see `driver::sqlite::write`). Transient, as SQLite's own busy error.
+    #[error("waited {waited:?} for the write lock of {database}, held by another transaction of this process")]
+    WriteLockTimeout {
+        /// The database, as "the SQLite database <file>".
+        database: String,
+        /// How long it waited.
+        waited: Duration,
+    },
 }
 
 // `Error::is_transient` and `Error::is_not_migrated` are defined in `driver/mod.rs`, which knows each

@@ -22,9 +22,7 @@ pub mod sqlite;
 #[cfg(all(test, feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod tests;
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, SqlSafeStr};
@@ -147,9 +145,8 @@ impl Db {
         Ok(match self {
             #[cfg(feature = "postgres")]
             Db::Postgres(pool) => Tx::Postgres(begin_detached(pool, None).await?),
-            // sqlx's SQLite worker rolls back a `BEGIN` whose caller went away.
             #[cfg(feature = "sqlite")]
-            Db::Sqlite(pool) => Tx::Sqlite(pool.begin_with("BEGIN IMMEDIATE").await?),
+            Db::Sqlite(pool) => Tx::Sqlite(sqlite::write(pool).await?),
             #[cfg(feature = "mysql")]
             Db::MySql(pool) => Tx::MySql(begin_detached(pool, None).await?),
         })
@@ -433,6 +430,7 @@ fn sized<DB: sqlx::Database>(options: &ConnectOptions) -> sqlx::pool::PoolOption
 /// connection's next borrower would write, uncommitted, inside it. Such a begin is finished on a task of
 /// its own, whose transaction then rolls back as any dropped one does; the caller's own begins run on
 /// its task (a task per begin cost 4–10 % of a producer's transactions).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) async fn begin_detached<DB: sqlx::Database>(
     pool: &sqlx::Pool<DB>,
     statement: Option<&'static str>,
@@ -448,19 +446,22 @@ pub(crate) async fn begin_detached<DB: sqlx::Database>(
 }
 
 /// A future that, dropped before it finished, is finished on a task of its own, its output dropped there.
-struct FinishedIfDropped<F: Future<Output: Send + 'static> + Send + 'static>(Option<Pin<Box<F>>>);
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+struct FinishedIfDropped<F: Future<Output: Send + 'static> + Send + 'static>(Option<std::pin::Pin<Box<F>>>);
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<F: Future<Output: Send + 'static> + Send + 'static> Future for FinishedIfDropped<F> {
     type Output = F::Output;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let Some(unfinished) = self.0.as_mut() else { return Poll::Pending };
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<F::Output> {
+        let Some(unfinished) = self.0.as_mut() else { return std::task::Poll::Pending };
         let output = std::task::ready!(unfinished.as_mut().poll(cx));
         self.0 = None;
-        Poll::Ready(output)
+        std::task::Poll::Ready(output)
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<F: Future<Output: Send + 'static> + Send + 'static> Drop for FinishedIfDropped<F> {
     fn drop(&mut self) {
         // Outside a runtime (one shutting down) it is dropped unfinished, as sqlx's own begin would be.
@@ -661,9 +662,9 @@ pub enum Tx {
     /// A PostgreSQL transaction.
     #[cfg(feature = "postgres")]
     Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
-    /// A SQLite transaction.
+    /// A SQLite transaction, holding this process's turn at the file ([`sqlite::Write`]).
     #[cfg(feature = "sqlite")]
-    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
+    Sqlite(sqlite::Write<'static>),
     /// A MySQL transaction.
     #[cfg(feature = "mysql")]
     MySql(sqlx::Transaction<'static, sqlx::MySql>),
@@ -994,6 +995,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Database(e) | Error::Connect { source: e, .. } => is_transient(e),
+            Error::WriteLockTimeout { .. } => true,
             _ => false,
         }
     }

@@ -1,10 +1,12 @@
-//! The outbox's own writes on a SQLite file take turns, first come first served, per file and process.
+//! Transactions on a SQLite file take turns, first come first served, per file and process: the
+//! outbox's own writes and the application's (`Db::begin`).
 //!
-//! SQLite's busy handler is not a queue: a writer that finds the lock taken sleeps (up to 100 ms at a
-//! time) and retries, and one that finds it free takes it, so a heartbeat behind a worker completing
-//! batches back to back could wait seconds. In turn, the outbox's writers in one process wait at most for
-//! the writes queued before them; writers in other processes and the application's own transactions
-//! still meet the busy handler ([`BUSY_TIMEOUT`](super::BUSY_TIMEOUT)).
+//! SQLite's busy handler is not a queue: a writer that finds the lock taken sleeps (1, 2, 5, 10 ms and
+//! on, up to 100 ms at a time) and retries, and one that finds it free takes it. A heartbeat behind a
+//! worker completing batches back to back could wait seconds, and a completion behind producers'
+//! commits sat out those sleeps. In turn, a writer in one process waits at most for the transactions
+//! queued before it; writers in other processes still meet the busy handler
+//! ([`BUSY_TIMEOUT`](super::BUSY_TIMEOUT)).
 
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
@@ -14,10 +16,11 @@ use std::sync::{Arc, LazyLock, PoisonError};
 use sqlx::{Connection, Sqlite, SqliteConnection, SqlitePool, Transaction};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use crate::error::Result;
+use super::BUSY_TIMEOUT;
+use crate::error::{Error, Result};
 
-/// A write transaction of the outbox on a SQLite database ([`write()`]): `BEGIN IMMEDIATE`, and this
-/// process's turn at the database file until it commits or is dropped. Derefs to the connection.
+/// A write transaction on a SQLite database ([`write()`]): `BEGIN IMMEDIATE`, and this process's turn at
+/// the database file until it commits, rolls back or is dropped. Derefs to the connection.
 #[derive(Debug)]
 pub struct Write<'c> {
     // Declared (so dropped) before the turn: a dropped write rolls back before the next writer's turn.
@@ -29,6 +32,12 @@ impl Write<'_> {
     /// Commits, then hands the turn on.
     pub async fn commit(self) -> Result<()> {
         self.tx.commit().await?;
+        Ok(())
+    }
+
+    /// Rolls back, then hands the turn on.
+    pub async fn rollback(self) -> Result<()> {
+        self.tx.rollback().await?;
         Ok(())
     }
 }
@@ -46,12 +55,17 @@ impl DerefMut for Write<'_> {
     }
 }
 
-/// Starts a write of the outbox's own (completions, heartbeats, ownership, operator commands): waits for
-/// this process's turn at the database file, then begins `BEGIN IMMEDIATE` (the write lock from the
-/// start). For crates that add statements over the outbox tables (`outbox-cluster`). Cancel-safe: sqlx's
-/// SQLite worker rolls back a `BEGIN` whose caller went away.
+/// Starts a write (the application's transactions, completions, heartbeats, ownership, operator
+/// commands): waits for this process's turn at the database file, then begins `BEGIN IMMEDIATE` (the
+/// write lock from the start). For crates that add statements over the outbox tables
+/// (`outbox-cluster`). Cancel-safe: sqlx's SQLite worker rolls back a `BEGIN` whose caller went away.
+///
+/// # Errors
+/// [`Error::WriteLockTimeout`] after waiting [`BUSY_TIMEOUT`](super::BUSY_TIMEOUT) for the turn (as
+/// SQLite's busy error after as long for the lock): a transaction of this process held it that long,
+/// maybe the caller's own.
 pub async fn write(pool: &SqlitePool) -> Result<Write<'static>> {
-    let turn = turn_of(pool).lock_owned().await;
+    let turn = take_turn(pool).await?;
     let tx = pool.begin_with("BEGIN IMMEDIATE").await?;
     Ok(Write { tx, _turn: turn })
 }
@@ -60,9 +74,19 @@ pub async fn write(pool: &SqlitePool) -> Result<Write<'static>> {
 /// wait for a pooled connection behind the application's use of the pool: the heartbeat. Cancel-safe as
 /// well: sqlx's SQLite worker rolls back a `BEGIN` whose caller went away.
 pub async fn write_on<'c>(pool: &SqlitePool, conn: &'c mut SqliteConnection) -> Result<Write<'c>> {
-    let turn = turn_of(pool).lock_owned().await;
+    let turn = take_turn(pool).await?;
     let tx = conn.begin_with("BEGIN IMMEDIATE").await?;
     Ok(Write { tx, _turn: turn })
+}
+
+/// This process's turn at the file `pool` opens, waited for at most [`BUSY_TIMEOUT`].
+async fn take_turn(pool: &SqlitePool) -> Result<OwnedMutexGuard<()>> {
+    let waited = BUSY_TIMEOUT;
+    let turn = tokio::time::timeout(waited, turn_of(pool).lock_owned()).await;
+    turn.map_err(|_| {
+        let database = format!("the SQLite database {}", pool.connect_options().get_filename().display());
+        Error::WriteLockTimeout { database, waited }
+    })
 }
 
 /// The turn (a FIFO lock) of the database file `pool` opens; one per file per process.
@@ -76,6 +100,8 @@ fn turn_of(pool: &SqlitePool) -> Arc<Mutex<()>> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     /// Every pool on one file shares one turn, held from `write` until commit or drop; another file has
@@ -103,5 +129,30 @@ mod tests {
         let mut again = write(&a).await.unwrap();
         sqlx::query("SELECT 1").execute(&mut *again).await.unwrap();
         again.commit().await.unwrap();
+    }
+
+    /// A second transaction begun in one process while the first is open waits for its turn as long as
+    /// SQLite would wait for the lock, then fails with a typed error, not a hang (here the caller's own
+    /// first transaction, which would never commit while the caller waits).
+    #[tokio::test]
+    async fn a_turn_waited_for_past_the_busy_timeout_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = super::super::options(&format!("sqlite://{}", dir.path().join("a.db").display())).unwrap();
+        let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(2).connect_with(options).await.unwrap();
+        let db = crate::Db::Sqlite(pool.clone());
+        let first = db.begin().await.unwrap();
+        // The clock runs on by itself while the runtime waits for nothing but the turn.
+        tokio::time::pause();
+        let started = tokio::time::Instant::now();
+        let second = db.begin().await.unwrap_err();
+        assert!(matches!(second, Error::WriteLockTimeout { waited: BUSY_TIMEOUT, .. }), "{second}");
+        assert!(second.is_transient(), "the outbox's own writers try again later");
+        assert!(second.to_string().contains("a.db"), "{second}");
+        // The paused clock's time: the timer's 1 ms grain on top.
+        let waited = started.elapsed();
+        assert!(waited >= BUSY_TIMEOUT && waited < BUSY_TIMEOUT + Duration::from_millis(10), "{waited:?}");
+        tokio::time::resume();
+        first.rollback().await.unwrap();
+        db.begin().await.unwrap().commit().await.unwrap();
     }
 }
