@@ -140,7 +140,8 @@ impl Db {
 
     /// Begins a transaction for business writes and [`Outbox::schedule`](crate::Outbox::schedule), on
     /// either backend; on SQLite with `BEGIN IMMEDIATE` (the write lock from the start, so a transaction
-    /// that reads before it writes cannot meet a busy error at its first write).
+    /// that reads before it writes cannot meet a busy error at its first write), after this process's
+    /// earlier transactions on the file ([`sqlite::write`]).
     pub async fn begin(&self) -> Result<Tx> {
         Ok(match self {
             #[cfg(feature = "postgres")]
@@ -428,8 +429,8 @@ fn sized<DB: sqlx::Database>(options: &ConnectOptions) -> sqlx::pool::PoolOption
 /// dropped while the `BEGIN` is in flight cannot leave the pooled connection inside a transaction nobody
 /// ends: sqlx 0.9 arms its rollback only once the answer is read (transact-rs/sqlx#4393), and the
 /// connection's next borrower would write, uncommitted, inside it. Such a begin is finished on a task of
-/// its own, whose transaction then rolls back as any dropped one does; the caller's own begins run on
-/// its task (a task per begin cost 4–10 % of a producer's transactions).
+/// its own, whose transaction then rolls back as any dropped one does; the others run on the caller's
+/// task (a task for every begin slowed producers measurably).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) async fn begin_detached<DB: sqlx::Database>(
     pool: &sqlx::Pool<DB>,
