@@ -150,7 +150,7 @@ pub enum Error {
     /// process held the write lock (see `driver::sqlite::write`). Transient, as SQLite's own busy error.
     #[error("waited {waited:?} for the write lock of {database}, held by another transaction of this process")]
     WriteLockTimeout {
-        /// The database, as "the SQLite database <file>".
+        /// The database, as "the SQLite database" and its file name.
         database: String,
         /// How long it waited.
         waited: Duration,
