@@ -217,8 +217,8 @@ struct State {
     tasks: HashMap<TaskId, String>,
     /// Outcomes waiting for the next completion.
     outcomes: Vec<Outcome>,
-    /// The fetch under way, and whether it reads every partition held (a poll).
     fetch: Pending<(Request, Result<Found>)>,
+    /// Whether the latest fetch reads every partition held: only such a fetch counts as a poll.
     polling: bool,
     fetches: Fetches,
     completion: Pending<Completed>,
