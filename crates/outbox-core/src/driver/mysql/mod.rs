@@ -387,9 +387,10 @@ mod tests {
     use super::MySqlStatements;
     use crate::{Config, Db, Outbox};
 
-    /// One line of MariaDB's `EXPLAIN`: table, access type, index, extra.
+    /// One line of MariaDB's `EXPLAIN`: query kind, table, access type, index, extra.
     #[derive(Debug)]
     struct Step {
+        kind: String,
         table: String,
         access: String,
         index: String,
@@ -405,6 +406,7 @@ mod tests {
         let rows = explain.fetch_all(conn).await.unwrap();
         rows.iter()
             .map(|row| Step {
+                kind: text(row, "select_type"),
                 table: text(row, "table"),
                 access: text(row, "type"),
                 index: text(row, "key"),
@@ -503,5 +505,60 @@ mod tests {
             assert!(plan.iter().any(|s| s.table == "p" && s.access == "eq_ref"), "{plan:#?}");
         }
         assert_found_by_primary_key(&mut conn, &MySqlStatements::new("outbox", true, true), "40,005 records").await;
+    }
+
+    /// A poll (every partition) with keys in flight reads the keys once and the list of keys in flight
+    /// once, on a small table as on a large one: split per partition, the keys were read again for each
+    /// of 256 partitions (on a table of a few thousand records, by a scan each time: 1.2 s a fetch), and
+    /// as a dependent subquery the list was read again for every candidate key.
+    #[tokio::test]
+    async fn a_poll_reads_the_keys_and_the_keys_in_flight_once() {
+        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
+        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        let mut conn = pool.acquire().await.unwrap();
+        let instance = Uuid::now_v7();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "UPDATE outbox_partitions SET epoch = 1, owner = UNHEX('{id}');
+             INSERT INTO outbox_instances (id, name, expires_at)
+             VALUES (UNHEX('{id}'), 'explain', UTC_TIMESTAMP(6) + INTERVAL 1 DAY);",
+            id = instance.simple()
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        let all: Vec<i16> = (0..256).collect();
+        let served = serde_json::to_string(&all.iter().map(|p| (p, 1, "", false)).collect::<Vec<_>>()).unwrap();
+        let in_flight = serde_json::to_string(&(0..100).map(|n| format!("key-{n}")).collect::<Vec<_>>()).unwrap();
+        // 1,000 keys of 2 records, as a steady load leaves them; then 1,000 keys of 50.
+        for per_key in [2, 50] {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "SET SESSION max_recursive_iterations = 10000;
+                 DELETE FROM outbox_records;
+                 INSERT INTO outbox_records (id, `partition`, `key`, event_type, payload, headers)
+                 WITH RECURSIVE k (n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM k WHERE n < 999),
+                     s (m) AS (SELECT 1 UNION ALL SELECT m + 1 FROM s WHERE m < {per_key})
+                 SELECT UNHEX(REPLACE(UUID(), '-', '')), n % 256, CONCAT('key-', n), 't', 'x', '{{}}'
+                 FROM s, k ORDER BY m, n;
+                 ANALYZE TABLE outbox_records;"
+            )))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+            for stop_on_first_failure in [true, false] {
+                let sql = MySqlStatements::new("outbox", stop_on_first_failure, true);
+                let fetch = explain(&sql.fetch(&all)).bind(&served).bind(instance).bind(instance).bind(&in_flight);
+                let plan = plan(&mut conn, fetch.bind(200_i64).bind(7_i64)).await;
+                assert!(
+                    !plan.iter().any(|s| s.kind.contains("LATERAL")),
+                    "keys read per partition ({per_key} per key): {plan:#?}"
+                );
+                assert!(
+                    !plan.iter().any(|s| s.kind.contains("DEPENDENT") && s.extra.contains("Table function")),
+                    "keys in flight read per candidate key ({per_key} per key): {plan:#?}"
+                );
+            }
+        }
     }
 }
