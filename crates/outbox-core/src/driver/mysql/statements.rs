@@ -7,6 +7,8 @@
 
 use std::sync::Arc;
 
+use crate::partition::PARTITIONS;
+
 /// The server's clock, UTC, as the tables store times.
 pub const NOW: &str = "UTC_TIMESTAMP(6)";
 
@@ -53,20 +55,22 @@ const COLS: &str =
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= UTC_TIMESTAMP(6)))";
 
 /// The fetch (see `Db::fetch`): `?` served partitions (JSON `[[partition, epoch, start key, wraps], …]`
-/// in serving order), `?` `?` the instance (fence and lease), `?` keys in flight (JSON), `?` heads at
-/// most, `?` followers per head. `{partitions}` lists the requested partitions (numbers, in the text so
-/// that the range optimiser sees them). MariaDB has no lateral join and cannot seek by a correlated
-/// value, so the keys come from its loose index scan (`GROUP BY` on the index prefix: one probe per key,
-/// so the cost grows with the keys of the served partitions, not their records); each head's followers
-/// are a chain of index probes, each from the key's start (followers² index entries per head). The
-/// `ORDER BY seq LIMIT 1` reads name their index: with the statistics of a table just refilled, MariaDB
-/// 10.11 walked the whole `seq` index for each follower (63 million rows read, 36 s, for one fetch).
-/// The keys' `GROUP BY` names none: forced onto the index, its loose scan left keys out (the driver
-/// model test). The keys come first in the join (`STRAIGHT_JOIN`), so they are read once: joined after
-/// the served list, MariaDB split them per partition (a lateral derived table) and, on a table of a few
-/// thousand records, scanned the whole table for each of 256 partitions (1.2 s a fetch). The keys in
-/// flight are a derived table joined once: as `NOT IN (…)` they were a dependent subquery, the list
-/// read again for every candidate key (keys × keys in flight rows per fetch).
+/// in serving order), `?` `?` the instance (fence and lease), 256 `?` the requested partitions (see
+/// [`fetch_partitions`]), `?` keys in flight (JSON), `?` heads at most, `?` followers per head.
+///
+/// MariaDB has no lateral join and cannot seek by a correlated value, so the keys come from its loose
+/// index scan (`GROUP BY` on the index prefix: one probe per key, so the cost grows with the keys of the
+/// served partitions, not their records); each head's followers are a chain of index probes, each from
+/// the key's start (followers² index entries per head). The plan is pinned where statistics misled it:
+/// - the `ORDER BY seq LIMIT 1` probes name their index (on a table just refilled, MariaDB walked the
+///   whole `seq` index for each follower);
+/// - the keys come first (`STRAIGHT_JOIN`), so they are read once (joined after the served list,
+///   MariaDB read them again per partition, by a scan of the table each time);
+/// - the keys in flight are a derived table joined once (as `NOT IN`, a dependent subquery read the
+///   list again for every candidate key).
+///
+/// The keys' `GROUP BY` names no index: forced onto one, its loose scan left keys out (the driver model
+/// test).
 const FETCH: &str = "WITH RECURSIVE served AS (
     SELECT a.i, a.part, a.after, a.wraps
     FROM JSON_TABLE(?, '$[*]' COLUMNS (i FOR ORDINALITY, part SMALLINT PATH '$[0]', epoch BIGINT PATH '$[1]',
@@ -209,8 +213,7 @@ pub struct MySqlStatements {
     pub(super) lock_keys: Arc<str>,
     pub(super) insert: Arc<str>,
     pub(super) numbers: Arc<str>,
-    /// The fetch around its list of partitions: `fetch.0`, the list, `fetch.1`.
-    pub(super) fetch: (String, String),
+    pub(super) fetch: Arc<str>,
     pub(super) fence: Arc<str>,
     pub(super) lock_done: Arc<str>,
     pub(super) keep: Option<Arc<str>>,
@@ -244,14 +247,15 @@ impl MySqlStatements {
         let build = |text: &str| -> Arc<str> { render(text, schema).into() };
         let (head_seq, serve) =
             if stop_on_first_failure { (HEAD_LOWEST, SERVE_HEAD_DUE) } else { (HEAD_LOWEST_DUE, SERVE_ANY_DUE) };
-        let fetch = render(&FETCH.replace("{head_seq}", head_seq).replace("{serve}", serve), schema);
-        let (before, after) = fetch.split_once("{partitions}").unwrap_or((&fetch, ""));
+        let partitions = vec!["?"; usize::from(PARTITIONS)].join(", ");
+        let fetch =
+            FETCH.replace("{head_seq}", head_seq).replace("{serve}", serve).replace("{partitions}", &partitions);
         Self {
             schema: schema.to_string(),
             lock_keys: build(LOCK_KEYS),
             insert: build(&INSERT.replace("{deliver_at}", DELIVER_AT)),
             numbers: build(NUMBERS),
-            fetch: (before.to_string(), after.to_string()),
+            fetch: build(&fetch),
             fence: build(FENCE),
             lock_done: build(LOCK_DONE),
             keep: keep_completed.then(|| build(KEEP)),
@@ -272,16 +276,17 @@ impl MySqlStatements {
             delete_key: build(DELETE_KEY),
         }
     }
+}
 
-    /// The fetch for `partitions` (their numbers in the text; the same list gives the same text, which
-    /// sqlx prepares once).
-    pub(super) fn fetch(&self, partitions: &[i16]) -> String {
-        let mut sorted = partitions.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        let list: Vec<String> = sorted.iter().map(i16::to_string).collect();
-        // An empty list would be a syntax error; -1 matches no partition.
-        let list = if list.is_empty() { "-1".to_string() } else { list.join(",") };
-        format!("{}{list}{}", self.fetch.0, self.fetch.1)
-    }
+/// The fetch's partition arguments: `partitions` padded to [`PARTITIONS`] with repeats of the first (-1,
+/// which matches none, if there are none). The list is bound, not written into the text, so every fetch
+/// is one statement that sqlx prepares once per connection; MariaDB still optimises its range with the
+/// values of each execution. Written into the text, nearly every fetch of a few partitions was a new
+/// statement: sqlx prepared it and, its cache full, closed the least used one, a command the server does
+/// not answer, so the next command sat behind it until the server's delayed ACK (sqlx 0.9 leaves Nagle's
+/// algorithm on, transact-rs/sqlx#4335): 40 ms on most fetches.
+pub(super) fn fetch_partitions(partitions: &[i16]) -> Vec<i16> {
+    let mut list = partitions.to_vec();
+    list.resize(usize::from(PARTITIONS), partitions.first().copied().unwrap_or(-1));
+    list
 }
