@@ -63,7 +63,11 @@ impl Bench {
             Target::JetStream => self.wait_delivered(n).await?,
             #[cfg(any(feature = "sqlite", feature = "mysql"))]
             Target::Nothing => {
+                let deadline = Instant::now() + Duration::from_secs(600);
                 while called.load(std::sync::atomic::Ordering::Relaxed) < n {
+                    if Instant::now() > deadline {
+                        return Err(Failure("bench: records were not handled within 10 minutes".into()));
+                    }
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
                 self.wait_drained().await?;

@@ -380,7 +380,7 @@ pub async fn test_database() -> super::Db {
 mod tests {
     use sqlx::mysql::{MySqlArguments, MySqlPoolOptions, MySqlRow};
     use sqlx::query::Query;
-    use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Row};
+    use sqlx::{AssertSqlSafe, MySql, MySqlConnection, MySqlPool, Row};
     use uuid::Uuid;
 
     use super::MySqlStatements;
@@ -414,6 +414,35 @@ mod tests {
             query = query.bind(partition);
         }
         query
+    }
+
+    /// A migrated test database whose partitions `instance` all holds at epoch 1, with a live lease.
+    async fn held_by(instance: Uuid) -> MySqlPool {
+        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
+        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
+        Outbox::new(Config::default()).unwrap().migrate(&pool).await.unwrap();
+        let held = format!(
+            "UPDATE outbox_partitions SET epoch = 1, owner = UNHEX('{id}');
+             INSERT INTO outbox_instances (id, name, expires_at)
+             VALUES (UNHEX('{id}'), 'explain', UTC_TIMESTAMP(6) + INTERVAL 1 DAY);",
+            id = instance.simple()
+        );
+        sqlx::raw_sql(AssertSqlSafe(held)).execute(&pool).await.unwrap();
+        pool
+    }
+
+    /// `per_key` records for each of the keys `key-1` to `key-{keys}` (each in the partition of its
+    /// number modulo 256), then the table's statistics taken anew.
+    fn insert(keys: u32, per_key: u32) -> String {
+        format!(
+            "SET SESSION max_recursive_iterations = 10000;
+             INSERT INTO outbox_records (id, `partition`, `key`, event_type, payload, headers)
+             WITH RECURSIVE k (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM k WHERE n < {keys}),
+                 s (m) AS (SELECT 1 UNION ALL SELECT m + 1 FROM s WHERE m < {per_key})
+             SELECT UNHEX(REPLACE(UUID(), '-', '')), n % 256, CONCAT('key-', n), 't', 'x', '{{}}'
+             FROM s, k ORDER BY m, n;
+             ANALYZE TABLE outbox_records;"
+        )
     }
 
     async fn plan(conn: &mut MySqlConnection, explain: Query<'static, MySql, MySqlArguments>) -> Vec<Step> {
@@ -470,31 +499,10 @@ mod tests {
     /// full index scan, in both stop-on-first-failure modes; completions find records by primary key.
     #[tokio::test]
     async fn fetch_walks_the_index_without_scanning_records() {
-        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
-        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
-        let outbox = Outbox::new(Config::default()).unwrap();
-        outbox.migrate(&pool).await.unwrap();
-        let mut conn = pool.acquire().await.unwrap();
         let instance = Uuid::now_v7();
-        let insert = |keys: u32, per_key: u32| {
-            format!(
-                "SET SESSION max_recursive_iterations = 10000;
-                 INSERT INTO outbox_records (id, `partition`, `key`, event_type, payload, headers)
-                 WITH RECURSIVE k (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM k WHERE n < {keys}),
-                     s (m) AS (SELECT 1 UNION ALL SELECT m + 1 FROM s WHERE m < {per_key})
-                 SELECT UNHEX(REPLACE(UUID(), '-', '')), n % 256, CONCAT('key-', n), 't', 'x', '{{}}'
-                 FROM s, k ORDER BY m, n;
-                 ANALYZE TABLE outbox_records;"
-            )
-        };
-        // Every partition held by `instance` at epoch 1.
-        let held = format!(
-            "UPDATE outbox_partitions SET epoch = 1, owner = UNHEX('{id}');
-             INSERT INTO outbox_instances (id, name, expires_at)
-             VALUES (UNHEX('{id}'), 'explain', UTC_TIMESTAMP(6) + INTERVAL 1 DAY);",
-            id = instance.simple()
-        );
-        sqlx::raw_sql(AssertSqlSafe(format!("{held} {}", insert(5, 1)))).execute(&mut *conn).await.unwrap();
+        let pool = held_by(instance).await;
+        let mut conn = pool.acquire().await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(insert(5, 1))).execute(&mut *conn).await.unwrap();
         let sql = MySqlStatements::new("outbox", true, true);
         assert_found_by_primary_key(&mut conn, &sql, "5 records").await;
 
@@ -524,43 +532,20 @@ mod tests {
 
     /// A poll (every partition) with keys in flight reads the keys once and the list of keys in flight
     /// once, on a small table as on a large one: split per partition, the keys were read again for each
-    /// of 256 partitions (on a table of a few thousand records, by a scan each time: 1.2 s a fetch), and
-    /// as a dependent subquery the list was read again for every candidate key.
+    /// of 256 partitions (on a small table by a scan each time), and as a dependent subquery the list was
+    /// read again for every candidate key.
     #[tokio::test]
     async fn a_poll_reads_the_keys_and_the_keys_in_flight_once() {
-        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
-        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
-        let outbox = Outbox::new(Config::default()).unwrap();
-        outbox.migrate(&pool).await.unwrap();
-        let mut conn = pool.acquire().await.unwrap();
         let instance = Uuid::now_v7();
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "UPDATE outbox_partitions SET epoch = 1, owner = UNHEX('{id}');
-             INSERT INTO outbox_instances (id, name, expires_at)
-             VALUES (UNHEX('{id}'), 'explain', UTC_TIMESTAMP(6) + INTERVAL 1 DAY);",
-            id = instance.simple()
-        )))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
+        let pool = held_by(instance).await;
+        let mut conn = pool.acquire().await.unwrap();
         let all: Vec<i16> = (0..256).collect();
         let served = serde_json::to_string(&all.iter().map(|p| (p, 1, "", false)).collect::<Vec<_>>()).unwrap();
-        let in_flight = serde_json::to_string(&(0..100).map(|n| format!("key-{n}")).collect::<Vec<_>>()).unwrap();
+        let in_flight = serde_json::to_string(&(1..=100).map(|n| format!("key-{n}")).collect::<Vec<_>>()).unwrap();
         // 1,000 keys of 2 records, as a steady load leaves them; then 1,000 keys of 50.
         for per_key in [2, 50] {
-            sqlx::raw_sql(AssertSqlSafe(format!(
-                "SET SESSION max_recursive_iterations = 10000;
-                 DELETE FROM outbox_records;
-                 INSERT INTO outbox_records (id, `partition`, `key`, event_type, payload, headers)
-                 WITH RECURSIVE k (n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM k WHERE n < 999),
-                     s (m) AS (SELECT 1 UNION ALL SELECT m + 1 FROM s WHERE m < {per_key})
-                 SELECT UNHEX(REPLACE(UUID(), '-', '')), n % 256, CONCAT('key-', n), 't', 'x', '{{}}'
-                 FROM s, k ORDER BY m, n;
-                 ANALYZE TABLE outbox_records;"
-            )))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
+            let refill = format!("DELETE FROM outbox_records; {}", insert(1000, per_key));
+            sqlx::raw_sql(AssertSqlSafe(refill)).execute(&mut *conn).await.unwrap();
             for stop_on_first_failure in [true, false] {
                 let sql = MySqlStatements::new("outbox", stop_on_first_failure, true);
                 let fetch = explain_fetch(&sql, &served, instance, &all).bind(&in_flight);
@@ -577,16 +562,12 @@ mod tests {
         }
     }
 
-    /// Fetches of any partitions are one statement, prepared once per connection. Each list of
-    /// partitions written into the text was a statement of its own: past sqlx's cache of 100, every fetch
-    /// prepared one and closed another, and the next command waited 40 ms behind the unanswered close
-    /// (steady-load latency p50 42 ms against 7 ms).
+    /// Fetches of any partitions are one statement, prepared once per connection: a statement closed
+    /// to make room in sqlx's cache holds up the connection's next command (see `fetch_partitions`).
     #[tokio::test]
     async fn fetches_of_any_partitions_are_one_prepared_statement() {
-        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
-        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
+        let pool = held_by(Uuid::now_v7()).await;
         let outbox = Outbox::new(Config::default()).unwrap();
-        outbox.migrate(&pool).await.unwrap();
         // One connection, so that its session counters see every fetch.
         let one =
             MySqlPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();

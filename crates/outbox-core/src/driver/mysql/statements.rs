@@ -279,12 +279,11 @@ impl MySqlStatements {
 }
 
 /// The fetch's partition arguments: `partitions` padded to [`PARTITIONS`] with repeats of the first (-1,
-/// which matches none, if there are none). The list is bound, not written into the text, so every fetch
-/// is one statement that sqlx prepares once per connection; MariaDB still optimises its range with the
-/// values of each execution. Written into the text, nearly every fetch of a few partitions was a new
-/// statement: sqlx prepared it and, its cache full, closed the least used one, a command the server does
-/// not answer, so the next command sat behind it until the server's delayed ACK (sqlx 0.9 leaves Nagle's
-/// algorithm on, transact-rs/sqlx#4335): 40 ms on most fetches.
+/// which matches none, if there are none). Bound rather than written into the text, so that every fetch
+/// is one statement, prepared once per connection (MariaDB still plans the range with each execution's
+/// values). A text per list filled sqlx's statement cache, and each statement it then closed, a command
+/// the server does not answer, held up the next one until the server's delayed ACK: sqlx 0.9 leaves
+/// Nagle's algorithm on (transact-rs/sqlx#4335).
 pub(super) fn fetch_partitions(partitions: &[i16]) -> Vec<i16> {
     let mut list = partitions.to_vec();
     list.resize(usize::from(PARTITIONS), partitions.first().copied().unwrap_or(-1));
