@@ -21,6 +21,7 @@ every_backend!(
     a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
+    a_node_declared_dead_while_leaving_still_leaves,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -78,6 +79,40 @@ async fn start_calls(
 ) -> Node {
     let handlers = handlers(&config.name, sink, ex, step_ms);
     Node::start(outbox.clone(), db, handlers, config).await.unwrap()
+}
+
+/// A node declared dead while it leaves (its handover waiting on slow handler calls) registers again
+/// under a new id, and that id leaves too: the other instance ends up with every partition and the node
+/// stops without waiting out its shutdown timeout. The new id used to count as live, so the leaving
+/// node's own rounds gave it partitions it never handed back (found in the fault test on SQLite).
+async fn a_node_declared_dead_while_leaving_still_leaves(db: TestDb) {
+    logs();
+    let outbox = outbox(&db, |c| c.shutdown_timeout = LONG * 2).await;
+    let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
+    // a notices the end of its lease only at its next heartbeat, after b has taken its partitions.
+    let a_config = outbox_cluster::ClusterConfig {
+        name: "a".into(),
+        heartbeat_interval: Duration::from_millis(500),
+        stale_timeout: Duration::from_secs(3),
+        ..fast_cluster()
+    };
+    let a = start_calls(&outbox, &db, a_config, &sink, &exclusive, 1000).await;
+    let b = start_named(&outbox, &db, "b", &sink, &exclusive).await;
+    let (a_id, b_id, a_assigned) = (a.id(), b.id(), a.assignment());
+    wait_for("two instances balanced", LONG, || async { owners(&db).await.values().all(|&n| n == 128) }).await;
+    // Records on every partition, so that a has calls running (up to 2 s each) when it leaves.
+    let producer = produce(&outbox, &db, 300, 5);
+    wait_for("a delivering", LONG, || async { !sink.ranks_of("key-0").is_empty() }).await;
+    let leaving = tokio::spawn(a.shutdown());
+    wait_for("a handing over", LONG, || async { owners(&db).await.get(&b_id).is_some_and(|&n| n > 128) }).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:1} WHERE id = $1", a_id);
+    wait_for("a registered again", LONG, || async { a_assigned.borrow().instance != a_id }).await;
+    tokio::time::timeout(LONG, leaving).await.expect("the node waited out its shutdown timeout").unwrap().unwrap();
+    wait_for("b owns every partition", LONG, || async { owners(&db).await == BTreeMap::from([(b_id, 256)]) }).await;
+    producer.await.unwrap();
+    drained(&db, LONG).await;
+    b.shutdown().await.unwrap();
+    assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
 }
 
 async fn graceful_scale_up_and_down_delivers_every_record_once_in_order(db: TestDb) {

@@ -116,7 +116,13 @@ impl Ownership {
     /// no longer in flight.
     async fn round(&self, rounds: &mut Rounds) -> Result<()> {
         let (id, began) = (rounds.instance, Instant::now());
-        let View { live, partitions: rows } = self.store.view().await?;
+        let View { mut live, partitions: rows } = self.store.view().await?;
+        if self.leaving.is_cancelled() && live.contains(&id) {
+            // Registered again (declared dead) after the node began to leave: this id leaves too, or the
+            // rounds would count it live and hand it partitions it never gives back.
+            self.store.drain(id).await?;
+            live.retain(|&other| other != id);
+        }
         let leader = live.first() == Some(&id);
         let targets: Targets = if self.leaving.is_cancelled() {
             // Leaving (no longer counted live): its partitions go to the others without waiting for the
