@@ -68,6 +68,22 @@ async fn start_named(outbox: &Outbox, db: &TestDb, name: &str, sink: &Arc<Sink>,
     start_calls(outbox, db, config, sink, ex, 3).await
 }
 
+/// A cluster configuration that heartbeats every 500 ms (a 3 s stale timeout): slow to notice that its
+/// lease was ended early.
+fn slow_heartbeat(name: &str) -> outbox_cluster::ClusterConfig {
+    outbox_cluster::ClusterConfig {
+        name: name.into(),
+        heartbeat_interval: Duration::from_millis(500),
+        stale_timeout: Duration::from_secs(3),
+        ..fast_cluster()
+    }
+}
+
+/// Ends the lease of `id` in the database, as if its heartbeats had stopped a second ago.
+async fn end_lease(db: &TestDb, id: InstanceId) {
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:1} WHERE id = $1", id);
+}
+
 /// A node with `config` whose handler calls take two awaits of up to `step_ms` each.
 async fn start_calls(
     outbox: &Outbox,
@@ -90,13 +106,7 @@ async fn a_node_declared_dead_while_leaving_still_leaves(db: TestDb) {
     let outbox = outbox(&db, |c| c.shutdown_timeout = LONG * 2).await;
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
     // a notices the end of its lease only at its next heartbeat, after b has taken its partitions.
-    let a_config = outbox_cluster::ClusterConfig {
-        name: "a".into(),
-        heartbeat_interval: Duration::from_millis(500),
-        stale_timeout: Duration::from_secs(3),
-        ..fast_cluster()
-    };
-    let a = start_calls(&outbox, &db, a_config, &sink, &exclusive, 1000).await;
+    let a = start_calls(&outbox, &db, slow_heartbeat("a"), &sink, &exclusive, 1000).await;
     let b = start_named(&outbox, &db, "b", &sink, &exclusive).await;
     let (a_id, b_id, a_assigned) = (a.id(), b.id(), a.assignment());
     wait_for("two instances balanced", LONG, || async { owners(&db).await.values().all(|&n| n == 128) }).await;
@@ -105,7 +115,7 @@ async fn a_node_declared_dead_while_leaving_still_leaves(db: TestDb) {
     wait_for("a delivering", LONG, || async { !sink.ranks_of("key-0").is_empty() }).await;
     let leaving = tokio::spawn(a.shutdown());
     wait_for("a handing over", LONG, || async { owners(&db).await.get(&b_id).is_some_and(|&n| n > 128) }).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {ago:1} WHERE id = $1", a_id);
+    end_lease(&db, a_id).await;
     wait_for("a registered again", LONG, || async { a_assigned.borrow().instance != a_id }).await;
     tokio::time::timeout(LONG, leaving).await.expect("the node waited out its shutdown timeout").unwrap().unwrap();
     wait_for("b owns every partition", LONG, || async { owners(&db).await == BTreeMap::from([(b_id, 256)]) }).await;
@@ -280,13 +290,7 @@ async fn a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition(
     let outbox = outbox(&db, |_| {}).await;
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
     let producer = produce(&outbox, &db, 60, 100);
-    let slow_heartbeat = outbox_cluster::ClusterConfig {
-        name: "a".into(),
-        heartbeat_interval: Duration::from_millis(500),
-        stale_timeout: Duration::from_secs(3),
-        ..fast_cluster()
-    };
-    let a = start_calls(&outbox, &db, slow_heartbeat, &sink, &exclusive, 50).await;
+    let a = start_calls(&outbox, &db, slow_heartbeat("a"), &sink, &exclusive, 50).await;
     let b_config = outbox_cluster::ClusterConfig { name: "b".into(), ..fast_cluster() };
     let b = start_calls(&outbox, &db, b_config, &sink, &exclusive, 10).await;
     let balanced = || async {
@@ -297,7 +301,7 @@ async fn a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition(
         let db = db.clone();
         async move {
             for id in ids {
-                exec!(db, "UPDATE {s}instances SET expires_at = {ago:1} WHERE id = $1", id);
+                end_lease(&db, id).await;
             }
         }
     };

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -42,14 +43,14 @@ impl Bench {
         // Handler calls so far (the no-op target's), watched until every record has had one: counting
         // pending records all along would take from the drain the database's CPU it measures.
         #[cfg(any(feature = "sqlite", feature = "mysql"))]
-        let called = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let called = Arc::new(AtomicUsize::new(0));
         let route = match target {
             Target::JetStream => Route::new(self.jetstream().await?),
             #[cfg(any(feature = "sqlite", feature = "mysql"))]
             Target::Nothing => {
                 let called = called.clone();
                 Route::new(handler_fn(move |_| {
-                    called.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    called.fetch_add(1, Ordering::Relaxed);
                     async { Ok(()) }
                 }))
             }
@@ -64,7 +65,7 @@ impl Bench {
             #[cfg(any(feature = "sqlite", feature = "mysql"))]
             Target::Nothing => {
                 let deadline = Instant::now() + Duration::from_secs(600);
-                while called.load(std::sync::atomic::Ordering::Relaxed) < n {
+                while called.load(Ordering::Relaxed) < n {
                     if Instant::now() > deadline {
                         return Err(Failure("bench: records were not handled within 10 minutes".into()));
                     }
@@ -189,7 +190,7 @@ impl Bench {
             (0..self.sizes.keys).filter(|k| k % 100 == 0).map(|k| format!("key-{k}")).collect();
         let healthy = n - failing.len() * self.sizes.per_key;
         let jetstream = self.jetstream().await?;
-        let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let done = Arc::new(AtomicUsize::new(0));
         let (failing, d) = (Arc::new(failing), done.clone());
         let handler = handler_fn(move |r: Record| {
             let (jetstream, failing, d) = (jetstream.clone(), failing.clone(), d.clone());
@@ -200,14 +201,14 @@ impl Bench {
                 }
                 jetstream.handle(&r).await?;
                 if !bad {
-                    d.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    d.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(())
             }
         });
         let started = Instant::now();
         let node = self.node(Handlers::new().default_route(Route::new(handler))).await?;
-        while done.load(std::sync::atomic::Ordering::Relaxed) < healthy {
+        while done.load(Ordering::Relaxed) < healthy {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let elapsed = started.elapsed();
