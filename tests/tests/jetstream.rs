@@ -331,3 +331,70 @@ async fn published_messages_carry_the_record_headers_and_the_payload_unchanged()
         ["o-1", "9", "3", "order.paid", "4", "00-abc-def-01"]
     );
 }
+
+fn record(key: &str, payload: Vec<u8>) -> Record {
+    Record {
+        id: uuid::Uuid::now_v7(),
+        partition: 1,
+        key: key.into(),
+        seq: 1,
+        event_type: "order.paid".into(),
+        payload: payload.into(),
+        headers: Default::default(),
+        attempts: 0,
+        created_at: chrono::Utc::now(),
+        deliver_at: None,
+        epoch: outbox_core::Epoch(1),
+    }
+}
+
+/// Deliveries of many keys publish through one sending task: each call still gets its own answer,
+/// also with more publishes waiting for acks than the JetStream context has ack permits (5,000).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishes_of_many_keys_at_once_each_get_their_own_answer() {
+    let server = NatsServer::start_with("max_payload: 4096");
+    let (client, handler, _) = jetstream(&server).await;
+    let calls = (0..6_000).map(|i| {
+        let oversized = i % 3 == 0;
+        let record = record(&format!("k-{i}"), vec![7; if oversized { 8192 } else { 16 }]);
+        let handler = handler.clone();
+        tokio::spawn(async move { (record.id, oversized, handler.handle(&record).await) })
+    });
+    let answers = tokio::time::timeout(LONG, futures::future::join_all(calls)).await.expect("every call answered");
+    let mut published = Vec::new();
+    for answer in answers {
+        let (id, oversized, result) = answer.unwrap();
+        match result {
+            Ok(()) if !oversized => published.push(id),
+            Err(e) if oversized => assert!(e.to_string().contains("max_payload"), "{id}: {e}"),
+            other => panic!("record {id} (oversized: {oversized}) got {other:?}"),
+        }
+    }
+    let mut stored: Vec<_> = read_stream(&client, "OUTBOX").await.into_iter().map(|r| r.id).collect();
+    stored.sort();
+    published.sort();
+    assert_eq!(stored, published);
+}
+
+/// The sending task runs on the runtime of the first publish; a handler used again after that runtime
+/// shut down starts another.
+#[tokio::test]
+async fn the_handler_publishes_again_after_the_runtime_of_its_first_publish_stopped() {
+    let server = NatsServer::start();
+    let (client, handler, _) = jetstream(&server).await;
+    let first = record("k", b"first".to_vec());
+    let other = handler.clone();
+    // On a thread of its own, while this runtime drives the client's connection.
+    let (id, result) = tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let result = runtime.block_on(other.handle(&first));
+        (first.id, result)
+    })
+    .await
+    .unwrap();
+    result.unwrap();
+    let second = record("k", b"second".to_vec());
+    tokio::time::timeout(LONG, handler.handle(&second)).await.expect("answered").unwrap();
+    let stored: Vec<_> = read_stream(&client, "OUTBOX").await.into_iter().map(|r| r.id).collect();
+    assert_eq!(stored, [id, second.id]);
+}

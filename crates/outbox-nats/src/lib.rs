@@ -30,6 +30,7 @@
 pub mod config;
 mod connection;
 pub mod consume;
+mod outgoing;
 pub mod publisher;
 pub mod stream;
 pub mod subject;

@@ -9,6 +9,7 @@ use tracing::debug;
 
 use crate::Result;
 use crate::config::NatsConfig;
+use crate::outgoing::Outgoing;
 use crate::subject::SubjectTemplate;
 
 /// Header carrying the record key.
@@ -26,6 +27,7 @@ pub const EPOCH_HEADER: &str = "Outbox-Epoch";
 #[derive(Clone)]
 pub struct JetStreamHandler {
     js: Context,
+    outgoing: Outgoing,
     subject: SubjectTemplate,
 }
 
@@ -34,7 +36,7 @@ impl JetStreamHandler {
     pub fn new(client: Client, config: &NatsConfig) -> Result<Self> {
         config.validate()?;
         let js = ContextBuilder::new().timeout(config.publish_timeout).build(client);
-        Ok(Self { js, subject: SubjectTemplate::parse(&config.subject)? })
+        Ok(Self { outgoing: Outgoing::new(js.clone()), js, subject: SubjectTemplate::parse(&config.subject)? })
     }
 
     /// The subject a record is published to.
@@ -48,10 +50,12 @@ impl JetStreamHandler {
             .payload(record.payload.clone())
             .headers(headers(record))
             .message_id(record.id.to_string());
-        let ack = match self.js.send_publish(subject.clone(), message).await {
-            Ok(pending) => pending.await,
-            Err(e) => Err(e),
-        };
+        let ack = self.outgoing.publish(subject.clone(), message).await.map_err(|stopped| {
+            HandlerError::retryable(format!(
+                "record {} (key {:?}, partition {}) to {subject:?}: {stopped}",
+                record.id, record.key, record.partition
+            ))
+        })?;
         match ack {
             Ok(ack) => {
                 debug!(record = %record.id, key = %record.key, stream = %ack.stream, sequence = ack.sequence,

@@ -1,0 +1,111 @@
+//! Sending the publishes of many keys' deliveries to the connection together.
+//!
+//! Each key's run is delivered on a task of its own, with one unacknowledged publish per key: an ack
+//! wakes one task, which publishes one message. Tokio runs a task woken by the running one next (its
+//! LIFO slot), so the NATS connection task, woken by each publish, wrote every message alone: a
+//! `writev` per message for the client, a read per message for the server. Here every delivery hands
+//! its message to one task that lets the deliveries already woken take their turn first, then sends
+//! all their messages and awaits every ack itself.
+
+use std::sync::{Arc, Mutex};
+
+use async_nats::jetstream::context::{Context, PublishError};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::publish::PublishAck;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::sync::{mpsc, oneshot};
+
+/// A message to publish, and where its ack (or the failure) goes.
+struct Request {
+    subject: String,
+    message: PublishMessage,
+    reply: oneshot::Sender<Result<PublishAck, PublishError>>,
+}
+
+/// The delivery side: a handle on the sending task, shared by the handler's clones.
+#[derive(Clone)]
+pub(crate) struct Outgoing {
+    js: Context,
+    sender: Arc<Mutex<Option<mpsc::UnboundedSender<Request>>>>,
+}
+
+/// The sending task stopped before it answered (its runtime shut down).
+#[derive(Debug, thiserror::Error)]
+#[error("the task sending publishes stopped before the ack")]
+pub(crate) struct Stopped;
+
+impl Outgoing {
+    pub(crate) fn new(js: Context) -> Self {
+        Self { js, sender: Arc::new(Mutex::new(None)) }
+    }
+
+    /// Publishes `message` to `subject` and waits for JetStream's ack.
+    pub(crate) async fn publish(
+        &self,
+        subject: String,
+        message: PublishMessage,
+    ) -> Result<Result<PublishAck, PublishError>, Stopped> {
+        let (reply, ack) = oneshot::channel();
+        self.send(Request { subject, message, reply });
+        ack.await.map_err(|_| Stopped)
+    }
+
+    /// Queues `request` for the sending task, starting one on the current runtime if there is none or
+    /// the last one stopped with the runtime it ran on. Dropping the last handle ends the task once
+    /// its acks are in.
+    fn send(&self, request: Request) {
+        let mut sender = self.sender.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let request = match sender.as_ref() {
+            Some(running) => match running.send(request) {
+                Ok(()) => return,
+                Err(mpsc::error::SendError(request)) => request,
+            },
+            None => request,
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(self.js.clone(), rx));
+        // The receiver was just created and is held by the task: this send cannot fail.
+        let _ = tx.send(request);
+        *sender = Some(tx);
+    }
+}
+
+/// Most requests taken in one go.
+const BATCH: usize = 4096;
+
+async fn run(js: Context, mut requests: mpsc::UnboundedReceiver<Request>) {
+    let js = &js;
+    let mut in_flight = FuturesUnordered::new();
+    let mut batch = Vec::with_capacity(BATCH);
+    let mut open = true;
+    loop {
+        tokio::select! {
+            // Acks first: new requests wait only for the acks already in.
+            biased;
+            Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+            taken = requests.recv_many(&mut batch, BATCH), if open => {
+                if taken == 0 {
+                    open = false;
+                    continue;
+                }
+                // The deliveries woken with this one (by the same read of acks) queue theirs meanwhile.
+                tokio::task::yield_now().await;
+                while batch.len() < BATCH {
+                    let Ok(request) = requests.try_recv() else { break };
+                    batch.push(request);
+                }
+                // Each is sent when `in_flight` is next polled: all of them in one poll, before the
+                // connection task runs. A publish waiting for an ack permit does not hold up the others.
+                in_flight.extend(batch.drain(..).map(|Request { subject, message, reply }| async move {
+                    let ack = match js.send_publish(subject, message).await {
+                        Ok(ack) => ack.await,
+                        Err(e) => Err(e),
+                    };
+                    let _ = reply.send(ack);
+                }));
+            }
+            else => break,
+        }
+    }
+}
