@@ -398,3 +398,21 @@ async fn the_handler_publishes_again_after_the_runtime_of_its_first_publish_stop
     let stored: Vec<_> = read_stream(&client, "OUTBOX").await.into_iter().map(|r| r.id).collect();
     assert_eq!(stored, [id, second.id]);
 }
+
+/// A delivery dropped (its partition fenced) before the sending task sent its message never publishes
+/// it later.
+#[tokio::test]
+async fn a_publish_dropped_before_it_was_sent_is_never_sent() {
+    let server = NatsServer::start();
+    let (client, handler, _) = jetstream(&server).await;
+    let dropped = record("k", b"dropped".to_vec());
+    {
+        // Queued for the sending task, which has not run yet on this single-threaded runtime.
+        let mut call = std::pin::pin!(handler.handle(&dropped));
+        assert!(futures::poll!(call.as_mut()).is_pending());
+    }
+    let sent = record("k", b"sent".to_vec());
+    tokio::time::timeout(LONG, handler.handle(&sent)).await.expect("answered").unwrap();
+    let stored: Vec<_> = read_stream(&client, "OUTBOX").await.into_iter().map(|r| r.id).collect();
+    assert_eq!(stored, [sent.id]);
+}

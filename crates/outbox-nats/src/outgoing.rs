@@ -97,15 +97,28 @@ async fn run(js: Context, mut requests: mpsc::UnboundedReceiver<Request>) {
                 }
                 // Each is sent when `in_flight` is next polled: all of them in one poll, before the
                 // connection task runs. A publish waiting for an ack permit does not hold up the others.
-                in_flight.extend(batch.drain(..).map(|Request { subject, message, reply }| async move {
-                    let ack = match js.send_publish(subject, message).await {
-                        Ok(ack) => ack.await,
-                        Err(e) => Err(e),
-                    };
-                    let _ = reply.send(ack);
-                }));
+                in_flight.extend(batch.drain(..).map(|request| publish(js, request)));
             }
             else => break,
+        }
+    }
+}
+
+/// Sends one request's message and hands its ack over. A delivery dropped before its message went to
+/// the connection (its partition was fenced, or its lease ran out) never publishes it: as when the
+/// delivery itself called the client, only a message already queued may still reach the stream.
+async fn publish(js: &Context, Request { subject, message, mut reply }: Request) {
+    let ack = async {
+        match js.send_publish(subject, message).await {
+            Ok(ack) => ack.await,
+            Err(e) => Err(e),
+        }
+    };
+    tokio::select! {
+        biased;
+        () = reply.closed() => {}
+        ack = ack => {
+            let _ = reply.send(ack);
         }
     }
 }
