@@ -8,7 +8,8 @@
 //!   `Outbox-Seq`, `Outbox-Event-Type`, `Outbox-Epoch`, plus the record's own headers (trace context
 //!   passes through).
 //! - A record counts as delivered only when JetStream acknowledged it; the processor keeps at most one
-//!   unacknowledged record per key and many keys in flight.
+//!   unacknowledged record per key and many keys in flight, and the handler sends the publishes of the
+//!   keys in flight to the connection together.
 //! - Failures are classified by kind: unreachable broker, timeouts, no responders, a full stream are
 //!   retryable; a payload over the server's `max_payload` or a subject no stream captures are permanent.
 //! - On the consuming side, [`apply_once`] applies each message of a JetStream consumer once to a
