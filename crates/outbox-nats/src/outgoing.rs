@@ -89,7 +89,7 @@ async fn run(js: Context, mut requests: mpsc::UnboundedReceiver<Request>) {
                     open = false;
                     continue;
                 }
-                // The deliveries woken with this one (by the same read of acks) queue theirs meanwhile.
+                // The deliveries woken with this one (by the same batch of acks) queue theirs meanwhile.
                 tokio::task::yield_now().await;
                 while batch.len() < BATCH {
                     let Ok(request) = requests.try_recv() else { break };

@@ -50,12 +50,11 @@ impl JetStreamHandler {
             .payload(record.payload.clone())
             .headers(headers(record))
             .message_id(record.id.to_string());
-        let ack = self.outgoing.publish(subject.clone(), message).await.map_err(|stopped| {
-            HandlerError::retryable(format!(
-                "record {} (key {:?}, partition {}) to {subject:?}: {stopped}",
-                record.id, record.key, record.partition
-            ))
-        })?;
+        let ack = self
+            .outgoing
+            .publish(subject.clone(), message)
+            .await
+            .map_err(|stopped| HandlerError::retryable(format!("{}: {stopped}", about(record, &subject))))?;
         match ack {
             Ok(ack) => {
                 debug!(record = %record.id, key = %record.key, stream = %ack.stream, sequence = ack.sequence,
@@ -70,8 +69,7 @@ impl JetStreamHandler {
     /// stream captures. "No responders" means either no stream or a stream without a leader right now;
     /// asking the server which stream captures the subject tells them apart.
     async fn classify(&self, record: &Record, subject: &str, kind: PublishErrorKind, error: String) -> HandlerError {
-        let context =
-            format!("record {} (key {:?}, partition {}) to {subject:?}", record.id, record.key, record.partition);
+        let context = about(record, subject);
         match kind {
             PublishErrorKind::MaxPayloadExceeded => HandlerError::permanent(format!(
                 "{context}: {error} (raise the server's max_payload or shrink the event)"
@@ -88,6 +86,11 @@ impl JetStreamHandler {
             _ => HandlerError::retryable(format!("{context}: {error}")),
         }
     }
+}
+
+/// Which record a failure is about, and where it was going.
+fn about(record: &Record, subject: &str) -> String {
+    format!("record {} (key {:?}, partition {}) to {subject:?}", record.id, record.key, record.partition)
 }
 
 impl Handler for JetStreamHandler {
