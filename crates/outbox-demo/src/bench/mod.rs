@@ -307,15 +307,11 @@ impl Bench {
     /// counting pending records, which reads the table and would take CPU from the drain it measures.
     async fn wait_published(&self, expected: usize) -> Result<(), Failure> {
         let js = async_nats::jetstream::new(outbox_nats::connect(&self.nats).await?);
-        let mut stream = js.get_stream(STREAM).await.map_err(|e| Failure(e.to_string()))?;
-        let deadline = Instant::now() + Duration::from_secs(600);
-        while stream.info().await.map_err(|e| Failure(e.to_string()))?.state.messages < expected as u64 {
-            if Instant::now() > deadline {
-                return Err(Failure("bench: records were not published within 10 minutes".into()));
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        Ok(())
+        let stream = js.get_stream(STREAM).await.map_err(|e| Failure(e.to_string()))?;
+        wait_until("records were not published", Duration::from_millis(10), || async {
+            Ok(stream.get_info().await.map_err(|e| Failure(e.to_string()))?.state.messages >= expected as u64)
+        })
+        .await
     }
 
     /// Waits until every record is acked (in the stream) and completed (gone from `records`).
@@ -325,14 +321,8 @@ impl Bench {
     }
 
     async fn wait_drained(&self) -> Result<(), Failure> {
-        let deadline = Instant::now() + Duration::from_secs(600);
-        while self.pending().await? > 0 {
-            if Instant::now() > deadline {
-                return Err(Failure("bench: backlog did not drain within 10 minutes".into()));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Ok(())
+        wait_until("backlog did not drain", Duration::from_millis(20), || async { Ok(self.pending().await? == 0) })
+            .await
     }
 
     fn cluster(name: &str) -> ClusterConfig {
@@ -352,4 +342,21 @@ impl Bench {
     async fn separate_db(&self) -> Result<Db, Failure> {
         Ok(self.db.new_pool(&ConnectOptions { max_connections: 8, ..ConnectOptions::default() }).await?)
     }
+}
+
+/// Waits until `done`, checking every `every`; a scenario that takes over 10 minutes fails: "bench:
+/// {what} within 10 minutes".
+async fn wait_until<F, Fut>(what: &str, every: Duration, mut done: F) -> Result<(), Failure>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool, Failure>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !done().await? {
+        if Instant::now() > deadline {
+            return Err(Failure(format!("bench: {what} within 10 minutes")));
+        }
+        tokio::time::sleep(every).await;
+    }
+    Ok(())
 }

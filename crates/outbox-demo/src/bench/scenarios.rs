@@ -14,7 +14,7 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::report::{self, Row, percentile};
-use super::{Bench, SCHEMA, Sizes};
+use super::{Bench, SCHEMA, Sizes, wait_until};
 use crate::Failure;
 use crate::config::DemoConfig;
 
@@ -64,13 +64,8 @@ impl Bench {
             Target::JetStream => self.wait_delivered(n).await?,
             #[cfg(any(feature = "sqlite", feature = "mysql"))]
             Target::Nothing => {
-                let deadline = Instant::now() + Duration::from_secs(600);
-                while called.load(Ordering::Relaxed) < n {
-                    if Instant::now() > deadline {
-                        return Err(Failure("bench: records were not handled within 10 minutes".into()));
-                    }
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
+                let handled = || async { Ok(called.load(Ordering::Relaxed) >= n) };
+                wait_until("records were not handled", Duration::from_millis(1), handled).await?;
                 self.wait_drained().await?;
             }
         }
@@ -208,9 +203,8 @@ impl Bench {
         });
         let started = Instant::now();
         let node = self.node(Handlers::new().default_route(Route::new(handler))).await?;
-        while done.load(Ordering::Relaxed) < healthy {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let delivered = || async { Ok(done.load(Ordering::Relaxed) >= healthy) };
+        wait_until("healthy keys were not delivered", Duration::from_millis(10), delivered).await?;
         let elapsed = started.elapsed();
         self.wait_drained().await?;
         node.shutdown().await?;
