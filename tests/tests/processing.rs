@@ -36,6 +36,7 @@ every_backend!(
     a_run_stops_at_the_lease_deadline,
     a_wake_up_delivers_without_waiting_for_the_poll,
     a_busy_partition_does_not_hold_back_the_poll,
+    a_full_batch_is_followed_by_the_partitions_it_did_not_finish,
 );
 
 /// On PostgreSQL a producer in another process (here: another `Outbox`, with wake-ups of its own) wakes
@@ -126,6 +127,29 @@ async fn a_busy_partition_does_not_hold_back_the_poll(db: TestDb) {
     // 60 records of 40 ms each take 2.4 s; polls come every 300 ms.
     let busy_done = sink.of_key("busy").len();
     assert!(busy_done < 60, "the quiet record waited for the busy key to finish ({busy_done} of 60 delivered first)");
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+}
+
+/// A fetch that fills its batch leaves the rest of its partitions to the next fetch: a backlog over many
+/// partitions, announced by one wake-up, drains two keys at a time without a poll.
+async fn a_full_batch_is_followed_by_the_partitions_it_did_not_finish(db: TestDb) {
+    logs();
+    let outbox = outbox(&db, |c| {
+        hourly(c);
+        c.concurrency = 2;
+    })
+    .await;
+    let sink = Sink::new();
+    let node = start(&outbox, &db, recording(&sink)).await;
+    wait_for("the node owning every partition", LONG, || async { node.assignment().borrow().epochs.len() == 256 })
+        .await;
+    let keys: Vec<String> = (0..40).map(|k| format!("k-{k}")).collect();
+    let records = keys.iter().flat_map(|k| (0..3).map(move |i| NewRecord::new(k, "t", i.to_string()))).collect();
+    let scheduled = commit(&outbox, &db, records).await;
+    outbox.wake(&db, &scheduled).await.unwrap();
+    wait_for("every record delivered without a poll", LONG, || async { sink.len() == 120 }).await;
+    assert_in_order(&sink, &keys, 3);
     drained(&db, LONG).await;
     node.shutdown().await.unwrap();
 }

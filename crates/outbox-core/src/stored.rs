@@ -11,6 +11,7 @@ use uuid::Uuid;
 
 use crate::assignment::{Epoch, InstanceId};
 use crate::error::Result;
+use crate::notice::Partitions;
 use crate::partition::Partition;
 use crate::record::{Headers, Record};
 
@@ -85,6 +86,8 @@ pub(crate) struct Found {
     pub(crate) runs: Vec<Vec<Fetched>>,
     /// Per partition served: the last key the walk served there.
     pub(crate) last_served: BTreeMap<Partition, String>,
+    /// The partition of the last head in walk order.
+    pub(crate) last_partition: Option<Partition>,
 }
 
 impl Found {
@@ -94,14 +97,18 @@ impl Found {
     pub(crate) fn from_runs(runs: impl IntoIterator<Item = Vec<FetchedRow>>, request: &Request) -> Result<Found> {
         let mut found = Found::default();
         let mut last: BTreeMap<Partition, (i64, String)> = BTreeMap::new();
+        let mut last_walk = None;
         for mut rows in runs {
             rows.sort_by_key(|row| row.seq);
             let mut run = Vec::with_capacity(rows.len());
             for row in rows.into_iter().take_while(|row| row.due) {
-                if let Some(walk) = row.walk
-                    && last.get(&row.partition).is_none_or(|(at, _)| *at < walk)
-                {
-                    last.insert(row.partition, (walk, row.key.clone()));
+                if let Some(walk) = row.walk {
+                    if last.get(&row.partition).is_none_or(|(at, _)| *at < walk) {
+                        last.insert(row.partition, (walk, row.key.clone()));
+                    }
+                    if last_walk.is_none_or(|(at, _)| at < walk) {
+                        last_walk = Some((walk, row.partition));
+                    }
                 }
                 let epoch = request.partitions.iter().find(|p| p.0 == row.partition).map_or(Epoch(0), |p| p.1);
                 let record = Record {
@@ -124,7 +131,23 @@ impl Found {
             }
         }
         found.last_served = last.into_iter().map(|(p, (_, key))| (p, key)).collect();
+        found.last_partition = last_walk.map(|(_, p)| p);
         Ok(found)
+    }
+
+    /// The partitions of `request` this fetch may have left records in, besides those of the keys it
+    /// excluded or served: none unless it filled its batch, else those from the partition where the batch
+    /// filled on, in the request's order. The walk reads each partition before that one to its end.
+    pub(crate) fn unread(&self, request: &Request) -> Partitions {
+        let mut unread = Partitions::default();
+        if self.runs.len() < request.limit {
+            return unread;
+        }
+        let filled = request.partitions.iter().position(|p| Some(p.0) == self.last_partition);
+        for p in &request.partitions[filled.unwrap_or(0)..] {
+            unread.insert(p.0);
+        }
+        unread
     }
 }
 
@@ -448,5 +471,54 @@ impl From<StatsRow> for PartitionStats {
             failed: row.failed,
             oldest_pending: row.oldest_pending_secs.map(|s| Duration::from_secs_f64(s.max(0.0))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(partition: Partition, key: &str, walk: i64) -> Vec<FetchedRow> {
+        vec![FetchedRow {
+            id: Uuid::now_v7(),
+            partition,
+            key: key.into(),
+            seq: walk,
+            event_type: "t".into(),
+            payload: Vec::new(),
+            headers: sqlx::types::Json(Headers::default()),
+            attempts: 0,
+            requeues: 0,
+            created_at: Utc::now(),
+            deliver_at: None,
+            due: true,
+            walk: Some(walk),
+        }]
+    }
+
+    fn partitions(p: Partitions) -> Vec<Partition> {
+        (0..=255).filter(|&i| p.contains(i)).collect()
+    }
+
+    /// Only a full batch leaves anything unread: the partitions from the one where it filled on, in the
+    /// request's order (the walk read those before it to their end).
+    #[test]
+    fn a_full_batch_leaves_unread_the_partitions_from_where_it_filled() {
+        let request = |limit| Request {
+            instance: InstanceId(Uuid::now_v7()),
+            partitions: [5, 3, 9, 1].map(|p| (p, Epoch(1), None)).to_vec(),
+            exclude: Vec::new(),
+            limit,
+            followers: 0,
+            budget: usize::MAX,
+        };
+        let found = |heads: Vec<Vec<FetchedRow>>, limit| Found::from_runs(heads, &request(limit)).unwrap();
+        let filled_in_9 = found(vec![head(9, "c", 3), head(5, "a", 1), head(3, "b", 2)], 3);
+        assert_eq!(filled_in_9.last_partition, Some(9));
+        assert_eq!(partitions(filled_in_9.unread(&request(3))), [1, 9]);
+        let filled_in_5 = found(vec![head(5, "a", 1), head(5, "b", 2)], 2);
+        assert_eq!(partitions(filled_in_5.unread(&request(2))), [1, 3, 5, 9]);
+        let short = found(vec![head(9, "c", 1)], 2);
+        assert!(short.unread(&request(2)).is_empty(), "a batch that did not fill read every partition to its end");
     }
 }

@@ -373,6 +373,10 @@ async fn check(db: &Db, case: &Case) -> Result<(), String> {
         if found.last_served != last {
             return Err(format!("{mode}: last served {:?}, want {last:?}", found.last_served));
         }
+        let last_partition = heads.last().map(|(partition, _)| *partition as u8);
+        if found.last_partition != last_partition {
+            return Err(format!("{mode}: last head in {:?}, want {last_partition:?}", found.last_partition));
+        }
     }
     Ok(())
 }

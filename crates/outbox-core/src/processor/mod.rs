@@ -318,12 +318,11 @@ impl State {
             }
         };
         debug!(instance = %request.instance, keys = found.runs.len(), "fetched");
-        // A full batch may have left more; and a completion that landed while this fetch ran has
-        // already asked for another (its keys' next records may not have been visible to this fetch):
-        // keep that request.
-        if found.runs.len() == request.limit {
-            self.wanted = Partitions::ALL;
-        }
+        // A full batch may have left more in the partitions its walk did not finish; and a completion
+        // that landed while this fetch ran has already asked for another (its keys' next records may not
+        // have been visible to this fetch): keep that request. Reading every partition again instead
+        // made most fetches of a busy processor walk the partitions whose keys were all in flight.
+        self.wanted.extend(found.unread(request));
         if !found.runs.is_empty() {
             self.last_found = Some(Instant::now());
         }
