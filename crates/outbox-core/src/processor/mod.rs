@@ -5,7 +5,7 @@
 //!   keys in flight excluded, blocked keys passed over) from the held partitions, fenced by the
 //!   instance's (owner, epoch) and its live lease. A poll reads every held partition; a wake-up, or a
 //!   key's completed run, only the partitions it names, which costs the database a fraction of a
-//!   full fetch;
+//!   full fetch; a fetch that filled its batch, the partitions its walk did not finish;
 //! - **deliver** (`deliver.rs`): each key's run (its head and up to `key_lookahead - 1` records after it)
 //!   goes to its handler in its own task, one record after another, each finished before the next
 //!   starts, up to `concurrency` keys at once; a key is fetched again only after its run is completed
