@@ -1,7 +1,7 @@
 //! The JetStream handler: publish with `Nats-Msg-Id` = record id, wait for the ack, classify failures.
 
 use async_nats::Client;
-use async_nats::HeaderMap;
+use async_nats::{HeaderMap, HeaderName};
 use async_nats::jetstream::context::{Context, ContextBuilder, GetStreamByNameErrorKind, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use outbox_core::{Handler, HandlerError, Record};
@@ -22,6 +22,14 @@ pub const SEQ_HEADER: &str = "Outbox-Seq";
 pub const EVENT_TYPE_HEADER: &str = "Outbox-Event-Type";
 /// Header carrying the ownership epoch the record was delivered under.
 pub const EPOCH_HEADER: &str = "Outbox-Epoch";
+
+// The same names as the client's header names, built once: a name given as `&str` is checked and
+// copied into a fresh allocation on every insert, five per message.
+const KEY: HeaderName = HeaderName::from_static(KEY_HEADER);
+const PARTITION: HeaderName = HeaderName::from_static(PARTITION_HEADER);
+const SEQ: HeaderName = HeaderName::from_static(SEQ_HEADER);
+const EVENT_TYPE: HeaderName = HeaderName::from_static(EVENT_TYPE_HEADER);
+const EPOCH: HeaderName = HeaderName::from_static(EPOCH_HEADER);
 
 /// Publishes records to JetStream. Clone-cheap; share one per process.
 #[derive(Clone)]
@@ -45,23 +53,21 @@ impl JetStreamHandler {
     }
 
     async fn publish(&self, record: &Record) -> std::result::Result<(), HandlerError> {
-        let subject = self.subject(record);
         let message = PublishMessage::build()
             .payload(record.payload.clone())
             .headers(headers(record))
-            .message_id(record.id.to_string());
-        let ack = self
-            .outgoing
-            .publish(subject.clone(), message)
-            .await
-            .map_err(|stopped| HandlerError::retryable(format!("{}: {stopped}", about(record, &subject))))?;
+            .message_id(record.id.hyphenated().encode_lower(&mut uuid::Uuid::encode_buffer()));
+        // The subject is rendered again only for a failure's message.
+        let ack = self.outgoing.publish(self.subject(record), message).await.map_err(|stopped| {
+            HandlerError::retryable(format!("{}: {stopped}", about(record, &self.subject(record))))
+        })?;
         match ack {
             Ok(ack) => {
                 debug!(record = %record.id, key = %record.key, stream = %ack.stream, sequence = ack.sequence,
                     duplicate = ack.duplicate, "published");
                 Ok(())
             }
-            Err(e) => Err(self.classify(record, &subject, e.kind(), e.to_string()).await),
+            Err(e) => Err(self.classify(record, &self.subject(record), e.kind(), e.to_string()).await),
         }
     }
 
@@ -105,10 +111,10 @@ pub fn headers(record: &Record) -> HeaderMap {
     for (name, value) in &record.headers {
         headers.insert(name.as_str(), value.as_str());
     }
-    headers.insert(KEY_HEADER, record.key.as_str());
-    headers.insert(PARTITION_HEADER, record.partition.to_string());
-    headers.insert(SEQ_HEADER, record.seq.to_string());
-    headers.insert(EVENT_TYPE_HEADER, record.event_type.as_str());
-    headers.insert(EPOCH_HEADER, record.epoch.to_string());
+    headers.insert(KEY, record.key.as_str());
+    headers.insert(PARTITION, record.partition.to_string());
+    headers.insert(SEQ, record.seq.to_string());
+    headers.insert(EVENT_TYPE, record.event_type.as_str());
+    headers.insert(EPOCH, record.epoch.to_string());
     headers
 }
