@@ -100,6 +100,9 @@ impl Found {
         let mut last_walk = None;
         for mut rows in runs {
             rows.sort_by_key(|row| row.seq);
+            // A run is one key's, so one partition's.
+            let Some(partition) = rows.first().map(|row| row.partition) else { continue };
+            let epoch = request.partitions.iter().find(|p| p.0 == partition).map_or(Epoch(0), |p| p.1);
             let mut run = Vec::with_capacity(rows.len());
             for row in rows.into_iter().take_while(|row| row.due) {
                 if let Some(walk) = row.walk {
@@ -110,7 +113,6 @@ impl Found {
                         last_walk = Some((walk, row.partition));
                     }
                 }
-                let epoch = request.partitions.iter().find(|p| p.0 == row.partition).map_or(Epoch(0), |p| p.1);
                 let record = Record {
                     id: row.id,
                     partition: row.partition,

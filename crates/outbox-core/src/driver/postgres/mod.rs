@@ -206,10 +206,16 @@ impl Driver<'_, PgPool, PgStatements> {
             .bind(count(request.budget))
             .fetch_all(self.pool)
             .await?;
-        // The statement already cut each run to the byte budget; group them by key.
+        // The statement already cut each run to the byte budget; group them by key (a key copied once
+        // per run, not once per row).
         let mut runs: HashMap<String, Vec<FetchedRow>> = HashMap::new();
         for row in rows {
-            runs.entry(row.key.clone()).or_default().push(row);
+            match runs.get_mut(&row.key) {
+                Some(run) => run.push(row),
+                None => {
+                    runs.insert(row.key.clone(), vec![row]);
+                }
+            }
         }
         Found::from_runs(runs.into_values(), request)
     }
