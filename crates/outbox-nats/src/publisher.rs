@@ -1,9 +1,9 @@
 //! The JetStream handler: publish with `Nats-Msg-Id` = record id, wait for the ack, classify failures.
 
 use async_nats::Client;
-use async_nats::{HeaderMap, HeaderName};
 use async_nats::jetstream::context::{Context, ContextBuilder, GetStreamByNameErrorKind, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
+use async_nats::{HeaderMap, HeaderName};
 use outbox_core::{Handler, HandlerError, Record};
 use tracing::debug;
 
