@@ -53,17 +53,17 @@ pub(super) async fn deliver_run(
         if !ctx.assignment.borrow().grants(fetched.instance, record.partition, record.epoch) {
             break;
         }
-        let outcome = tokio::select! {
+        let (verdict, attempts) = tokio::select! {
             biased;
             () = fenced.cancelled() => {
                 info!(record = %record.id, key = %record.key, partition = record.partition, instance = %fetched.instance,
                     epoch = %record.epoch, "handler call cancelled: the partition was fenced or the lease ran out; the record will be delivered again");
                 break;
             }
-            outcome = deliver(&ctx.handlers, &ctx.config, &fetched) => outcome,
+            delivered = deliver(&ctx.handlers, &ctx.config, &fetched) => delivered,
         };
-        let completed = outcome.verdict.completes();
-        outcomes.push(outcome);
+        let completed = verdict.completes();
+        outcomes.push(outcome(fetched, verdict, attempts));
         if !completed {
             break;
         }
@@ -71,26 +71,31 @@ pub(super) async fn deliver_run(
     (key, outcomes)
 }
 
-/// Delivers one record: handler (with timeout), then retry decision, then fallback. Always returns an
-/// outcome: a panic that escapes the guarded calls (in the decision, say in an error's `Display`)
-/// becomes a retry under the configured default policy.
-async fn deliver(handlers: &Handlers, config: &Config, fetched: &Fetched) -> Outcome {
+/// Delivers one record: handler (with timeout), then retry decision, then fallback; returns the verdict
+/// and the attempt count. Always returns: a panic that escapes the guarded calls (in the decision, say
+/// in an error's `Display`) becomes a retry under the configured default policy.
+async fn deliver(handlers: &Handlers, config: &Config, fetched: &Fetched) -> (Verdict, i32) {
     let record = &fetched.record;
     let span = crate::trace::delivery_span(record, fetched.instance);
     let guarded = AssertUnwindSafe(decide(handlers, config, record)).catch_unwind().instrument(span).await;
-    let (verdict, attempts) = guarded.unwrap_or_else(|panic| {
+    guarded.unwrap_or_else(|panic| {
         let attempts = record.attempts.saturating_add(1);
         let failure = HandlerError::retryable(format!("delivery panicked: {}", panic_message(&*panic)));
         (retry(record, attempts, &config.retry, &failure), attempts)
-    });
+    })
+}
+
+/// What completing a delivered record needs, taken from the record (its key moved, not copied).
+fn outcome(fetched: Fetched, verdict: Verdict, attempts: i32) -> Outcome {
+    let Fetched { record, instance, requeues } = fetched;
     Outcome {
         id: record.id,
         partition: record.partition,
-        instance: fetched.instance,
+        instance,
         epoch: record.epoch,
-        key: record.key.clone(),
+        key: record.key,
         attempts,
-        requeues: fetched.requeues,
+        requeues,
         due_since: record.deliver_at.unwrap_or(record.created_at),
         verdict,
     }
