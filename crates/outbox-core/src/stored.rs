@@ -106,11 +106,11 @@ impl Found {
             let mut run = Vec::with_capacity(rows.len());
             for row in rows.into_iter().take_while(|row| row.due) {
                 if let Some(walk) = row.walk {
-                    if last.get(&row.partition).is_none_or(|(at, _)| *at < walk) {
-                        last.insert(row.partition, (walk, row.key.clone()));
+                    if last.get(&partition).is_none_or(|(at, _)| *at < walk) {
+                        last.insert(partition, (walk, row.key.clone()));
                     }
                     if last_walk.is_none_or(|(at, _)| at < walk) {
-                        last_walk = Some((walk, row.partition));
+                        last_walk = Some((walk, partition));
                     }
                 }
                 let record = Record {
@@ -191,7 +191,11 @@ impl Runs {
     /// arrival at or above a dropped sequence, leaves a gapless run from the head holding all the
     /// budget admits.
     fn push(&mut self, row: FetchedRow, budget: usize) {
-        let run = self.by_key.entry(row.key.clone()).or_default();
+        // The key is copied once per run, not once per row.
+        let run = match self.by_key.get_mut(&row.key) {
+            Some(run) => run,
+            None => self.by_key.entry(row.key.clone()).or_default(),
+        };
         if run.cut.is_some_and(|cut| row.seq >= cut) {
             return;
         }

@@ -210,12 +210,11 @@ impl Driver<'_, PgPool, PgStatements> {
         // per run, not once per row).
         let mut runs: HashMap<String, Vec<FetchedRow>> = HashMap::new();
         for row in rows {
-            match runs.get_mut(&row.key) {
-                Some(run) => run.push(row),
-                None => {
-                    runs.insert(row.key.clone(), vec![row]);
-                }
-            }
+            let run = match runs.get_mut(&row.key) {
+                Some(run) => run,
+                None => runs.entry(row.key.clone()).or_default(),
+            };
+            run.push(row);
         }
         Found::from_runs(runs.into_values(), request)
     }
