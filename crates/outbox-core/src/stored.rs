@@ -153,17 +153,15 @@ impl Found {
     }
 }
 
-/// Runs cut to the byte budget while a fetch's rows stream in, for drivers whose statement cannot cut
-/// them itself: a key keeps its head and then its lowest sequences while their payloads fit, so a fetch
-/// never holds more than the budget per key plus one payload.
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
+/// A fetch's rows grouped into runs by key as they stream in, each cut to the byte budget (a no-op where
+/// the statement already cut them): a key keeps its head and then its lowest sequences while their
+/// payloads fit, so a fetch never holds more than the budget per key plus one payload.
 #[derive(Default)]
 pub(crate) struct Runs {
     by_key: std::collections::HashMap<String, Run>,
 }
 
 /// One key's rows while a fetch streams in.
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
 #[derive(Default)]
 struct Run {
     rows: Vec<FetchedRow>,
@@ -172,7 +170,6 @@ struct Run {
     cut: Option<i64>,
 }
 
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
 impl Runs {
     /// Collects a fetch's rows as they stream in, each run cut to `request`'s budget.
     pub(crate) async fn collect<'s>(

@@ -4,7 +4,6 @@
 
 mod statements;
 
-use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -21,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
 use crate::notice::{Channel, Wakeups};
 use crate::stored::{
-    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, StatsRow,
+    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, Runs, StatsRow,
     Verdict, Written,
 };
 
@@ -195,7 +194,7 @@ impl Driver<'_, PgPool, PgStatements> {
         let partitions: Vec<i16> = request.partitions.iter().map(|p| i16::from(p.0)).collect();
         let epochs: Vec<Epoch> = request.partitions.iter().map(|p| p.1).collect();
         let cursors: Vec<Option<&str>> = request.partitions.iter().map(|p| p.2.as_deref()).collect();
-        let rows: Vec<FetchedRow> = sqlx::query_as(statement(&self.statements.fetch))
+        let rows = sqlx::query_as::<_, FetchedRow>(statement(&self.statements.fetch))
             .bind(&partitions)
             .bind(&epochs)
             .bind(&cursors)
@@ -204,19 +203,9 @@ impl Driver<'_, PgPool, PgStatements> {
             .bind(count(request.limit))
             .bind(count(request.followers))
             .bind(count(request.budget))
-            .fetch_all(self.pool)
-            .await?;
-        // The statement already cut each run to the byte budget; group them by key (a key copied once
-        // per run, not once per row).
-        let mut runs: HashMap<String, Vec<FetchedRow>> = HashMap::new();
-        for row in rows {
-            let run = match runs.get_mut(&row.key) {
-                Some(run) => run,
-                None => runs.entry(row.key.clone()).or_default(),
-            };
-            run.push(row);
-        }
-        Found::from_runs(runs.into_values(), request)
+            .fetch(self.pool);
+        // The statement already cut each run to the byte budget; the collector groups rows by key.
+        Runs::collect(rows, request).await
     }
 
     /// Completions in one fenced statement, failures in another, one transaction.
