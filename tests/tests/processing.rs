@@ -620,3 +620,63 @@ async fn a_run_stops_at_the_lease_deadline(db: TestDb) {
     stop.cancel();
     processor.await.unwrap().unwrap();
 }
+
+/// A completion batch the database refuses for good is written one outcome at a time. When a key's
+/// first outcome is then refused for the moment, its later outcomes wait with it and the key stays in
+/// flight: its first record is not fetched and delivered again after the later ones.
+#[sqlx::test(migrations = false)]
+async fn a_key_waits_for_its_outcome_left_to_retry(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let (sink, refusals) = refuse_completing(&db, ["P0001", "40001"]).await;
+    assert!(refusals >= 3, "the first record's completion was refused twice, then written ({refusals})");
+    assert_eq!(sink.ranks_of("k"), [1, 2, 3], "delivered once each, in order");
+    assert_eq!(failed_count(&db).await, 0);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'delivered'").await, 3);
+}
+
+/// A completion cut short by `lock_timeout` or `statement_timeout` is retried: the delivered record is
+/// completed, never written as FAILED.
+#[sqlx::test(migrations = false)]
+async fn a_completion_that_timed_out_is_retried(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let (sink, refusals) = refuse_completing(&db, ["55P03", "57014"]).await;
+    assert!(refusals >= 3, "the first record's completion was refused twice, then written ({refusals})");
+    assert_eq!(failed_count(&db).await, 0, "a timeout is not the database rejecting the outcome");
+    assert_eq!(sink.ranks_of("k"), [1, 2, 3]);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'delivered'").await, 3);
+}
+
+/// Delivers three records of key `k` while a trigger refuses the first record's delete (its
+/// completion) with SQLSTATE `codes[0]`, then `codes[1]`, then lets it through. Returns the deliveries
+/// and how often the trigger saw that delete.
+async fn refuse_completing(db: &TestDb, codes: [&str; 2]) -> (Arc<Sink>, i64) {
+    logs();
+    let outbox = outbox(db, |_| {}).await;
+    let scheduled = commit(&outbox, db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
+    let [first, second] = codes;
+    db.exec("CREATE SEQUENCE {s}refusals", &[]).await;
+    db.exec(
+        &format!(
+            "CREATE FUNCTION {{s}}refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF OLD.id = '{id}' THEN
+                    CASE nextval('outbox.refusals')
+                        WHEN 1 THEN RAISE EXCEPTION 'refused' USING ERRCODE = '{first}';
+                        WHEN 2 THEN RAISE EXCEPTION 'refused' USING ERRCODE = '{second}';
+                        ELSE NULL;
+                    END CASE;
+                END IF;
+                RETURN OLD;
+            END $$",
+            id = scheduled[0].id
+        ),
+        &[],
+    )
+    .await;
+    db.exec("CREATE TRIGGER refuse BEFORE DELETE ON {s}records FOR EACH ROW EXECUTE FUNCTION {s}refuse()", &[]).await;
+    let sink = Sink::new();
+    let node = start(&outbox, db, recording(&sink)).await;
+    drained(db, LONG).await;
+    node.shutdown().await.unwrap();
+    (sink, db.scalar("SELECT last_value FROM {s}refusals", &[]).await)
+}

@@ -6,8 +6,9 @@
 //! connection dropped, the handler deleted it, an operator requeued or skipped it): nothing to do.
 //!
 //! A batch the database rejects for good (not a transient error) is written one outcome at a time, so
-//! one bad outcome never holds back the others; an outcome rejected alone is written as FAILED with
-//! the database's reason, where an operator sees it.
+//! one bad outcome never holds back other keys'; an outcome rejected alone is written as FAILED with
+//! the database's reason, where an operator sees it. An outcome left to retry holds back its key's
+//! later outcomes, and the key stays in flight until all of them are written.
 
 use tracing::error;
 
@@ -36,9 +37,15 @@ pub(super) async fn complete(outbox: &Outbox, db: &Db, batch: Vec<Outcome>) -> C
     };
     error!(error = %e, records = batch.len(), "the database rejected a completion batch; writing its outcomes one by one");
     let mut completed = Completed::default();
-    let mut retry = Vec::new();
+    let mut retry: Vec<Outcome> = Vec::new();
     let mut last_error = None;
     for outcome in batch {
+        // A key's outcomes are written in its order: once one waits for a retry, the key's later ones
+        // wait with it (written first, they would leave the earlier record pending behind them).
+        if retry.iter().any(|r| r.key == outcome.key) {
+            retry.push(outcome);
+            continue;
+        }
         match write_alone(outbox, db, outcome).await {
             Ok((outcome, written)) => {
                 completed.written.merge(written);

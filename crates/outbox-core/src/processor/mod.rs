@@ -34,7 +34,7 @@ mod complete;
 mod deliver;
 mod fetch;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -369,10 +369,15 @@ impl State {
 
     fn on_completed(&mut self, completed: Completed) {
         let Completed { settled, written, retry } = completed;
+        // A key with an outcome still to write stays in flight: its record is still pending, and
+        // fetched again it would be delivered after the key's later ones.
+        let unsettled: HashSet<&str> = retry.iter().flat_map(|(batch, _)| batch).map(|o| o.key.as_str()).collect();
         for outcome in settled {
-            self.in_flight.remove(&outcome.key);
-            // The key's next records, if any, are fetchable now.
-            self.wanted.insert(outcome.partition);
+            if !unsettled.contains(outcome.key.as_str()) {
+                self.in_flight.remove(&outcome.key);
+                // The key's next records, if any, are fetchable now.
+                self.wanted.insert(outcome.partition);
+            }
             if written.ids.contains(&outcome.id) {
                 record_metrics(&outcome);
                 if matches!(outcome.verdict, Verdict::Delivered | Verdict::Fallback) {
