@@ -37,6 +37,7 @@ every_backend!(
     a_wake_up_delivers_without_waiting_for_the_poll,
     a_busy_partition_does_not_hold_back_the_poll,
     a_full_batch_is_followed_by_the_partitions_it_did_not_finish,
+    calls_of_an_instance_declared_dead_are_cancelled_under_its_new_id,
 );
 
 /// On PostgreSQL a producer in another process (here: another `Outbox`, with wake-ups of its own) wakes
@@ -617,6 +618,34 @@ async fn a_run_stops_at_the_lease_deadline(db: TestDb) {
     release.add_permits(10);
     drained(&db, LONG).await;
     assert_eq!(sink.ranks_of("k"), [1, 1, 2, 3], "delivered again from the first record");
+    stop.cancel();
+    processor.await.unwrap().unwrap();
+}
+
+/// An instance declared dead registers again under a new id. The call it was running under the old id
+/// is cancelled at once, even when the processor sees only the new assignment and its lease has not
+/// run out here: another instance may already be delivering that partition.
+async fn calls_of_an_instance_declared_dead_are_cancelled_under_its_new_id(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let (me, partition) = own_partition_of(&db, "k", Epoch(3)).await;
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    let sink = Sink::new();
+    let (handlers, Gate { entered, release: _never }) = gated(&sink);
+    let lease = Some(Deadline::now().after(LONG));
+    let (tx, assignment) = watch::channel(Assignment { instance: me, epochs: [(partition, Epoch(3))].into(), lease });
+    let stop = CancellationToken::new();
+    let processor = Processor::new(outbox.clone(), db.clone(), handlers, assignment);
+    let mut busy = processor.busy_partitions();
+    let processor = tokio::spawn(processor.run(stop.clone()));
+    entered.acquire().await.unwrap().forget();
+    busy.wait_for(|b| !b.is_empty()).await.unwrap();
+    let again = register_instance(&db).await;
+    tx.send_replace(Assignment { instance: again, epochs: Default::default(), lease });
+    tokio::time::timeout(Duration::from_secs(10), busy.wait_for(|b| b.is_empty()))
+        .await
+        .expect("the call under the old id was not cancelled")
+        .unwrap();
+    assert_eq!(pending(&db).await, 1, "the cancelled record was not completed");
     stop.cancel();
     processor.await.unwrap().unwrap();
 }

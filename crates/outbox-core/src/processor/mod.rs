@@ -411,10 +411,15 @@ impl State {
     fn on_assignment(&mut self, current: &Assignment) {
         self.fenced.retain(|p, held| current.epochs.get(p) == Some(&held.1) && current.instance == held.0);
         // Calls of partitions that left the assignment finish (a graceful handover); only their
-        // cancellation handles are forgotten.
-        self.cancels
-            .grants
-            .retain(|(p, instance, epoch), _| current.instance == *instance && current.epochs.get(p) == Some(epoch));
+        // cancellation handles are forgotten. Calls of an earlier instance id are cancelled: that
+        // instance was declared dead and its partitions may already be delivered elsewhere (the lease
+        // may not have run out here, nor the processor have seen the assignment in between).
+        self.cancels.grants.retain(|(p, instance, epoch), token| {
+            if current.instance != *instance {
+                token.cancel();
+            }
+            current.instance == *instance && current.epochs.get(p) == Some(epoch)
+        });
         self.fetches.retain(|p| current.epochs.contains_key(&p));
         self.wanted = Partitions::ALL;
     }
