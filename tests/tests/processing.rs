@@ -709,3 +709,57 @@ async fn refuse_completing(db: &TestDb, codes: [&str; 2]) -> (Arc<Sink>, i64) {
     node.shutdown().await.unwrap();
     (sink, db.scalar("SELECT last_value FROM {s}refusals", &[]).await)
 }
+
+/// An outcome of this instance's earlier grant of a partition, still waiting to be written when the
+/// instance registered again and got the partition back at a new epoch, is fenced out, even batched
+/// with an outcome of the new grant: its record is delivered again under the new grant instead of
+/// being completed by the old one.
+#[sqlx::test(migrations = false)]
+async fn an_outcome_of_an_earlier_grant_is_fenced_beside_one_of_the_current_grant(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let outbox = outbox(&db, |_| {}).await;
+    let (old, partition) = own_partition_of(&db, "k1", Epoch(3)).await;
+    let neighbour = (0..).map(|i| format!("k2-{i}")).find(|k| partition_of(k) == partition).unwrap();
+    commit(&outbox, &db, vec![NewRecord::new("k1", "t", "")]).await;
+    // k1's completion is refused (for the moment) until the gate table has a row.
+    db.exec("CREATE TABLE {s}gate (open boolean)", &[]).await;
+    db.exec("CREATE SEQUENCE {s}refusals", &[]).await;
+    db.exec(
+        "CREATE FUNCTION {s}refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF OLD.key = 'k1' AND NOT EXISTS (SELECT 1 FROM outbox.gate) THEN
+                PERFORM nextval('outbox.refusals');
+                RAISE EXCEPTION 'refused' USING ERRCODE = '40001';
+            END IF;
+            RETURN OLD;
+        END $$",
+        &[],
+    )
+    .await;
+    db.exec("CREATE TRIGGER refuse BEFORE DELETE ON {s}records FOR EACH ROW EXECUTE FUNCTION {s}refuse()", &[]).await;
+
+    let sink = Sink::new();
+    let lease = Some(Deadline::now().after(LONG));
+    let (tx, assignment) = watch::channel(Assignment { instance: old, epochs: [(partition, Epoch(3))].into(), lease });
+    let stop = CancellationToken::new();
+    let processor =
+        tokio::spawn(Processor::new(outbox.clone(), db.clone(), recording(&sink), assignment).run(stop.clone()));
+    let refused = || async { db.scalar::<i64>("SELECT last_value FROM {s}refusals", &[]).await > 1 };
+    wait_for("k1 delivered and its completion refused", LONG, refused).await;
+
+    // Declared dead, the instance registers again and gets the partition back at epoch 5.
+    let again = register_instance(&db).await;
+    exec!(db, "UPDATE {s}partitions SET owner = $1, epoch = 5 WHERE partition = $2", again, i16::from(partition));
+    tx.send_replace(Assignment { instance: again, epochs: [(partition, Epoch(5))].into(), lease });
+    commit(&outbox, &db, vec![NewRecord::new(neighbour.clone(), "t", "")]).await;
+    wait_for("the neighbour delivered", LONG, || async { sink.of_key(&neighbour).len() == 1 }).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    db.exec("INSERT INTO {s}gate VALUES (true)", &[]).await;
+    drained(&db, LONG).await;
+    stop.cancel();
+    processor.await.unwrap().unwrap();
+    let epochs: Vec<Epoch> = sink.of_key("k1").iter().map(|d| d.epoch).collect();
+    assert_eq!(epochs, [Epoch(3), Epoch(5)], "k1 completed only under the current grant");
+    assert_eq!(failed_count(&db).await, 0);
+}

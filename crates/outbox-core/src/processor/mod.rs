@@ -301,7 +301,15 @@ impl State {
         if self.completion.is_some() || self.outcomes.is_empty() || Instant::now() < self.complete_not_before {
             return;
         }
-        let batch = std::mem::take(&mut self.outcomes);
+        // One grant per partition in a batch: a fence then holds a partition under the grant of all of
+        // its outcomes, so one of an older grant (this instance's before it registered again) is
+        // fenced out rather than let through beside one of the current grant. The rest wait.
+        let mut grants = HashMap::new();
+        let (batch, later) = std::mem::take(&mut self.outcomes).into_iter().partition(|o: &Outcome| {
+            let (partition, instance, epoch) = o.grant();
+            *grants.entry(partition).or_insert((instance, epoch)) == (instance, epoch)
+        });
+        self.outcomes = later;
         let (outbox, db) = (outbox.clone(), db.clone());
         self.completion = Some(Box::pin(async move { complete(&outbox, &db, batch).await }));
     }

@@ -22,7 +22,8 @@ const WRITTEN_AND_HELD: &str =
 UNION ALL
 SELECT NULL, partition, owner, epoch FROM fence";
 
-/// A record's partition is in the fence: a filter on rows found by id. The cast keeps the planner off
+/// A record's partition is in the fence: a filter on rows found by id, exact because a completion
+/// batch holds one grant per partition (see `start_completion`). The cast keeps the planner off
 /// the (partition, key, seq) index, which for many ids it would pick to read the fenced partitions whole.
 const FENCED: &str = "r.partition::int = ANY(ARRAY(SELECT partition::int FROM fence))";
 
