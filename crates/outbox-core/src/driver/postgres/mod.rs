@@ -60,9 +60,7 @@ pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<PgPoo
 pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     let db = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
     let code = db.code();
-    Some(
-        ["08", "40", "53", "57P"].iter().any(|class| code.starts_with(class)) || matches!(code, "57014" | "55P03"),
-    )
+    Some(["08", "40", "53", "57P"].iter().any(|class| code.starts_with(class)) || matches!(code, "57014" | "55P03"))
 }
 
 /// 42P01 undefined table, 3F000 undefined schema. `None`: not a PostgreSQL error.
