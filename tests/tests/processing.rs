@@ -38,6 +38,7 @@ every_backend!(
     a_busy_partition_does_not_hold_back_the_poll,
     a_full_batch_is_followed_by_the_partitions_it_did_not_finish,
     calls_of_an_instance_declared_dead_are_cancelled_under_its_new_id,
+    a_panic_in_the_decision_ends_failed_once_retries_run_out,
 );
 
 /// On PostgreSQL a producer in another process (here: another `Outbox`, with wake-ups of its own) wakes
@@ -762,4 +763,36 @@ async fn an_outcome_of_an_earlier_grant_is_fenced_beside_one_of_the_current_gran
     let epochs: Vec<Epoch> = sink.of_key("k1").iter().map(|d| d.epoch).collect();
     assert_eq!(epochs, [Epoch(3), Epoch(5)], "k1 completed only under the current grant");
     assert_eq!(failed_count(&db).await, 0);
+}
+
+/// A panic while deciding what a failure means (here in the error's `Display`) is a retryable failure
+/// under the route's policy, and ends FAILED once its retries run out: never retried for ever.
+async fn a_panic_in_the_decision_ends_failed_once_retries_run_out(db: TestDb) {
+    #[derive(Debug)]
+    struct Unprintable;
+    impl std::fmt::Display for Unprintable {
+        fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            panic!("an error that cannot be printed")
+        }
+    }
+    impl std::error::Error for Unprintable {}
+
+    let outbox = outbox(&db, |_| {}).await;
+    let calls = Sink::new();
+    let c = calls.clone();
+    let handler = handler_fn(move |r| {
+        let c = c.clone();
+        async move {
+            c.record(&r);
+            Err::<(), _>(HandlerError::retryable(Unprintable))
+        }
+    });
+    let route = Route::new(handler).retry(RetryPolicy::fixed(Duration::from_millis(5), 2)).unwrap();
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    let node = start(&outbox, &db, Handlers::new().default_route(route)).await;
+    wait_failed(&db, 1).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(calls.len(), 3, "the first call and two retries");
+    let error: String = db.scalar("SELECT last_error FROM {s}records", &[]).await;
+    assert!(error.contains("delivery panicked") && error.contains("cannot be printed"), "{error}");
 }

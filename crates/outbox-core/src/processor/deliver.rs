@@ -73,7 +73,7 @@ pub(super) async fn deliver_run(
 
 /// Delivers one record: handler (with timeout), then retry decision, then fallback; returns the verdict
 /// and the attempt count. Always returns: a panic that escapes the guarded calls (in the decision, say
-/// in an error's `Display`) becomes a retry under the configured default policy.
+/// in an error's `Display`) is a retryable failure under the route's policy, FAILED once it runs out.
 async fn deliver(handlers: &Handlers, config: &Config, fetched: &Fetched) -> (Verdict, i32) {
     let record = &fetched.record;
     let span = crate::trace::delivery_span(record, fetched.instance);
@@ -81,8 +81,19 @@ async fn deliver(handlers: &Handlers, config: &Config, fetched: &Fetched) -> (Ve
     guarded.unwrap_or_else(|panic| {
         let attempts = record.attempts.saturating_add(1);
         let failure = HandlerError::retryable(format!("delivery panicked: {}", panic_message(&*panic)));
-        (retry(record, attempts, &config.retry, &failure), attempts)
+        let policy = policy(handlers.get(&record.event_type), config);
+        if policy.may_retry(u32::try_from(attempts).unwrap_or(u32::MAX)) {
+            return (retry(record, attempts, policy, &failure), attempts);
+        }
+        error!(record = %record.id, key = %record.key, partition = record.partition, attempts, error = %failure,
+            "delivery failed and its retries ran out; FAILED (the fallback is not called after a panic)");
+        (Verdict::Failed { error: storable_error(&failure.to_string()) }, attempts)
     })
+}
+
+/// The route's retry policy, or the configured default.
+fn policy<'a>(route: Option<&'a Route>, config: &'a Config) -> &'a crate::RetryPolicy {
+    route.and_then(|r| r.retry.as_ref()).unwrap_or(&config.retry)
 }
 
 /// What completing a delivered record needs, taken from the record (its key moved, not copied).
@@ -114,7 +125,7 @@ async fn decide(handlers: &Handlers, config: &Config, record: &Record) -> (Verdi
         Err(failure) => failure,
     };
     let attempts = record.attempts.saturating_add(1);
-    let policy = route.and_then(|r| r.retry.as_ref()).unwrap_or(&config.retry);
+    let policy = policy(route, config);
     if failure.kind() == FailureKind::Retryable && policy.may_retry(u32::try_from(attempts).unwrap_or(u32::MAX)) {
         return (retry(record, attempts, policy, &failure), attempts);
     }
