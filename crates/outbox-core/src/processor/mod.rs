@@ -344,8 +344,11 @@ impl State {
         for run in found.runs {
             let Some(head) = run.first() else { continue };
             let (partition, epoch) = (head.record.partition, head.record.epoch);
-            // The assignment may have changed, or the lease run out, while the fetch ran.
-            if !current.grants(request.instance, partition, epoch) {
+            // The assignment may have changed, or the lease run out, while the fetch ran; or a
+            // completion may have found the partition fenced (this fetch read it before the steal).
+            if !current.grants(request.instance, partition, epoch)
+                || self.fenced.get(&partition) == Some(&(request.instance, epoch))
+            {
                 continue;
             }
             let key = head.record.key.clone();
