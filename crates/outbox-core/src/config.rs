@@ -145,9 +145,10 @@ impl Config {
     /// Checks every value and the relations between them; the error names the field.
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::Config(msg));
-        if !is_identifier(&self.schema) {
+        if !is_schema_name(&self.schema) {
             return bad(format!(
-                "schema must be a lowercase SQL identifier ([a-z_][a-z0-9_]*, at most 63 bytes), got {:?}",
+                "schema must be a lowercase SQL identifier ([a-z_][a-z0-9_]*, at most {MAX_SCHEMA_BYTES} bytes, \
+                 not starting with pg_ or sqlite_), got {:?}",
                 self.schema
             ));
         }
@@ -188,11 +189,21 @@ impl Config {
 }
 
 /// A lowercase, unquoted SQL identifier, so it can be spliced into statements without quoting.
-pub(crate) fn is_identifier(s: &str) -> bool {
+fn is_identifier(s: &str) -> bool {
     let mut bytes = s.bytes();
     matches!(bytes.next(), Some(b'a'..=b'z' | b'_'))
         && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
         && s.len() <= 63
+}
+
+/// Longest schema name: the names built from it must fit every database's limit (MySQL's index
+/// `<schema>_records_partition_key_seq` its 64 characters, PostgreSQL's channel `<schema>.nudge` its 63).
+const MAX_SCHEMA_BYTES: usize = 32;
+
+/// A schema name every backend accepts: an identifier, short enough, and outside the prefixes the
+/// databases keep for themselves (`pg_` schemas on PostgreSQL, `sqlite_` tables on SQLite).
+fn is_schema_name(s: &str) -> bool {
+    is_identifier(s) && s.len() <= MAX_SCHEMA_BYTES && !s.starts_with("pg_") && !format!("{s}_").starts_with("sqlite_")
 }
 
 #[cfg(test)]
@@ -236,6 +247,19 @@ mod tests {
             mutate(&mut config);
             let err = config.validate().unwrap_err().to_string();
             assert!(err.contains(field), "{err} should name {field}");
+        }
+    }
+
+    /// Names every backend would refuse later, at migrate or at the first wake-up, are refused here.
+    #[test]
+    fn schema_names_fit_every_backend() {
+        for schema in ["outbox", "svc_outbox_2", &"s".repeat(MAX_SCHEMA_BYTES), "sqlitex"] {
+            let config = Config { schema: schema.into(), ..Config::default() };
+            config.validate().unwrap_or_else(|e| panic!("{schema}: {e}"));
+        }
+        for schema in [&"s".repeat(MAX_SCHEMA_BYTES + 1) as &str, "pg_outbox", "sqlite", "sqlite_outbox", ""] {
+            let config = Config { schema: schema.into(), ..Config::default() };
+            assert!(config.validate().unwrap_err().to_string().contains("schema"), "{schema} accepted");
         }
     }
 }

@@ -8,7 +8,7 @@ use tracing::{debug, instrument, warn};
 
 use crate::Outbox;
 use crate::driver::Db;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 impl Outbox {
     /// Deletes completed records older than `retention`, `batch_size` per statement, until none are
@@ -58,12 +58,15 @@ impl Outbox {
 }
 
 /// Runs `batch` (one bounded delete, answering how many rows it deleted) until a run deletes fewer than
-/// `batch_size`; returns how many in all.
+/// `batch_size`; returns how many in all. A `batch_size` of 0 is an error (it would never finish).
 pub(crate) async fn in_batches<F, Fut>(batch_size: usize, mut batch: F) -> Result<u64>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<u64>>,
 {
+    if batch_size == 0 {
+        return Err(Error::Config("a purge's batch_size must be > 0".into()));
+    }
     let mut total = 0;
     loop {
         let done = batch().await?;
@@ -71,5 +74,21 @@ where
         if done < batch_size as u64 {
             return Ok(total);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// With nothing left to delete, a batch of 0 rows was "full" every time: it never finished.
+    #[tokio::test]
+    async fn a_batch_size_of_zero_is_refused_rather_than_looped_on() {
+        let mut calls = 0;
+        let result = super::in_batches(0, || {
+            calls += 1;
+            async { Ok(0) }
+        })
+        .await;
+        assert!(matches!(result, Err(crate::Error::Config(_))), "{result:?}");
+        assert_eq!(calls, 0);
     }
 }
