@@ -197,13 +197,18 @@ impl NatsConfig {
         Ok(())
     }
 
-    /// The server URLs with any user info replaced by `<redacted>`.
+    /// The server URLs with any user info replaced by `<redacted>`, with a scheme or without (the client
+    /// takes `alice:pw@host:4222` too).
     pub fn redacted_servers(&self) -> String {
         self.servers
             .iter()
-            .map(|url| match (url.find("://"), url.rfind('@')) {
-                (Some(scheme), Some(at)) if at > scheme => format!("{}<redacted>{}", &url[..scheme + 3], &url[at..]),
-                _ => url.clone(),
+            .map(|url| {
+                let start = url.find("://").map_or(0, |scheme| scheme + 3);
+                let end = url[start..].find('/').map_or(url.len(), |slash| start + slash);
+                match url[start..end].rfind('@') {
+                    Some(at) => format!("{}<redacted>{}", &url[..start], &url[start + at..]),
+                    None => url.clone(),
+                }
             })
             .collect::<Vec<_>>()
             .join(",")
@@ -224,6 +229,8 @@ mod tests {
         let shown = format!("{config:?}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("nats://<redacted>@n1:4222,nats://n2:4222"), "{shown}");
+        let bare = NatsConfig { servers: vec!["alice:hunter2@n1:4222".into()], ..NatsConfig::default() };
+        assert_eq!(bare.redacted_servers(), "<redacted>@n1:4222");
         for auth in [Auth::Token { token: "s3cret".into() }, Auth::Nkey { seed: "SUAB".into() }] {
             let shown = format!("{:?}", NatsConfig { auth, ..NatsConfig::default() });
             assert!(!shown.contains("s3cret") && !shown.contains("SUAB"), "{shown}");
