@@ -50,6 +50,9 @@ fn default_name() -> String {
     std::env::var("HOSTNAME").unwrap_or_else(|_| format!("pid-{}", std::process::id()))
 }
 
+/// Longest instance name: every backend's column holds it (MySQL's is `VARCHAR(256)`).
+const MAX_NAME_CHARS: usize = 256;
+
 impl ClusterConfig {
     /// Checks values and their relations; the error names the field.
     pub fn validate(&self) -> Result<()> {
@@ -63,7 +66,13 @@ impl ClusterConfig {
                 return bad(format!("{name} must be at least 10ms, got {value:?}"));
             }
         }
-        if self.stale_timeout < self.heartbeat_interval * 4 {
+        if self.name.is_empty() || self.name.chars().count() > MAX_NAME_CHARS || self.name.contains(char::is_control) {
+            return bad(format!(
+                "name must be 1..={MAX_NAME_CHARS} characters without control characters, got {:?}",
+                self.name
+            ));
+        }
+        if self.heartbeat_interval.checked_mul(4).is_none_or(|four| self.stale_timeout < four) {
             return bad(format!(
                 "stale_timeout ({:?}) must be at least four times heartbeat_interval ({:?}): the lease lasts stale_timeout \
                  minus two heartbeat intervals, and must outlast one late heartbeat",
@@ -94,5 +103,11 @@ mod tests {
         let config = ClusterConfig { stale_timeout: Duration::from_secs(8), ..Default::default() };
         config.validate().unwrap();
         assert_eq!(config.lease(), Duration::from_secs(4));
+        let config = ClusterConfig { heartbeat_interval: Duration::MAX, ..Default::default() };
+        assert!(config.validate().unwrap_err().to_string().contains("heartbeat_interval"), "no overflow panic");
+        for name in [String::new(), "x".repeat(257), "pod\0-1".into()] {
+            let config = ClusterConfig { name: name.clone(), ..Default::default() };
+            assert!(config.validate().unwrap_err().to_string().contains("name"), "{name:?} accepted");
+        }
     }
 }
