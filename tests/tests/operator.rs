@@ -7,12 +7,14 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use outbox_core::{Completion, NewRecord, partition_of};
+use outbox_core::operator::FailedFilter;
+use outbox_core::{Completion, Error, NewRecord, partition_of};
 
 every_backend!(
     stats_count_pending_and_failed_per_partition_with_the_oldest_age,
     purge_deletes_only_expired_completed_records_in_bounded_batches,
     delete_on_complete_keeps_no_completed_rows,
+    operator_calls_refuse_bad_keys_and_limits_with_typed_errors,
 );
 
 async fn stats_count_pending_and_failed_per_partition_with_the_oldest_age(db: TestDb) {
@@ -55,4 +57,24 @@ async fn delete_on_complete_keeps_no_completed_rows(db: TestDb) {
     deliver_all(&outbox, &db).await;
     assert_eq!(count(&db, "SELECT count(*) FROM {s}completed").await, 0);
     assert_eq!(pending(&db).await, 0);
+}
+
+/// Keys no record can have and page sizes out of range are typed errors before any statement (a NUL
+/// reached PostgreSQL as an untyped error; a negative limit listed every FAILED record on SQLite).
+async fn operator_calls_refuse_bad_keys_and_limits_with_typed_errors(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    commit(&outbox, &db, (0..3).map(|i| NewRecord::new(format!("k{i}"), "t", "")).collect()).await;
+    exec!(db, "UPDATE {s}records SET failed_at = {now}");
+    for limit in [-1, 0, outbox_core::operator::MAX_FAILED_PAGE + 1] {
+        let filter = FailedFilter { limit: Some(limit), ..FailedFilter::default() };
+        let err = outbox.failed(&db, &filter).await.unwrap_err();
+        assert!(matches!(err, Error::BadLimit { .. }), "limit {limit}: {err}");
+    }
+    let filter = FailedFilter { key: Some("k\0".into()), ..FailedFilter::default() };
+    assert!(matches!(outbox.failed(&db, &filter).await.unwrap_err(), Error::KeyHasControl));
+    assert!(matches!(outbox.requeue_key(&db, "k\0").await.unwrap_err(), Error::KeyHasControl));
+    assert!(matches!(outbox.requeue_key(&db, "").await.unwrap_err(), Error::EmptyKey));
+    let filter = FailedFilter { limit: Some(2), ..FailedFilter::default() };
+    assert_eq!(outbox.failed(&db, &filter).await.unwrap().len(), 2);
+    assert_eq!(failed_count(&db).await, 3, "nothing changed");
 }

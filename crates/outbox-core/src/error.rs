@@ -93,6 +93,14 @@ pub enum Error {
         /// The serde error.
         source: serde_json::Error,
     },
+    /// A page of FAILED records asked for too many, or fewer than one.
+    #[error("a page of FAILED records holds 1 to {max}, not {limit}")]
+    BadLimit {
+        /// The limit asked for.
+        limit: i64,
+        /// The largest page.
+        max: i64,
+    },
     /// A configuration value is invalid; the message names the field.
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -7,13 +7,25 @@ use crate::Outbox;
 use crate::driver::Db;
 use crate::error::{Error, Result};
 use crate::notice::{Partitions, Wake};
+use crate::record::check_key;
 use crate::stored::Requeue;
 pub use crate::stored::{BacklogTotals, FailedFilter, FailedPosition, FailedRecord, PartitionStats};
 
+/// The most FAILED records one call of [`Outbox::failed`] lists.
+pub const MAX_FAILED_PAGE: i64 = 10_000;
+
 impl Outbox {
-    /// Lists FAILED records in (partition, key, seq) order.
+    /// Lists FAILED records in (partition, key, seq) order, at most [`MAX_FAILED_PAGE`] at a time.
     #[instrument(skip_all)]
     pub async fn failed(&self, db: impl Into<Db>, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
+        if let Some(key) = &filter.key {
+            check_key(key)?;
+        }
+        if let Some(limit) = filter.limit
+            && !(1..=MAX_FAILED_PAGE).contains(&limit)
+        {
+            return Err(Error::BadLimit { limit, max: MAX_FAILED_PAGE });
+        }
         db.into().failed(self.statements(), filter).await.map_err(|e| self.not_migrated(e))
     }
 
@@ -30,6 +42,7 @@ impl Outbox {
     /// Requeues every FAILED record of `key`; returns how many.
     #[instrument(skip(self, db))]
     pub async fn requeue_key(&self, db: impl Into<Db>, key: &str) -> Result<u64> {
+        check_key(key)?;
         self.requeue_where(db.into(), Requeue::Key(key)).await
     }
 

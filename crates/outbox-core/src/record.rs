@@ -96,17 +96,7 @@ impl NewRecord {
     /// Checks the record against the limits, before anything is written.
     pub(crate) fn validate(&self, max_payload_bytes: usize) -> Result<()> {
         let key = &self.key;
-        if key.is_empty() {
-            return Err(Error::EmptyKey);
-        }
-        if key.len() > MAX_KEY_BYTES {
-            return Err(Error::KeyTooLong { len: key.len(), max: MAX_KEY_BYTES });
-        }
-        if key.chars().any(char::is_control) {
-            // NUL cannot be stored in PostgreSQL text, CR/LF would break a header carrying the key: say so
-            // here instead of failing inside the caller's transaction or at delivery.
-            return Err(Error::KeyHasControl);
-        }
+        check_key(key)?;
         let len = self.event_type.len();
         if len == 0 || len > MAX_EVENT_TYPE_BYTES || self.event_type.chars().any(char::is_control) {
             return Err(Error::BadEventType { key: key.clone(), len, max: MAX_EVENT_TYPE_BYTES });
@@ -189,6 +179,22 @@ pub struct Scheduled {
     pub seq: i64,
     /// When it may first be delivered, as asked ([`NewRecord::delay`]).
     pub delay: Option<Delay>,
+}
+
+/// A key any record could have: not empty, at most `MAX_KEY_BYTES`, without control characters.
+pub(crate) fn check_key(key: &str) -> Result<()> {
+    if key.is_empty() {
+        return Err(Error::EmptyKey);
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(Error::KeyTooLong { len: key.len(), max: MAX_KEY_BYTES });
+    }
+    if key.chars().any(char::is_control) {
+        // NUL cannot be stored in PostgreSQL text, CR/LF would break a header carrying the key: say so
+        // here instead of failing inside the caller's transaction or at delivery.
+        return Err(Error::KeyHasControl);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

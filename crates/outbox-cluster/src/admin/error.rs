@@ -25,9 +25,10 @@ impl From<outbox_core::Error> for ApiError {
     fn from(e: outbox_core::Error) -> Self {
         match e {
             e @ outbox_core::Error::RecordNotFound { .. } => ApiError::NotFound(e.to_string()),
-            e @ (outbox_core::Error::EmptyKey | outbox_core::Error::KeyTooLong { .. }) => {
-                ApiError::BadRequest(e.to_string())
-            }
+            e @ (outbox_core::Error::EmptyKey
+            | outbox_core::Error::KeyTooLong { .. }
+            | outbox_core::Error::KeyHasControl
+            | outbox_core::Error::BadLimit { .. }) => ApiError::BadRequest(e.to_string()),
             e => ApiError::Unavailable(e.to_string()),
         }
     }
