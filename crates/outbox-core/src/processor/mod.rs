@@ -187,7 +187,10 @@ impl Processor {
                         state.assignment_open = false;
                         shutdown.cancel();
                     }
-                    state.on_assignment(&self.assignment.borrow());
+                    let current = self.assignment.borrow();
+                    state.on_assignment(&current);
+                    // Registered again (its lease ran out): this processor's logs name the new id.
+                    tracing::Span::current().record("instance", tracing::field::display(&current.instance));
                 }
             }
         }
@@ -372,8 +375,9 @@ impl State {
             Err(e) => {
                 // Deliveries catch their handlers' panics; this is a bug in the processor or an abort.
                 let key = self.tasks.remove(&e.id()).unwrap_or_default();
-                error!(error = %e, key, "delivery task ended without an outcome; its records will be delivered again");
-                self.in_flight.remove(&key);
+                let partition = self.in_flight.remove(&key);
+                error!(error = %e, key, ?partition,
+                    "delivery task ended without an outcome; its records will be delivered again");
             }
         }
     }
@@ -410,7 +414,9 @@ impl State {
             }
         }
         if let Some((batch, e)) = retry {
-            warn!(error = %e, records = batch.len(), retry_in = ?self.complete_backoff, "completion failed; retrying");
+            let first = batch.first().map(|o| (o.id, o.key.as_str(), o.partition));
+            warn!(error = %e, records = batch.len(), ?first, retry_in = ?self.complete_backoff,
+                "completion failed; retrying (first: record, key, partition)");
             self.outcomes.extend(batch);
             self.complete_not_before = Instant::now() + self.complete_backoff;
             self.complete_backoff = (self.complete_backoff * 2).min(COMPLETE_RETRY_MAX);
