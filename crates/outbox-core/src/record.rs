@@ -1,6 +1,7 @@
 //! The record model: what a caller schedules ([`NewRecord`]) and what a handler receives ([`Record`]).
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -35,8 +36,9 @@ pub enum Delay {
     After(Duration),
 }
 
-/// A record to schedule inside the caller's transaction.
-#[derive(Debug, Clone)]
+/// A record to schedule inside the caller's transaction. Its `Debug` shows the payload's length, never
+/// its bytes (payloads are never logged).
+#[derive(Clone)]
 pub struct NewRecord {
     /// Ordering key: records of one key are delivered one at a time, in commit order.
     pub key: String,
@@ -138,8 +140,9 @@ impl NewRecord {
 /// The last year a [`Delay::At`] may fall in (MySQL's `DATETIME` ends with it).
 const MAX_YEAR: i32 = 9999;
 
-/// A stored record as handed to a handler.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A stored record as handed to a handler. Its `Debug` shows the payload's length, never its bytes, so
+/// a handler that logs `?record` logs no payload.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Record {
     /// Stable id (UUID v7). Use it for deduplication downstream (it is the JetStream message id).
     pub id: Uuid,
@@ -181,6 +184,45 @@ pub struct Scheduled {
     pub delay: Option<Delay>,
 }
 
+/// Stands for a payload in `Debug` output: its length only.
+struct PayloadLen(usize);
+
+impl fmt::Debug for PayloadLen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "<{} bytes>", self.0)
+    }
+}
+
+impl fmt::Debug for NewRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NewRecord")
+            .field("key", &self.key)
+            .field("event_type", &self.event_type)
+            .field("payload", &PayloadLen(self.payload.len()))
+            .field("headers", &self.headers)
+            .field("delay", &self.delay)
+            .finish()
+    }
+}
+
+impl fmt::Debug for Record {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Record")
+            .field("id", &self.id)
+            .field("partition", &self.partition)
+            .field("key", &self.key)
+            .field("seq", &self.seq)
+            .field("event_type", &self.event_type)
+            .field("payload", &PayloadLen(self.payload.len()))
+            .field("headers", &self.headers)
+            .field("attempts", &self.attempts)
+            .field("created_at", &self.created_at)
+            .field("deliver_at", &self.deliver_at)
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
 /// A key any record could have: not empty, at most `MAX_KEY_BYTES`, without control characters.
 pub(crate) fn check_key(key: &str) -> Result<()> {
     if key.is_empty() {
@@ -203,6 +245,13 @@ mod tests {
 
     fn check(r: NewRecord) -> Result<()> {
         r.validate(16)
+    }
+
+    #[test]
+    fn debug_shows_a_payloads_length_never_its_bytes() {
+        let new = NewRecord::new("order-7", "order.created", "card=4111111111111111");
+        let shown = format!("{new:?}");
+        assert!(shown.contains("order-7") && shown.contains("<21 bytes>") && !shown.contains("4111"), "{shown}");
     }
 
     #[test]
