@@ -3,7 +3,10 @@
 //! transaction commits, and only then is the message acknowledged. A message delivered again (the
 //! consumer crashed between commit and ack, the ack was lost, a producer published it twice) finds its
 //! inbox row and is acknowledged without being applied again. A message whose apply or transaction
-//! fails is rolled back and negatively acknowledged, so JetStream delivers it again.
+//! fails is rolled back and negatively acknowledged with a growing delay, so JetStream delivers it
+//! again.
+
+use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, Message};
 use futures::{Stream, StreamExt};
@@ -51,8 +54,10 @@ where
                 }
             }
             Err(e) => {
-                warn!(source, message = %id, error = %e, "applying a message failed; rolled back, delivered again later");
-                if let Err(e) = message.ack_with(AckKind::Nak(None)).await {
+                let delay = redelivery_delay(&message);
+                warn!(source, message = %id, error = %e, redelivered_in = ?delay,
+                    "applying a message failed; rolled back, delivered again later");
+                if let Err(e) = message.ack_with(AckKind::Nak(Some(delay))).await {
                     warn!(source, message = %id, error = %e, "nak failed; JetStream delivers the message again after its ack wait");
                 }
                 consumed.failed += 1;
@@ -61,6 +66,17 @@ where
     }
     Ok(consumed)
 }
+
+/// How long JetStream waits before delivering a failed message again: 100 ms after its first delivery,
+/// doubling with each delivery up to 30 s, so a message that always fails does not spin the consumer.
+fn redelivery_delay(message: &Message) -> Duration {
+    let deliveries = message.info().map_or(1, |info| info.delivered.max(1));
+    let doublings = u32::try_from(deliveries - 1).unwrap_or(u32::MAX).min(9);
+    (REDELIVERY_FIRST * 2u32.pow(doublings)).min(REDELIVERY_MAX)
+}
+
+const REDELIVERY_FIRST: Duration = Duration::from_millis(100);
+const REDELIVERY_MAX: Duration = Duration::from_secs(30);
 
 /// Accepts and, if new, applies one message in a transaction of its own; whether it applied it.
 async fn apply_in_transaction<F>(
