@@ -19,7 +19,9 @@ use crate::retry::RetryPolicy;
 
 /// Objects live in their own schema so they never collide with the host application's tables.
 pub const DEFAULT_SCHEMA: &str = "outbox";
-/// 1 MiB: the default NATS max payload, so anything accepted here can be published there.
+/// 1 MiB: the default NATS max payload. NATS counts a message's headers in it too (the outbox adds about
+/// 200 bytes), so a payload within that of the limit is refused at publish, permanently (FAILED, with
+/// the broker's reason): lower this by your headers' size to refuse such records at `schedule` instead.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 /// Polling is the correctness path for new and due records; 100 ms bounds the added latency while an idle
 /// instance sends ten cheap index probes a second.
