@@ -597,17 +597,9 @@ async fn a_run_stops_at_the_lease_deadline(db: TestDb) {
     let outbox = outbox(&db, |c| c.key_lookahead = 8).await;
     let (me, partition) = own_partition_of(&db, "k", Epoch(3)).await;
     commit(&outbox, &db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
-    let sink = Sink::new();
-    let (handlers, Gate { entered, release }) = gated(&sink);
     let deadline = Deadline::now().after(Duration::from_millis(300));
-    let (tx, assignment) =
-        watch::channel(Assignment { instance: me, epochs: [(partition, Epoch(3))].into(), lease: Some(deadline) });
-    let stop = CancellationToken::new();
-    let processor = Processor::new(outbox.clone(), db.clone(), handlers, assignment);
-    let mut busy = processor.busy_partitions();
-    let processor = tokio::spawn(processor.run(stop.clone()));
-    entered.acquire().await.unwrap().forget();
-    busy.wait_for(|b| !b.is_empty()).await.unwrap();
+    let InCall { sink, release, assignment: tx, mut busy, stop, processor } =
+        in_call(&outbox, &db, me, partition, deadline).await;
     // Record 1 is in the handler, which waits for a release that does not come; the deadline passes.
     busy.wait_for(|b| b.is_empty()).await.unwrap();
     assert!(deadline.passed(), "the call ended only because the lease ran out");
@@ -623,6 +615,37 @@ async fn a_run_stops_at_the_lease_deadline(db: TestDb) {
     processor.await.unwrap().unwrap();
 }
 
+/// A processor under `me`'s grant of `partition` at epoch 3, its lease ending at `lease`, with a
+/// handler call in progress: recorded in `sink`, it waits for a `release` permit.
+struct InCall {
+    sink: Arc<Sink>,
+    release: Arc<Semaphore>,
+    assignment: watch::Sender<Assignment>,
+    busy: watch::Receiver<std::collections::BTreeSet<outbox_core::Partition>>,
+    stop: CancellationToken,
+    processor: tokio::task::JoinHandle<outbox_core::Result<()>>,
+}
+
+async fn in_call(
+    outbox: &outbox_core::Outbox,
+    db: &TestDb,
+    me: InstanceId,
+    partition: outbox_core::Partition,
+    lease: Deadline,
+) -> InCall {
+    let sink = Sink::new();
+    let (handlers, Gate { entered, release }) = gated(&sink);
+    let (assignment, watched) =
+        watch::channel(Assignment { instance: me, epochs: [(partition, Epoch(3))].into(), lease: Some(lease) });
+    let stop = CancellationToken::new();
+    let processor = Processor::new(outbox.clone(), db.clone(), handlers, watched);
+    let mut busy = processor.busy_partitions();
+    let processor = tokio::spawn(processor.run(stop.clone()));
+    entered.acquire().await.unwrap().forget();
+    busy.wait_for(|b| !b.is_empty()).await.unwrap();
+    InCall { sink, release, assignment, busy, stop, processor }
+}
+
 /// An instance declared dead registers again under a new id. The call it was running under the old id
 /// is cancelled at once, even when the processor sees only the new assignment and its lease has not
 /// run out here: another instance may already be delivering that partition.
@@ -630,18 +653,10 @@ async fn calls_of_an_instance_declared_dead_are_cancelled_under_its_new_id(db: T
     let outbox = outbox(&db, |_| {}).await;
     let (me, partition) = own_partition_of(&db, "k", Epoch(3)).await;
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
-    let sink = Sink::new();
-    let (handlers, Gate { entered, release: _never }) = gated(&sink);
-    let lease = Some(Deadline::now().after(LONG));
-    let (tx, assignment) = watch::channel(Assignment { instance: me, epochs: [(partition, Epoch(3))].into(), lease });
-    let stop = CancellationToken::new();
-    let processor = Processor::new(outbox.clone(), db.clone(), handlers, assignment);
-    let mut busy = processor.busy_partitions();
-    let processor = tokio::spawn(processor.run(stop.clone()));
-    entered.acquire().await.unwrap().forget();
-    busy.wait_for(|b| !b.is_empty()).await.unwrap();
+    let lease = Deadline::now().after(LONG);
+    let InCall { assignment: tx, mut busy, stop, processor, .. } = in_call(&outbox, &db, me, partition, lease).await;
     let again = register_instance(&db).await;
-    tx.send_replace(Assignment { instance: again, epochs: Default::default(), lease });
+    tx.send_replace(Assignment { instance: again, epochs: Default::default(), lease: Some(lease) });
     tokio::time::timeout(Duration::from_secs(10), busy.wait_for(|b| b.is_empty()))
         .await
         .expect("the call under the old id was not cancelled")
