@@ -190,22 +190,21 @@ impl Config {
     }
 }
 
-/// A lowercase, unquoted SQL identifier, so it can be spliced into statements without quoting.
-fn is_identifier(s: &str) -> bool {
-    let mut bytes = s.bytes();
-    matches!(bytes.next(), Some(b'a'..=b'z' | b'_'))
-        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
-        && s.len() <= 63
-}
-
 /// Longest schema name: the names built from it must fit every database's limit (MySQL's index
 /// `<schema>_records_partition_key_seq` its 64 characters, PostgreSQL's channel `<schema>.nudge` its 63).
 const MAX_SCHEMA_BYTES: usize = 32;
 
-/// A schema name every backend accepts: an identifier, short enough, and outside the prefixes the
-/// databases keep for themselves (`pg_` schemas on PostgreSQL, `sqlite_` tables on SQLite).
+/// A schema name every backend accepts: a lowercase, unquoted SQL identifier (spliced into statements
+/// without quoting), short enough, and outside the prefixes the databases keep for themselves (`pg_`
+/// schemas on PostgreSQL, `sqlite_` tables on SQLite, where the tables are named `<schema>_…`).
 fn is_schema_name(s: &str) -> bool {
-    is_identifier(s) && s.len() <= MAX_SCHEMA_BYTES && !s.starts_with("pg_") && !format!("{s}_").starts_with("sqlite_")
+    let mut bytes = s.bytes();
+    matches!(bytes.next(), Some(b'a'..=b'z' | b'_'))
+        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+        && s.len() <= MAX_SCHEMA_BYTES
+        && !s.starts_with("pg_")
+        && s != "sqlite"
+        && !s.starts_with("sqlite_")
 }
 
 #[cfg(test)]
