@@ -19,7 +19,10 @@ pub async fn connect(config: &NatsConfig) -> Result<Client> {
         Auth::Token { token } => options.token(token.clone()),
         Auth::UserPassword { user, password } => options.user_and_password(user.clone(), password.clone()),
         Auth::Nkey { seed } => options.nkey(seed.clone()),
-        Auth::CredentialsFile { path } => options.credentials_file(path).await.map_err(Error::Credentials)?,
+        Auth::CredentialsFile { path } => options
+            .credentials_file(path)
+            .await
+            .map_err(|source| Error::Credentials { path: path.clone(), source })?,
     };
     let tls = &config.tls;
     if tls.required {
@@ -36,4 +39,19 @@ pub async fn connect(config: &NatsConfig) -> Result<Client> {
         options.connect(&config.servers).await.map_err(|source| Error::Connect { servers: servers.clone(), source })?;
     info!(%servers, "connected to NATS");
     Ok(client)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The file is read before any server is dialled; its error says which file.
+    #[tokio::test]
+    async fn a_missing_credentials_file_is_named() {
+        let path = std::env::temp_dir().join("outbox-nats-no-such.creds");
+        let config = NatsConfig { auth: Auth::CredentialsFile { path: path.clone() }, ..NatsConfig::default() };
+        let err = connect(&config).await.unwrap_err();
+        assert!(matches!(&err, Error::Credentials { path: p, .. } if *p == path), "{err:?}");
+        assert!(err.to_string().contains("outbox-nats-no-such.creds"), "{err}");
+    }
 }

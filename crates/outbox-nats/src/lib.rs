@@ -59,8 +59,13 @@ pub enum Error {
         source: async_nats::ConnectError,
     },
     /// Reading a credentials file failed.
-    #[error("cannot read NATS credentials file: {0}")]
-    Credentials(std::io::Error),
+    #[error("cannot read NATS credentials file {}: {source}", path.display())]
+    Credentials {
+        /// The configured file.
+        path: std::path::PathBuf,
+        /// Why it could not be read.
+        source: std::io::Error,
+    },
     /// A JetStream API request about the stream failed.
     #[error("JetStream stream {stream:?}: {message}")]
     Stream {
