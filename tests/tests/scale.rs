@@ -153,12 +153,16 @@ fn kind(query: &str) -> Kind {
     let q = query.trim_start();
     if q.starts_with("WITH served AS") {
         Kind::Fetch
-    } else if q.contains("SET target_owner") || q.starts_with("DELETE FROM outbox.instances WHERE expires_at") {
+    } else if q.contains("SET target_owner") || q.starts_with(r#"DELETE FROM "outbox".instances WHERE expires_at"#) {
         Kind::Cluster { leader: true }
-    } else if q.contains("outbox.instances")
-        || ["SELECT partition, owner, epoch, target_owner", "WITH taken AS", "UPDATE outbox.partitions p SET owner"]
-            .iter()
-            .any(|c| q.starts_with(c))
+    } else if q.contains(r#""outbox".instances"#)
+        || [
+            "SELECT partition, owner, epoch, target_owner",
+            "WITH taken AS",
+            r#"UPDATE "outbox".partitions p SET owner"#,
+        ]
+        .iter()
+        .any(|c| q.starts_with(c))
     {
         Kind::Cluster { leader: false }
     } else if q.starts_with("WITH locked AS") || q.contains("pg_notify") {

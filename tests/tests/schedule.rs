@@ -19,6 +19,7 @@ every_backend!(
     migrations_are_idempotent_concurrent_and_use_their_own_table,
     scheduling_before_migrating_says_so,
     key_rows_are_pruned_and_sequences_keep_growing,
+    a_reserved_word_names_a_schema,
 );
 
 async fn committed_records_exist_and_rolled_back_ones_do_not(db: TestDb) {
@@ -208,4 +209,20 @@ async fn scheduling_before_migrating_says_so(db: TestDb) {
     let err = outbox.schedule(&mut tx, NewRecord::new("k", "t", "")).await.unwrap_err();
     assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
     assert!(err.to_string().contains("migrat"));
+}
+
+/// `user` is reserved in PostgreSQL; a schema of that name migrates, takes records and delivers them.
+async fn a_reserved_word_names_a_schema(db: TestDb) {
+    let config = Config { schema: "user".into(), poll_interval: Duration::from_millis(20), ..Config::default() };
+    let outbox = Outbox::new(config).unwrap();
+    outbox.migrate(&db).await.unwrap();
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "a"), NewRecord::new("k", "t", "b")]).await;
+    let sink = Sink::new();
+    let node = start(&outbox, &db, recording(&sink)).await;
+    wait_for("both records delivered", Duration::from_secs(30), || async { sink.len() == 2 }).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(sink.ranks_of("k"), [1, 2]);
+    let completed = db.db.table("user", "completed");
+    assert_eq!(count(&db, &format!("SELECT count(*) FROM {completed}")).await, 2);
+    assert!(outbox.stats(&db).await.unwrap().iter().all(|p| p.pending == 0 && p.failed == 0));
 }

@@ -194,8 +194,8 @@ impl Config {
 /// `<schema>_records_partition_key_seq` its 64 characters, PostgreSQL's channel `<schema>.nudge` its 63).
 const MAX_SCHEMA_BYTES: usize = 32;
 
-/// A schema name every backend accepts: a lowercase, unquoted SQL identifier (spliced into statements
-/// without quoting), short enough, and outside the prefixes the databases keep for themselves (`pg_`
+/// A schema name every backend accepts: a lowercase SQL identifier (spliced into statements: quoted on
+/// PostgreSQL, as a table name prefix elsewhere), short enough, and outside the prefixes the databases keep for themselves (`pg_`
 /// schemas on PostgreSQL, `sqlite_` tables on SQLite, where the tables are named `<schema>_…`).
 fn is_schema_name(s: &str) -> bool {
     let mut bytes = s.bytes();

@@ -19,10 +19,9 @@ pub async fn connect(config: &NatsConfig) -> Result<Client> {
         Auth::Token { token } => options.token(token.clone()),
         Auth::UserPassword { user, password } => options.user_and_password(user.clone(), password.clone()),
         Auth::Nkey { seed } => options.nkey(seed.clone()),
-        Auth::CredentialsFile { path } => options
-            .credentials_file(path)
-            .await
-            .map_err(|source| Error::Credentials { path: path.clone(), source })?,
+        Auth::CredentialsFile { path } => {
+            options.credentials_file(path).await.map_err(|source| Error::Credentials { path: path.clone(), source })?
+        }
     };
     let tls = &config.tls;
     if tls.required {

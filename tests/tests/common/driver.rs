@@ -108,7 +108,7 @@ impl TestDb {
             "SELECT count(*) FROM information_schema.processlist
              WHERE db = DATABASE() AND command = 'Execute' AND info LIKE 'INSERT INTO outbox_keys%'"
         } else {
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%outbox.keys%'"
+            r#"SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%"outbox".keys%'"#
         };
         Some(self.scalar(sql, &[]).await)
     }

@@ -100,9 +100,10 @@ pub(super) struct PgStatements {
 }
 
 impl PgStatements {
-    /// `schema` is validated by the outbox's config.
+    /// `schema` is validated by the outbox's config; quoted, a reserved word such as `user` names it too.
     pub(super) fn new(schema: &str) -> Self {
-        let build = |text: &str| -> Arc<str> { text.replace("{remaining}", REMAINING).replace("{s}", schema).into() };
+        let quoted = format!("\"{schema}\"");
+        let build = |text: &str| -> Arc<str> { text.replace("{remaining}", REMAINING).replace("{s}", &quoted).into() };
         Self {
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),

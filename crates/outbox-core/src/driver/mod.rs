@@ -125,12 +125,12 @@ impl Db {
         }
     }
 
-    /// The name of the outbox table `table` of `schema` as statements write it: `schema.table` on
-    /// PostgreSQL (a schema), `schema_table` on SQLite and MySQL (a prefix, in the connection's database).
+    /// The name of the outbox table `table` of `schema` as statements write it: `"schema".table` on
+    /// PostgreSQL (a schema, quoted), `schema_table` on SQLite and MySQL (a prefix, in the connection's database).
     pub fn table(&self, schema: &str, table: &str) -> String {
         match self {
             #[cfg(feature = "postgres")]
-            Db::Postgres(_) => format!("{schema}.{table}"),
+            Db::Postgres(_) => format!("{}.{table}", postgres::quoted(schema)),
             #[cfg(feature = "sqlite")]
             Db::Sqlite(_) => format!("{schema}_{table}"),
             #[cfg(feature = "mysql")]

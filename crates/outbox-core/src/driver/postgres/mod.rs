@@ -14,6 +14,7 @@ use tracing::{debug, info};
 use uuid::Uuid;
 
 pub use self::statements::PgStatements;
+pub(crate) use self::statements::quoted;
 use super::{ConnectOptions, Driver, count, millis, statement};
 use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};
@@ -166,18 +167,19 @@ impl Driver<'_, PgPool, PgStatements> {
             .bind(schema)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {schema}"))).execute(&mut *tx).await?;
+        let ident = self.statements.schema_ident();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {ident}"))).execute(&mut *tx).await?;
         sqlx::query(statement(&self.statements.migrations_table)).execute(&mut *tx).await?;
         let applied: Vec<(i64, i64)> =
-            sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT version, checksum FROM {schema}.schema_migrations")))
+            sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT version, checksum FROM {ident}.schema_migrations")))
                 .fetch_all(&mut *tx)
                 .await?;
         let pending = pending(schema, &applied, MIGRATIONS)?;
-        sqlx::query(sqlx::AssertSqlSafe(format!("SET LOCAL search_path TO {schema}"))).execute(&mut *tx).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("SET LOCAL search_path TO {ident}"))).execute(&mut *tx).await?;
         for m in pending {
             sqlx::raw_sql(m.sql).execute(&mut *tx).await?;
             sqlx::query(sqlx::AssertSqlSafe(format!(
-                "INSERT INTO {schema}.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)"
+                "INSERT INTO {ident}.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)"
             )))
             .bind(m.version)
             .bind(m.name)

@@ -1,5 +1,6 @@
 //! PostgreSQL's statements, written with a `{s}` placeholder for the configured schema and built once per
-//! [`Outbox`](crate::Outbox) (the schema name is validated as a plain identifier, so splicing it is safe).
+//! [`Outbox`](crate::Outbox) (the schema name is validated as a plain identifier, so splicing it is safe;
+//! it is spliced quoted, so a reserved word such as `user` names a schema too).
 
 use std::sync::Arc;
 
@@ -249,6 +250,11 @@ const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}.schema_migrations
 /// Wakes the listeners of channel `$1` with payload `$2` (see `wake.rs`).
 pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";
 
+/// `schema` as a quoted identifier: validated names hold no `"`, and quoting lets reserved words through.
+pub(crate) fn quoted(schema: &str) -> String {
+    format!("\"{schema}\"")
+}
+
 /// PostgreSQL's statements, built for one schema and mode.
 #[derive(Debug)]
 pub struct PgStatements {
@@ -278,6 +284,7 @@ pub struct PgStatements {
 impl PgStatements {
     /// `schema` must already be validated as an identifier.
     pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
+        let quoted = quoted(schema);
         let build = |text: &str| -> Arc<str> {
             text.replace("{written_and_held}", WRITTEN_AND_HELD)
                 .replace("{deliver_at}", DELIVER_AT)
@@ -285,7 +292,7 @@ impl PgStatements {
                 .replace("{fenced}", FENCED)
                 .replace("{cols}", RECORD_COLUMNS)
                 .replace("{failed_cols}", FAILED_COLUMNS)
-                .replace("{s}", schema)
+                .replace("{s}", &quoted)
                 .into()
         };
         let (step_due, head_due) = if stop_on_first_failure {
@@ -327,6 +334,11 @@ impl PgStatements {
 
     pub(crate) fn schema(&self) -> &str {
         &self.schema
+    }
+
+    /// The schema as an identifier to splice into a statement.
+    pub(crate) fn schema_ident(&self) -> String {
+        quoted(&self.schema)
     }
 }
 
