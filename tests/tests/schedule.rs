@@ -20,6 +20,8 @@ every_backend!(
     scheduling_before_migrating_says_so,
     key_rows_are_pruned_and_sequences_keep_growing,
     a_reserved_word_names_a_schema,
+    a_batch_larger_than_one_statement_carries_is_written_whole,
+    a_payload_over_the_servers_packet_is_refused_before_writing,
 );
 
 async fn committed_records_exist_and_rolled_back_ones_do_not(db: TestDb) {
@@ -225,4 +227,49 @@ async fn a_reserved_word_names_a_schema(db: TestDb) {
     let completed = db.db.table("user", "completed");
     assert_eq!(count(&db, &format!("SELECT count(*) FROM {completed}")).await, 2);
     assert!(outbox.stats(&db).await.unwrap().iter().all(|p| p.pending == 0 && p.failed == 0));
+}
+
+/// A batch of payloads at the default limit, 24 MiB in all, more than MariaDB takes in one statement by
+/// default (`max_allowed_packet` 16 MiB): every record is written, in order, in the caller's transaction.
+async fn a_batch_larger_than_one_statement_carries_is_written_whole(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let max = outbox.config().max_payload_bytes;
+    let batch: Vec<NewRecord> = (0..24u8).map(|i| NewRecord::new("k", "t", vec![i; max])).collect();
+    let mut tx = db.begin().await;
+    let scheduled = outbox.schedule_batch(&mut tx, &batch).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(scheduled.windows(2).all(|w| w[0].seq < w[1].seq), "numbered in batch order");
+    let rows = rows!(db, (i64, Vec<u8>), "SELECT seq, payload FROM {s}records ORDER BY seq");
+    assert_eq!(rows.len(), 24);
+    for (i, ((seq, payload), s)) in rows.iter().zip(&scheduled).enumerate() {
+        assert_eq!(*seq, s.seq);
+        assert!(payload.len() == max && payload.iter().all(|&b| usize::from(b) == i), "record {i}");
+    }
+}
+
+/// A payload within `max_payload_bytes` that MySQL still cannot take in one statement (16 MiB as base64
+/// is over MariaDB's default `max_allowed_packet`) is refused before writing, with a typed error that is
+/// not worth retrying; elsewhere it is written.
+async fn a_payload_over_the_servers_packet_is_refused_before_writing(db: TestDb) {
+    let outbox = outbox(&db, |c| c.max_payload_bytes = 16 << 20).await;
+    let mut tx = db.begin().await;
+    let result = outbox
+        .schedule_batch(&mut tx, &[NewRecord::new("small", "t", ""), NewRecord::new("k", "t", vec![7u8; 16 << 20])])
+        .await;
+    if db.is_mysql() {
+        let err = result.unwrap_err();
+        assert!(
+            matches!(&err, Error::PayloadTooLarge { key, len, max } if key == "k" && *len == 16 << 20 && *max < *len),
+            "{err:?}"
+        );
+        assert!(!err.is_transient());
+        // The caller's transaction is intact.
+        outbox.schedule(&mut tx, NewRecord::new("after", "t", "")).await.unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(pending(&db).await, 1);
+    } else {
+        result.unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(pending(&db).await, 2);
+    }
 }

@@ -35,7 +35,8 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
-    /// The payload is larger than the configured `max_payload_bytes`.
+    /// The payload is larger than the configured `max_payload_bytes`, or than the database takes in one
+    /// statement (MySQL's `max_allowed_packet`, with the payload in base64).
     #[error("payload of {len} bytes for key {key:?} is over the limit of {max} bytes")]
     PayloadTooLarge {
         /// Key of the rejected record.

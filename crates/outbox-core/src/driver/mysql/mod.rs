@@ -127,20 +127,23 @@ pub(super) async fn schedule(
     rows: &[NewRow<'_>],
 ) -> Result<Vec<(Uuid, i64)>> {
     let keys: BTreeSet<(&str, i16)> = rows.iter().map(|r| (r.key, i16::from(r.partition))).collect();
-    let records: Vec<_> = rows
+    let records = rows
         .iter()
         .map(|r| {
             let payload = base64::engine::general_purpose::STANDARD.encode(r.payload);
             // The text form a DATETIME(6) column takes from JSON.
             let at = r.deliver_at.map(|at| at.format("%Y-%m-%d %H:%M:%S%.6f").to_string());
             let (id, partition) = (hex(r.id), i16::from(r.partition));
-            (id, partition, r.key, r.event_type, payload, r.headers.as_str(), at, r.deliver_after_ms)
+            json(&(id, partition, r.key, r.event_type, payload, r.headers.as_str(), at, r.deliver_after_ms))
         })
-        .collect();
+        .collect::<Result<Vec<String>>>()?;
+    fits_a_packet(conn, rows, &records).await?;
     let ids: Vec<String> = rows.iter().map(|r| hex(r.id)).collect();
     let mut tx = conn.begin().await?;
     sqlx::query(statement(&s.lock_keys)).bind(json(&keys)?).execute(&mut *tx).await?;
-    sqlx::query(statement(&s.insert)).bind(json(&records)?).execute(&mut *tx).await?;
+    for chunk in json_arrays(&records, INSERT_BYTES) {
+        sqlx::query(statement(&s.insert)).bind(chunk).execute(&mut *tx).await?;
+    }
     let numbers: Vec<(Uuid, i64)> = sqlx::query_as(statement(&s.numbers)).bind(json(&ids)?).fetch_all(&mut *tx).await?;
     tx.commit().await?;
     let numbers: std::collections::HashMap<Uuid, i64> = numbers.into_iter().collect();
@@ -151,6 +154,52 @@ pub(super) async fn schedule(
             })
         })
         .collect()
+}
+
+/// Records' JSON per insert statement. MySQL answers a statement over `max_allowed_packet` (16 MiB by
+/// default on MariaDB, 4 MiB on MySQL 5.7) by closing the connection, an error that looks transient and
+/// would come back on every retry; so a batch of large payloads goes as several statements of the one
+/// transaction, in batch order (the `AUTO_INCREMENT` numbers follow).
+const INSERT_BYTES: usize = 1 << 20;
+
+/// Room in a packet for the statement's own bytes around the records' JSON.
+const PACKET_SLACK: usize = 4096;
+
+/// The records' JSON elements as JSON arrays of about `budget` bytes each (a larger record alone).
+fn json_arrays(records: &[String], budget: usize) -> Vec<String> {
+    let mut arrays = Vec::new();
+    let mut array = String::from("[");
+    for record in records {
+        if array.len() > 1 && array.len() + record.len() + 1 > budget {
+            array.push(']');
+            arrays.push(std::mem::replace(&mut array, String::from("[")));
+        }
+        if array.len() > 1 {
+            array.push(',');
+        }
+        array.push_str(record);
+    }
+    array.push(']');
+    arrays.push(array);
+    arrays
+}
+
+/// Refuses, before writing, a record whose JSON (its payload in base64) is more than the server takes in
+/// one statement. Asks the server its limit only when a record is over [`INSERT_BYTES`].
+async fn fits_a_packet(conn: &mut MySqlConnection, rows: &[NewRow<'_>], records: &[String]) -> Result<()> {
+    if records.iter().all(|r| r.len() + 2 <= INSERT_BYTES) {
+        return Ok(());
+    }
+    let limit: u64 = sqlx::query_scalar("SELECT CAST(@@max_allowed_packet AS UNSIGNED)").fetch_one(&mut *conn).await?;
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX).saturating_sub(PACKET_SLACK);
+    match rows.iter().zip(records).find(|(_, json)| json.len() + 2 > limit) {
+        Some((row, json)) => {
+            // The largest payload whose base64 fits beside the rest of this record's JSON.
+            let room = limit.saturating_sub(json.len() + 2 - row.payload.len().div_ceil(3) * 4);
+            Err(Error::PayloadTooLarge { key: row.key.to_string(), len: row.payload.len(), max: room / 4 * 3 })
+        }
+        None => Ok(()),
+    }
 }
 
 /// Accepts a message on the caller's connection (see `Conn::accept`).
@@ -383,10 +432,18 @@ mod tests {
     use sqlx::{AssertSqlSafe, MySql, MySqlConnection, MySqlPool, Row};
     use uuid::Uuid;
 
-    use super::MySqlStatements;
+    use super::{MySqlStatements, json_arrays};
     use crate::assignment::{Epoch, InstanceId};
     use crate::stored::Request;
     use crate::{Config, Db, Outbox};
+
+    #[test]
+    fn records_split_into_arrays_within_the_budget_in_order() {
+        let records: Vec<String> = ["1", "22", "333", "4444", "55555"].map(String::from).into();
+        assert_eq!(json_arrays(&records, 8), ["[1,22]", "[333]", "[4444]", "[55555]"]);
+        assert_eq!(json_arrays(&records, 100), ["[1,22,333,4444,55555]"]);
+        assert_eq!(json_arrays(&records, 1), ["[1]", "[22]", "[333]", "[4444]", "[55555]"]);
+    }
 
     /// One line of MariaDB's `EXPLAIN`: query kind, table, access type, index, extra.
     #[derive(Debug)]
