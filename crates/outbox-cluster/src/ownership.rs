@@ -184,12 +184,17 @@ impl Ownership {
     }
 
     /// Releases the partitions given up that have nothing in flight any more (read after the
-    /// assignment without them was sent, so none of their records can be dispatched), and nudges the
-    /// instances they go to.
+    /// assignment without them was sent, so none of their records can be dispatched) and are not in a
+    /// quiet period (released, the next owner would take one as free, with no quiet period of its own,
+    /// while the dead owner may still be delivering), and nudges the instances they go to.
     async fn release_drained(&self, rounds: &mut Rounds) -> Result<()> {
         let busy = self.busy.borrow().clone();
-        let release: Epochs =
-            rounds.giving_up.iter().filter(|(p, _)| !busy.contains(p)).map(|(&p, &(epoch, _))| (p, epoch)).collect();
+        let release: Epochs = rounds
+            .giving_up
+            .iter()
+            .filter(|(p, _)| !busy.contains(p) && !rounds.quiet.contains_key(p))
+            .map(|(&p, &(epoch, _))| (p, epoch))
+            .collect();
         if !release.is_empty() {
             let freed = release_partitions(&self.store, rounds.instance, &release, "rebalance").await?;
             let to = freed.iter().filter_map(|p| rounds.giving_up.get(p).and_then(|&(_, to)| to));
