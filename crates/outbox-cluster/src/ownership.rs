@@ -144,6 +144,7 @@ impl Ownership {
         // What this round read is what this instance owns, with what it takes now (no other instance
         // takes its partitions while its lease is live).
         let mut owned: Epochs = rows.iter().filter(|r| r.owner == Some(id)).map(|r| (r.partition, r.epoch)).collect();
+        self.hold_back_unheard(rounds, &owned);
         if rows.iter().any(|r| mine(&r.partition) && r.owner != Some(id)) {
             for (partition, epoch, quiet) in self.acquire(id).await? {
                 owned.insert(partition, epoch);
@@ -181,6 +182,24 @@ impl Ownership {
         metrics::histogram!("outbox_ownership_round_seconds", "leader" => leader.to_string())
             .record(began.elapsed().as_secs_f64());
         Ok(())
+    }
+
+    /// Holds back the partitions `owned` that this instance never heard it acquired: an acquisition
+    /// whose reply was lost (committed, then the connection dropped). Their previous owner, unknown, may
+    /// still be delivering, so they get the longest quiet period this instance's settings imply.
+    fn hold_back_unheard(&self, rounds: &mut Rounds, owned: &Epochs) {
+        let assigned = self.assign.borrow().epochs.clone();
+        let quiet = (2 * self.config.heartbeat_interval).max(self.config.stale_timeout);
+        for (&partition, &epoch) in owned {
+            let heard = assigned.get(&partition) == Some(&epoch)
+                || rounds.quiet.get(&partition).is_some_and(|&(e, _)| e == epoch)
+                || rounds.giving_up.get(&partition).is_some_and(|&(e, _)| e == epoch);
+            if !heard {
+                warn!(partition, %epoch, instance = %rounds.instance, ?quiet,
+                    "owning a partition whose acquisition was never confirmed; delivering it after a quiet period");
+                rounds.quiet.insert(partition, (epoch, Instant::now() + quiet));
+            }
+        }
     }
 
     /// Releases the partitions given up that have nothing in flight any more (read after the
