@@ -374,6 +374,9 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
         let mut tx = begin(self.pool).await?;
+        if sqlx::query(statement(&self.statements.skip_lock)).bind(id).fetch_optional(&mut *tx).await?.is_none() {
+            return Ok(false);
+        }
         sqlx::query(statement(&self.statements.skip_keep)).bind(id).execute(&mut *tx).await?;
         let deleted = sqlx::query(statement(&self.statements.skip_delete)).bind(id).execute(&mut *tx).await?;
         tx.commit().await?;

@@ -161,6 +161,10 @@ const REQUEUE_ALL: &str =
     "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
 WHERE failed_at IS NOT NULL";
 
+/// Locks a FAILED record for its skip, reading it as a concurrent requeue left it: the copy below reads
+/// without locks (READ COMMITTED), so without this it copied a record a requeue was making pending.
+const SKIP_LOCK: &str = "SELECT 1 FROM {s}_records WHERE id = ? AND failed_at IS NOT NULL FOR UPDATE";
+
 const SKIP_KEEP: &str =
     "INSERT INTO {s}_completed (id, `partition`, `key`, seq, event_type, payload, headers, created_at, attempts, outcome)
 SELECT id, `partition`, `key`, seq, event_type, payload, headers, created_at, attempts, 'skipped'
@@ -222,6 +226,7 @@ pub struct MySqlStatements {
     pub(super) list_failed: Arc<str>,
     pub(super) requeue: Arc<str>,
     pub(super) requeue_all: Arc<str>,
+    pub(super) skip_lock: Arc<str>,
     pub(super) skip_keep: Arc<str>,
     pub(super) skip_delete: Arc<str>,
     pub(super) stats: Arc<str>,
@@ -264,6 +269,7 @@ impl MySqlStatements {
             list_failed: build(LIST_FAILED),
             requeue: build(REQUEUE),
             requeue_all: build(REQUEUE_ALL),
+            skip_lock: build(SKIP_LOCK),
             skip_keep: build(SKIP_KEEP),
             skip_delete: build(SKIP_DELETE),
             stats: build(STATS),
