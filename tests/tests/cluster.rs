@@ -326,6 +326,25 @@ async fn a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition(
     assert_first_deliveries_in_order(&sink, 60, 100);
 }
 
+/// Starts `a` with `a_config` (calls of two awaits of up to 100 ms) and `b` (fast, short calls); returns
+/// them once they own half the partitions each.
+async fn a_and_b_balanced(
+    outbox: &Outbox,
+    db: &TestDb,
+    a_config: outbox_cluster::ClusterConfig,
+    sink: &Arc<Sink>,
+    exclusive: &Arc<Exclusive>,
+) -> (Node, Node) {
+    let a = start_calls(outbox, db, a_config, sink, exclusive, 100).await;
+    let b = start_named(outbox, db, "b", sink, exclusive).await;
+    wait_for("two instances balanced", LONG, || async {
+        let o = owners(db).await;
+        o.len() == 2 && o.values().all(|&n| n == 128)
+    })
+    .await;
+    (a, b)
+}
+
 /// At least once, in order: for each of `keys` keys, a record's first delivery comes after every earlier
 /// record's (a cancelled call's record is delivered again later).
 fn assert_first_deliveries_in_order(sink: &Sink, keys: usize, rounds: i64) {
@@ -355,13 +374,7 @@ async fn a_partition_handed_on_during_its_quiet_period_stays_quiet(db: TestDb) {
         stale_timeout: Duration::from_secs(12),
         ..fast_cluster()
     };
-    let a = start_calls(&outbox, &db, a_config, &sink, &exclusive, 100).await;
-    let b = start_named(&outbox, &db, "b", &sink, &exclusive).await;
-    wait_for("two instances balanced", LONG, || async {
-        let o = owners(&db).await;
-        o.len() == 2 && o.values().all(|&n| n == 128)
-    })
-    .await;
+    let (a, b) = a_and_b_balanced(&outbox, &db, a_config, &sink, &exclusive).await;
     let a_id = a.id();
     end_lease(&db, a_id).await;
     wait_for("b took every partition", LONG, || async { owners(&db).await.get(&b.id()) == Some(&256) }).await;
@@ -385,13 +398,7 @@ async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
     let producer = produce(&outbox, &db, 60, 100);
     let a_config = outbox_cluster::ClusterConfig { name: "a".into(), ..fast_cluster() };
-    let a = start_calls(&outbox, &db, a_config, &sink, &exclusive, 100).await;
-    let b = start_named(&outbox, &db, "b", &sink, &exclusive).await;
-    wait_for("two instances balanced", LONG, || async {
-        let o = owners(&db).await;
-        o.len() == 2 && o.values().all(|&n| n == 128)
-    })
-    .await;
+    let (a, b) = a_and_b_balanced(&outbox, &db, a_config, &sink, &exclusive).await;
     exec!(
         db,
         "UPDATE {s}partitions SET owner = $1, epoch = epoch + 1, target_owner = $1 WHERE owner = $2",
