@@ -195,8 +195,9 @@ impl Config {
 const MAX_SCHEMA_BYTES: usize = 32;
 
 /// A schema name every backend accepts: a lowercase SQL identifier (spliced into statements: quoted on
-/// PostgreSQL, as a table name prefix elsewhere), short enough, and outside the prefixes the databases keep for themselves (`pg_`
-/// schemas on PostgreSQL, `sqlite_` tables on SQLite, where the tables are named `<schema>_…`).
+/// PostgreSQL, as a table name prefix elsewhere), short enough, and outside the prefixes the databases
+/// keep for themselves (`pg_` schemas on PostgreSQL, `sqlite_` tables on SQLite, where the tables are
+/// named `<schema>_…`).
 fn is_schema_name(s: &str) -> bool {
     let mut bytes = s.bytes();
     matches!(bytes.next(), Some(b'a'..=b'z' | b'_'))

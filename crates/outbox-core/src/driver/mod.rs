@@ -126,7 +126,8 @@ impl Db {
     }
 
     /// The name of the outbox table `table` of `schema` as statements write it: `"schema".table` on
-    /// PostgreSQL (a schema, quoted), `schema_table` on SQLite and MySQL (a prefix, in the connection's database).
+    /// PostgreSQL (a schema, quoted), `schema_table` on SQLite and MySQL (a prefix, in the connection's
+    /// database).
     pub fn table(&self, schema: &str, table: &str) -> String {
         match self {
             #[cfg(feature = "postgres")]
