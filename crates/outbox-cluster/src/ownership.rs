@@ -188,10 +188,10 @@ impl Ownership {
     /// whose reply was lost (committed, then the connection dropped). Their previous owner, unknown, may
     /// still be delivering, so they get the longest quiet period this instance's settings imply.
     fn hold_back_unheard(&self, rounds: &mut Rounds, owned: &Epochs) {
-        let assigned = self.assign.borrow().epochs.clone();
+        let assigned = self.assign.borrow();
         let quiet = (2 * self.config.heartbeat_interval).max(self.config.stale_timeout);
         for (&partition, &epoch) in owned {
-            let heard = assigned.get(&partition) == Some(&epoch)
+            let heard = assigned.epochs.get(&partition) == Some(&epoch)
                 || rounds.quiet.get(&partition).is_some_and(|&(e, _)| e == epoch)
                 || rounds.giving_up.get(&partition).is_some_and(|&(e, _)| e == epoch);
             if !heard {

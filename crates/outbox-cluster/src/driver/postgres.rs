@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::driver::postgres::quoted;
 use outbox_core::driver::{millis, statement};
 use outbox_core::{Epochs, InstanceId, Partition};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -102,8 +103,8 @@ pub(super) struct PgStatements {
 impl PgStatements {
     /// `schema` is validated by the outbox's config; quoted, a reserved word such as `user` names it too.
     pub(super) fn new(schema: &str) -> Self {
-        let quoted = format!("\"{schema}\"");
-        let build = |text: &str| -> Arc<str> { text.replace("{remaining}", REMAINING).replace("{s}", &quoted).into() };
+        let schema = quoted(schema);
+        let build = |text: &str| -> Arc<str> { text.replace("{remaining}", REMAINING).replace("{s}", &schema).into() };
         Self {
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),

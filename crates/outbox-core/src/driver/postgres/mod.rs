@@ -13,8 +13,7 @@ use tokio::sync::watch;
 use tracing::{debug, info};
 use uuid::Uuid;
 
-pub use self::statements::PgStatements;
-pub(crate) use self::statements::quoted;
+pub use self::statements::{PgStatements, quoted};
 use super::{ConnectOptions, Driver, count, millis, statement};
 use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};

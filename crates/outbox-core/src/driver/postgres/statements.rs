@@ -250,8 +250,9 @@ const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {s}.schema_migrations
 /// Wakes the listeners of channel `$1` with payload `$2` (see `wake.rs`).
 pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";
 
-/// `schema` as a quoted identifier: validated names hold no `"`, and quoting lets reserved words through.
-pub(crate) fn quoted(schema: &str) -> String {
+/// `schema` as a quoted identifier to splice into a statement (this crate's and `outbox-cluster`'s):
+/// validated names hold no `"`, and quoting lets reserved words through.
+pub fn quoted(schema: &str) -> String {
     format!("\"{schema}\"")
 }
 
