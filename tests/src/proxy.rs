@@ -1,8 +1,12 @@
 //! A TCP proxy on a free loopback port that delays everything it forwards by a fixed time each way: the
 //! network between a service's pods and their database, which is never loopback. Bytes keep their order;
-//! the delay is added to each chunk as it is read, so bandwidth is not limited.
+//! the delay is added to each chunk as it is read, so bandwidth is not limited. It can also make the
+//! connections it already carries stop answering ([`DelayProxy::stall`]): a database host gone, or a
+//! failover that left clients holding half-open connections.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -15,6 +19,10 @@ use tokio::time::Instant;
 pub struct DelayProxy {
     pub port: u16,
     accept: JoinHandle<()>,
+    /// Connections accepted so far; each is numbered in that order.
+    accepted: Arc<AtomicU64>,
+    /// Connections numbered below this stopped forwarding.
+    stalled_below: Arc<AtomicU64>,
 }
 
 impl DelayProxy {
@@ -22,17 +30,42 @@ impl DelayProxy {
     pub async fn start(target: u16, delay: Duration) -> DelayProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
+        let (accepted, stalled_below) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (counted, stalled) = (accepted.clone(), stalled_below.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                let number = counted.fetch_add(1, Ordering::SeqCst);
                 let Ok(server) = TcpStream::connect(("127.0.0.1", target)).await else { continue };
                 let _ = (client.set_nodelay(true), server.set_nodelay(true));
                 let ((client_read, client_write), (server_read, server_write)) =
                     (client.into_split(), server.into_split());
-                tokio::spawn(forward(client_read, server_write, delay));
-                tokio::spawn(forward(server_read, client_write, delay));
+                let link = Link { number, delay, stalled_below: stalled.clone() };
+                tokio::spawn(forward(client_read, server_write, link.clone()));
+                tokio::spawn(forward(server_read, client_write, link));
             }
         });
-        DelayProxy { port, accept }
+        DelayProxy { port, accept, accepted, stalled_below }
+    }
+
+    /// Every connection open now stops forwarding in both directions, its sockets left open: what its
+    /// ends send is read and dropped, so they wait for answers that never come. Connections opened
+    /// later are forwarded as before.
+    pub fn stall(&self) {
+        self.stalled_below.store(self.accepted.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+/// One forwarded connection: its number, the delay each way, and the proxy's stall mark.
+#[derive(Clone)]
+struct Link {
+    number: u64,
+    delay: Duration,
+    stalled_below: Arc<AtomicU64>,
+}
+
+impl Link {
+    fn stalled(&self) -> bool {
+        self.number < self.stalled_below.load(Ordering::SeqCst)
     }
 }
 
@@ -42,12 +75,17 @@ impl Drop for DelayProxy {
     }
 }
 
-/// Copies `from` to `to`, each chunk written `delay` after it was read; ends when either side closes.
-async fn forward(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, delay: Duration) {
+/// Copies `from` to `to`, each chunk written the link's delay after it was read, until the link is
+/// stalled; ends when either side closes.
+async fn forward(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, link: Link) {
+    let delay = link.delay;
     let (chunks, mut due) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let writer = tokio::spawn(async move {
         while let Some((at, chunk)) = due.recv().await {
             tokio::time::sleep_until(at).await;
+            if link.stalled() {
+                continue;
+            }
             if to.write_all(&chunk).await.is_err() {
                 return;
             }

@@ -345,21 +345,6 @@ async fn a_and_b_balanced(
     (a, b)
 }
 
-/// At least once, in order: for each of `keys` keys, a record's first delivery comes after every earlier
-/// record's (a cancelled call's record is delivered again later).
-fn assert_first_deliveries_in_order(sink: &Sink, keys: usize, rounds: i64) {
-    for k in 0..keys {
-        let ranks = sink.ranks_of(&format!("key-{k}"));
-        let mut firsts: Vec<i64> = Vec::new();
-        for &rank in &ranks {
-            if !firsts.contains(&rank) {
-                firsts.push(rank);
-            }
-        }
-        assert_eq!(firsts, (1..=rounds).collect::<Vec<i64>>(), "key-{k}: {ranks:?}");
-    }
-}
-
 /// A partition taken from an instance whose lease ended early stays quiet for its whole quiet period
 /// even when the rebalance hands it on meanwhile: released at once, it was taken as free by the next
 /// instance, which delivered while the first one's calls still ran (it notices at its next heartbeat).

@@ -20,6 +20,7 @@ every_backend!(
     an_error_text_with_nul_is_stored_and_the_rest_of_the_batch_is_completed,
     a_hot_key_set_that_sorts_low_cannot_starve_a_key_that_sorts_high,
     shutdown_stops_every_task_even_when_marking_the_instance_draining_fails,
+    connections_that_stop_answering_are_given_up_and_delivery_goes_on,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -174,4 +175,35 @@ fn a_route_with_an_invalid_retry_policy_is_refused_when_built() {
         Err(other) => panic!("expected a configuration error, got {other}"),
         Ok(_) => panic!("an invalid policy was accepted"),
     }
+}
+
+/// Every connection to the database stops answering at once, its socket left open (the database's host
+/// gone, a failover that left its clients half-open connections), while handler calls run: no statement
+/// on those connections ever ends, not even with an error. Each round trip (the calls' completion, the
+/// next fetch, the ownership round) gives up after `query_timeout` and closes its connection; the node
+/// connects again, completes the calls, delivers what was committed meanwhile, in order, and still
+/// stops. Before, the fetch waited forever while the heartbeat, on a new connection, kept the lease:
+/// the instance held every partition and delivered nothing, silently.
+async fn connections_that_stop_answering_are_given_up_and_delivery_goes_on(db: TestDb) {
+    let Some((through, proxy)) = db.through_proxy().await else { return };
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    let sink = Sink::new();
+    let (handlers, gate) = gated(&sink);
+    let node = start(&outbox, &through, handlers).await;
+    let keys = |round| (0..8).map(|k| NewRecord::new(format!("key-{k}"), "t", format!("{round}"))).collect();
+    commit(&outbox, &db, keys(1)).await;
+    let entered = tokio::time::timeout(LONG, gate.entered.acquire_many(8)).await;
+    entered.expect("the first round's calls started").unwrap().forget();
+    proxy.stall();
+    gate.release.add_permits(1_000);
+    for round in 2..=4 {
+        commit(&outbox, &db, keys(round)).await;
+    }
+    wait_for("the rounds committed after the stall delivered", LONG, || async {
+        (0..8).all(|k| sink.ranks_of(&format!("key-{k}")).contains(&4))
+    })
+    .await;
+    drained(&db, LONG).await;
+    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
+    assert_first_deliveries_in_order(&sink, 8, 4);
 }

@@ -46,6 +46,12 @@ pub const DEFAULT_KEY_LOOKAHEAD: usize = 32;
 pub const DEFAULT_KEY_LOOKAHEAD_BYTES: usize = 64 * 1024;
 /// A handler that has not answered in 30 s is treated as a retryable failure.
 pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
+/// A round trip of the workers' that has not answered in 10 s is given up and its connection closed: a
+/// connection that stopped answering (its host gone, a failover that left it half-open) never ends in
+/// an error of its own, and would hold its work, and its place in the pool, forever. Ten seconds is
+/// hundreds of times what a fetch or a completion batch takes; the kernel gives up on unacknowledged
+/// writes only after about 15 minutes (`tcp_retries2`), and never while the far end acknowledges.
+pub const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Completed records stay an hour for inspection and replay, then are purged.
 pub const DEFAULT_COMPLETED_RETENTION: Duration = Duration::from_secs(3600);
 /// Purge once a minute.
@@ -100,6 +106,12 @@ pub struct Config {
     /// again), so no call outlives its instance's hold on the partition.
     #[serde(with = "humantime_serde")]
     pub handler_timeout: Duration,
+    /// Time limit of one of the workers' round trips to the database: a fetch, a batch of completions, a
+    /// step of an ownership round. Past it the work is given up (retried, as after a lost connection)
+    /// and its connection closed, not returned to the pool. Raise it only for a database that
+    /// legitimately takes longer.
+    #[serde(with = "humantime_serde")]
+    pub query_timeout: Duration,
     /// Hold back a key's later records while an earlier one is failing (default on).
     pub stop_on_first_failure: bool,
     /// Default retry policy (handlers may register their own).
@@ -132,6 +144,7 @@ impl Default for Config {
             key_lookahead: DEFAULT_KEY_LOOKAHEAD,
             key_lookahead_bytes: DEFAULT_KEY_LOOKAHEAD_BYTES,
             handler_timeout: DEFAULT_HANDLER_TIMEOUT,
+            query_timeout: DEFAULT_QUERY_TIMEOUT,
             stop_on_first_failure: true,
             retry: RetryPolicy::default(),
             completion: Completion::Keep,
@@ -162,6 +175,7 @@ impl Config {
             ("listen_poll_interval", self.listen_poll_interval),
             ("active_poll_interval", self.active_poll_interval),
             ("handler_timeout", self.handler_timeout),
+            ("query_timeout", self.query_timeout),
             ("purge_interval", self.purge_interval),
             ("shutdown_timeout", self.shutdown_timeout),
         ] {

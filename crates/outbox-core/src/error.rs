@@ -155,6 +155,16 @@ pub enum Error {
     /// A database error.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// A round trip to the database got no answer within the configured `query_timeout`: the connection
+    /// stopped answering (its host gone, a half-open connection) or the database is overloaded. The
+    /// connection was closed, not returned to its pool. Transient.
+    #[error("{work}: no answer from the database within {after:?}; its connection was closed")]
+    QueryTimeout {
+        /// What was asked of the database.
+        work: &'static str,
+        /// How long it waited.
+        after: Duration,
+    },
     /// A SQLite transaction waited this long for its turn at the file: another transaction of this
     /// process held the write lock (see `driver::sqlite::write`). Transient, as SQLite's own busy error.
     #[error("waited {waited:?} for the write lock of {database}, held by another transaction of this process")]

@@ -10,7 +10,7 @@ use std::time::Duration;
 use tracing::instrument;
 
 use crate::Outbox;
-use crate::driver::{Conn, Db};
+use crate::driver::{Conn, Db, answered_within};
 use crate::error::{Error, Result};
 
 /// Longest accepted source or message id, in bytes.
@@ -89,7 +89,10 @@ impl Inbox {
     pub async fn purge(&self, db: impl Into<Db>, retention: Duration, batch_size: usize) -> Result<u64> {
         let (db, outbox) = (db.into(), &self.outbox);
         crate::purge::in_batches(batch_size, || async {
-            db.purge_inbox(outbox.statements(), retention, batch_size).await.map_err(|e| outbox.not_migrated(e))
+            let purge = db.purge_inbox(outbox.statements(), retention, batch_size);
+            answered_within(outbox.config().query_timeout, "purging the inbox", purge)
+                .await
+                .map_err(|e| outbox.not_migrated(e))
         })
         .await
     }

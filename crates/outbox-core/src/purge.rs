@@ -7,7 +7,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, instrument, warn};
 
 use crate::Outbox;
-use crate::driver::Db;
+use crate::driver::{Db, answered_within};
 use crate::error::{Error, Result};
 
 impl Outbox {
@@ -17,7 +17,10 @@ impl Outbox {
     pub async fn purge_completed(&self, db: impl Into<Db>, retention: Duration, batch_size: usize) -> Result<u64> {
         let db = db.into();
         in_batches(batch_size, || async {
-            db.purge(self.statements(), retention, batch_size).await.map_err(|e| self.not_migrated(e))
+            let purge = db.purge(self.statements(), retention, batch_size);
+            answered_within(self.config().query_timeout, "purging completed records", purge)
+                .await
+                .map_err(|e| self.not_migrated(e))
         })
         .await
     }
@@ -29,7 +32,10 @@ impl Outbox {
     pub async fn prune_keys(&self, db: impl Into<Db>, batch_size: usize) -> Result<u64> {
         let db = db.into();
         in_batches(batch_size, || async {
-            db.prune_keys(self.statements(), batch_size).await.map_err(|e| self.not_migrated(e))
+            let prune = db.prune_keys(self.statements(), batch_size);
+            answered_within(self.config().query_timeout, "pruning key rows", prune)
+                .await
+                .map_err(|e| self.not_migrated(e))
         })
         .await
     }

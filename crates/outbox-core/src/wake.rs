@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use crate::Outbox;
 use crate::assignment::InstanceId;
-use crate::driver::Db;
+use crate::driver::{Db, answered_within};
 use crate::error::Result;
 use crate::notice::{Message, Nudges, Partitions, Wake};
 use crate::record::{Delay, Scheduled};
@@ -68,7 +68,8 @@ impl Outbox {
         for &wake in wakes {
             self.wakeups().send(wake);
         }
-        db.notify(self.statements(), self.wakeups(), Message::Wake(wakes)).await
+        let notify = db.notify(self.statements(), self.wakeups(), Message::Wake(wakes));
+        answered_within(self.config().query_timeout, "sending wake-ups", notify).await
     }
 
     /// Asks the ownership rounds of `instances` to run now instead of at their next tick: the cluster
@@ -81,7 +82,9 @@ impl Outbox {
             return Ok(());
         }
         self.wakeups().nudge(instances);
-        db.into().notify(self.statements(), self.wakeups(), Message::Nudge(instances)).await
+        let db = db.into();
+        let notify = db.notify(self.statements(), self.wakeups(), Message::Nudge(instances));
+        answered_within(self.config().query_timeout, "sending nudges", notify).await
     }
 
     /// The nudges this process hears for this `Outbox`: those sent here, and on PostgreSQL those heard

@@ -3,8 +3,10 @@
 //! waiters, server connections, catalog tables).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use outbox_core::{Db, NewRecord, Outbox, Scheduled};
+use outbox_tests::proxy::DelayProxy;
 use sqlx::PgPool;
 
 use super::TestDb;
@@ -39,6 +41,20 @@ impl TestDb {
         let base = std::env::var("DATABASE_URL").unwrap();
         let (server, _) = base.rsplit_once('/').unwrap();
         format!("{server}/{db}")
+    }
+
+    /// The same database reached through a proxy of its own on loopback (no delay), in a pool of its
+    /// own; `None` where the database is not reached over the network (SQLite).
+    pub async fn through_proxy(&self) -> Option<(TestDb, DelayProxy)> {
+        if self.is_sqlite() {
+            return None;
+        }
+        let url = self.url().await;
+        let (server, database) = url.rsplit_once('/').unwrap();
+        let (host, port) = server.rsplit_once(':').unwrap();
+        let proxy = DelayProxy::start(port.parse().unwrap(), Duration::ZERO).await;
+        let db = Db::connect(&format!("{host}:{}/{database}", proxy.port)).await.unwrap();
+        Some((TestDb { db, ..self.clone() }, proxy))
     }
 
     /// Renders a statement written for every backend: `{s}` is the outbox's table qualifier (`outbox.` on

@@ -195,6 +195,21 @@ impl Sink {
     }
 }
 
+/// At least once, in order: for each of `keys` keys, a record's first delivery comes after every earlier
+/// record's (a cancelled call's record is delivered again later).
+pub fn assert_first_deliveries_in_order(sink: &Sink, keys: usize, rounds: i64) {
+    for k in 0..keys {
+        let ranks = sink.ranks_of(&format!("key-{k}"));
+        let mut firsts: Vec<i64> = Vec::new();
+        for &rank in &ranks {
+            if !firsts.contains(&rank) {
+                firsts.push(rank);
+            }
+        }
+        assert_eq!(firsts, (1..=rounds).collect::<Vec<i64>>(), "key-{k}: {ranks:?}");
+    }
+}
+
 /// Which instance is inside a handler for which partition; any overlap is a violation.
 #[derive(Default)]
 pub struct Exclusive {

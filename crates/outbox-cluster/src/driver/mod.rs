@@ -15,34 +15,41 @@ mod tests;
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::driver::{answered_within, finishing};
 use outbox_core::{Db, Epochs, InstanceId, Outbox, Partition};
 
 use crate::error::{Error, Result};
 use crate::rebalance::Targets;
 use crate::stored::{InstanceInfo, Lease, Taken, View};
 
-/// Runs `$body` with `$pool` bound to the backend's pool and `$s` to its statements; a backend this
-/// crate was built without (enabled in `outbox-core` by another crate) is an error.
+/// Runs `$body` with `$conn` bound to a connection of the backend's pool (on SQLite the pool, whose
+/// writers take their turn at the file) and `$s` to its statements, within the outbox's
+/// `query_timeout`: a connection that stops answering is given up and closed, where it would stall
+/// the ownership rounds, and with them every handover, without an error. A backend this crate was
+/// built without (enabled in `outbox-core` by another crate) is an error.
 macro_rules! dispatch {
-    ($store:expr, |$pool:ident, $s:ident| $body:expr) => {
-        match &$store.db {
-            #[cfg(feature = "postgres")]
-            Db::Postgres($pool) => {
-                let $s = &$store.statements.postgres;
-                $body
+    ($store:expr, $work:literal, |$conn:ident, $s:ident| $body:expr) => {
+        answered_within($store.limit, $work, async {
+            match &$store.db {
+                #[cfg(feature = "postgres")]
+                Db::Postgres(pool) => {
+                    let $s = &$store.statements.postgres;
+                    finishing(pool, async |$conn| $body).await
+                }
+                #[cfg(feature = "sqlite")]
+                Db::Sqlite($conn) => {
+                    let $s = &$store.statements.sqlite;
+                    $body
+                }
+                #[cfg(feature = "mysql")]
+                Db::MySql(pool) => {
+                    let $s = &$store.statements.mysql;
+                    finishing(pool, async |$conn| $body).await
+                }
+                other => Err(Error::BackendNotBuilt { backend: other.backend() }),
             }
-            #[cfg(feature = "sqlite")]
-            Db::Sqlite($pool) => {
-                let $s = &$store.statements.sqlite;
-                $body
-            }
-            #[cfg(feature = "mysql")]
-            Db::MySql($pool) => {
-                let $s = &$store.statements.mysql;
-                $body
-            }
-            other => Err(Error::BackendNotBuilt { backend: other.backend() }),
-        }
+        })
+        .await
     };
 }
 
@@ -51,6 +58,8 @@ macro_rules! dispatch {
 pub(crate) struct Store {
     db: Db,
     statements: Arc<Statements>,
+    /// The outbox's `query_timeout`.
+    limit: Duration,
 }
 
 #[derive(Debug)]
@@ -74,7 +83,7 @@ impl Store {
             #[cfg(feature = "mysql")]
             mysql: mysql::MySqlStatements::new(schema),
         };
-        Self { db, statements: Arc::new(statements) }
+        Self { db, statements: Arc::new(statements), limit: outbox.config().query_timeout }
     }
 
     pub(crate) fn db(&self) -> &Db {
@@ -84,55 +93,55 @@ impl Store {
     /// Registers instance `id` with a lease of `lease.live` from database time; returns the lease's
     /// remaining time as the database answered it.
     pub(crate) async fn register(&self, id: InstanceId, name: &str, lease: Lease) -> Result<Duration> {
-        dispatch!(self, |pool, s| s.register(pool, id, name, lease).await)
+        dispatch!(self, "registering the instance", |conn, s| s.register(conn, id, name, lease).await)
     }
 
     /// Removes instance `id`.
     pub(crate) async fn deregister(&self, id: InstanceId) -> Result<()> {
-        dispatch!(self, |pool, s| s.deregister(pool, id).await)
+        dispatch!(self, "deregistering the instance", |conn, s| s.deregister(conn, id).await)
     }
 
     /// Deletes the instances whose lease expired more than `grace` ago; returns how many.
     pub(crate) async fn reap(&self, grace: Duration) -> Result<u64> {
-        dispatch!(self, |pool, s| s.reap(pool, grace).await)
+        dispatch!(self, "reaping expired instances", |conn, s| s.reap(conn, grace).await)
     }
 
     /// Takes the partitions targeted at `me` that are free or whose owner's lease has expired by
     /// database time, each in one compare-and-set that bumps its epoch (so whatever the previous owner
     /// still writes is fenced out). A partition another writer holds locked is left for the next round.
     pub(crate) async fn acquire(&self, me: InstanceId) -> Result<Vec<Taken>> {
-        dispatch!(self, |pool, s| s.acquire(pool, me).await)
+        dispatch!(self, "acquiring partitions", |conn, s| s.acquire(conn, me).await)
     }
 
     /// The partitions the database shows `me` owning, with their epochs.
     pub(crate) async fn owned(&self, me: InstanceId) -> Result<Epochs> {
-        dispatch!(self, |pool, s| s.owned(pool, me).await)
+        dispatch!(self, "reading owned partitions", |conn, s| s.owned(conn, me).await)
     }
 
     /// Frees the partitions `me` still owns at the given epochs, bumping each epoch; returns those freed.
     pub(crate) async fn release(&self, me: InstanceId, partitions: &Epochs) -> Result<Vec<Partition>> {
-        dispatch!(self, |pool, s| s.release(pool, me, partitions).await)
+        dispatch!(self, "releasing partitions", |conn, s| s.release(conn, me, partitions).await)
     }
 
     /// Every partition's owner, epoch and target, and the instances taking part in the assignment
     /// (lease live by database time, not draining), in one statement: what a round reads.
     pub(crate) async fn view(&self) -> Result<View> {
-        dispatch!(self, |pool, s| s.view(pool).await)
+        dispatch!(self, "reading the partitions", |conn, s| s.view(conn).await)
     }
 
     /// Writes the targets that differ from the stored ones, in one transaction; returns their partitions.
     pub(crate) async fn set_targets(&self, targets: &Targets) -> Result<Vec<Partition>> {
-        dispatch!(self, |pool, s| s.set_targets(pool, targets).await)
+        dispatch!(self, "writing targets", |conn, s| s.set_targets(conn, targets).await)
     }
 
     /// Marks `me` as leaving, so the assignment no longer counts it.
     pub(crate) async fn drain(&self, me: InstanceId) -> Result<()> {
-        dispatch!(self, |pool, s| s.drain(pool, me).await)
+        dispatch!(self, "marking the instance draining", |conn, s| s.drain(conn, me).await)
     }
 
     /// Every registered instance, oldest first, with its lease state and partition count.
     pub(crate) async fn instances(&self) -> Result<Vec<InstanceInfo>> {
-        dispatch!(self, |pool, s| s.instances(pool).await)
+        dispatch!(self, "reading the instances", |conn, s| s.instances(conn).await)
     }
 }
 

@@ -126,7 +126,7 @@ impl MySqlStatements {
     /// The lease runs from the insert's database time, so it has all of `lease.live` left.
     pub(super) async fn register(
         &self,
-        pool: &MySqlPool,
+        conn: &mut MySqlConnection,
         id: InstanceId,
         name: &str,
         lease: Lease,
@@ -136,7 +136,7 @@ impl MySqlStatements {
             .bind(name)
             .bind(millis(lease.live))
             .bind(millis(lease.heartbeat))
-            .execute(pool)
+            .execute(conn)
             .await?;
         Ok(lease.live)
     }
@@ -164,17 +164,17 @@ impl MySqlStatements {
         Ok((renewed > 0).then_some(lease.live))
     }
 
-    pub(super) async fn deregister(&self, pool: &MySqlPool, id: InstanceId) -> Result<()> {
-        sqlx::query(statement(&self.deregister)).bind(id).execute(pool).await?;
+    pub(super) async fn deregister(&self, conn: &mut MySqlConnection, id: InstanceId) -> Result<()> {
+        sqlx::query(statement(&self.deregister)).bind(id).execute(conn).await?;
         Ok(())
     }
 
-    pub(super) async fn reap(&self, pool: &MySqlPool, grace: Duration) -> Result<u64> {
-        Ok(sqlx::query(statement(&self.reap)).bind(millis(grace)).execute(pool).await?.rows_affected())
+    pub(super) async fn reap(&self, conn: &mut MySqlConnection, grace: Duration) -> Result<u64> {
+        Ok(sqlx::query(statement(&self.reap)).bind(millis(grace)).execute(conn).await?.rows_affected())
     }
 
-    pub(super) async fn acquire(&self, pool: &MySqlPool, me: InstanceId) -> Result<Vec<Taken>> {
-        let mut tx = begin(pool).await?;
+    pub(super) async fn acquire(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<Vec<Taken>> {
+        let mut tx = begin(conn).await?;
         let taken: Vec<Taken> =
             sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).fetch_all(&mut *tx).await?;
         if !taken.is_empty() {
@@ -185,14 +185,19 @@ impl MySqlStatements {
         Ok(taken)
     }
 
-    pub(super) async fn owned(&self, pool: &MySqlPool, me: InstanceId) -> Result<Epochs> {
-        let rows: Vec<Held> = sqlx::query_as(statement(&self.owned)).bind(me).fetch_all(pool).await?;
+    pub(super) async fn owned(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<Epochs> {
+        let rows: Vec<Held> = sqlx::query_as(statement(&self.owned)).bind(me).fetch_all(conn).await?;
         Ok(rows.into_iter().map(|h| (h.partition, h.epoch)).collect())
     }
 
-    pub(super) async fn release(&self, pool: &MySqlPool, me: InstanceId, held: &Epochs) -> Result<Vec<Partition>> {
+    pub(super) async fn release(
+        &self,
+        conn: &mut MySqlConnection,
+        me: InstanceId,
+        held: &Epochs,
+    ) -> Result<Vec<Partition>> {
         let held: Vec<(i16, i64)> = held.iter().map(|(&p, e)| (i16::from(p), e.0)).collect();
-        let mut tx = begin(pool).await?;
+        let mut tx = begin(conn).await?;
         let rows: Vec<PartitionOnly> =
             sqlx::query_as(statement(&self.releasable)).bind(json(&held)?).bind(me).fetch_all(&mut *tx).await?;
         let released: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
@@ -204,16 +209,16 @@ impl MySqlStatements {
         Ok(released)
     }
 
-    pub(super) async fn view(&self, pool: &MySqlPool) -> Result<View> {
-        let rows: Vec<ViewRow> = sqlx::query_as(statement(&self.view)).fetch_all(pool).await?;
+    pub(super) async fn view(&self, conn: &mut MySqlConnection) -> Result<View> {
+        let rows: Vec<ViewRow> = sqlx::query_as(statement(&self.view)).fetch_all(conn).await?;
         Ok(View::from_rows(rows)?)
     }
 
-    pub(super) async fn set_targets(&self, pool: &MySqlPool, targets: &Targets) -> Result<Vec<Partition>> {
+    pub(super) async fn set_targets(&self, conn: &mut MySqlConnection, targets: &Targets) -> Result<Vec<Partition>> {
         let targets: Vec<(i16, String)> =
             targets.iter().map(|(&p, owner)| (i16::from(p), owner.0.simple().to_string())).collect();
         let targets = json(&targets)?;
-        let mut tx = begin(pool).await?;
+        let mut tx = begin(conn).await?;
         let rows: Vec<PartitionOnly> =
             sqlx::query_as(statement(&self.changed_targets)).bind(&targets).fetch_all(&mut *tx).await?;
         if !rows.is_empty() {
@@ -223,13 +228,13 @@ impl MySqlStatements {
         Ok(rows.into_iter().map(|r| r.partition).collect())
     }
 
-    pub(super) async fn drain(&self, pool: &MySqlPool, me: InstanceId) -> Result<()> {
-        sqlx::query(statement(&self.drain)).bind(me).execute(pool).await?;
+    pub(super) async fn drain(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<()> {
+        sqlx::query(statement(&self.drain)).bind(me).execute(conn).await?;
         Ok(())
     }
 
-    pub(super) async fn instances(&self, pool: &MySqlPool) -> Result<Vec<InstanceInfo>> {
-        Ok(sqlx::query_as(statement(&self.instances)).fetch_all(pool).await?)
+    pub(super) async fn instances(&self, conn: &mut MySqlConnection) -> Result<Vec<InstanceInfo>> {
+        Ok(sqlx::query_as(statement(&self.instances)).fetch_all(conn).await?)
     }
 }
 
@@ -258,7 +263,8 @@ mod tests {
             .await
             .unwrap();
         let statements = MySqlStatements::new("outbox");
-        let mut round = begin(&pool).await.unwrap();
+        let mut own = pool.acquire().await.unwrap();
+        let mut round = begin(&mut own).await.unwrap();
         let found: Vec<Taken> =
             sqlx::query_as(statement(&statements.acquirable)).bind(a).bind(a).fetch_all(&mut *round).await.unwrap();
         assert_eq!(found.len(), 8);

@@ -120,13 +120,19 @@ impl PgStatements {
         }
     }
 
-    pub(super) async fn register(&self, pool: &PgPool, id: InstanceId, name: &str, lease: Lease) -> Result<Duration> {
+    pub(super) async fn register(
+        &self,
+        conn: &mut PgConnection,
+        id: InstanceId,
+        name: &str,
+        lease: Lease,
+    ) -> Result<Duration> {
         let ms: i64 = sqlx::query_scalar(statement(&self.register))
             .bind(id)
             .bind(name)
             .bind(millis(lease.live))
             .bind(millis(lease.heartbeat))
-            .fetch_one(pool)
+            .fetch_one(conn)
             .await?;
         Ok(remaining(ms))
     }
@@ -153,50 +159,55 @@ impl PgStatements {
         Ok(ms.map(remaining))
     }
 
-    pub(super) async fn deregister(&self, pool: &PgPool, id: InstanceId) -> Result<()> {
-        sqlx::query(statement(&self.deregister)).bind(id).execute(pool).await?;
+    pub(super) async fn deregister(&self, conn: &mut PgConnection, id: InstanceId) -> Result<()> {
+        sqlx::query(statement(&self.deregister)).bind(id).execute(conn).await?;
         Ok(())
     }
 
-    pub(super) async fn reap(&self, pool: &PgPool, grace: Duration) -> Result<u64> {
-        Ok(sqlx::query(statement(&self.reap)).bind(millis(grace)).execute(pool).await?.rows_affected())
+    pub(super) async fn reap(&self, conn: &mut PgConnection, grace: Duration) -> Result<u64> {
+        Ok(sqlx::query(statement(&self.reap)).bind(millis(grace)).execute(conn).await?.rows_affected())
     }
 
-    pub(super) async fn acquire(&self, pool: &PgPool, me: InstanceId) -> Result<Vec<Taken>> {
-        Ok(sqlx::query_as(statement(&self.acquire)).bind(me).fetch_all(pool).await?)
+    pub(super) async fn acquire(&self, conn: &mut PgConnection, me: InstanceId) -> Result<Vec<Taken>> {
+        Ok(sqlx::query_as(statement(&self.acquire)).bind(me).fetch_all(conn).await?)
     }
 
-    pub(super) async fn owned(&self, pool: &PgPool, me: InstanceId) -> Result<Epochs> {
-        let rows: Vec<Held> = sqlx::query_as(statement(&self.owned)).bind(me).fetch_all(pool).await?;
+    pub(super) async fn owned(&self, conn: &mut PgConnection, me: InstanceId) -> Result<Epochs> {
+        let rows: Vec<Held> = sqlx::query_as(statement(&self.owned)).bind(me).fetch_all(conn).await?;
         Ok(rows.into_iter().map(|h| (h.partition, h.epoch)).collect())
     }
 
-    pub(super) async fn release(&self, pool: &PgPool, me: InstanceId, held: &Epochs) -> Result<Vec<Partition>> {
+    pub(super) async fn release(
+        &self,
+        conn: &mut PgConnection,
+        me: InstanceId,
+        held: &Epochs,
+    ) -> Result<Vec<Partition>> {
         let (partitions, epochs): (Vec<i16>, Vec<i64>) = held.iter().map(|(&p, e)| (i16::from(p), e.0)).unzip();
         let rows: Vec<PartitionOnly> =
-            sqlx::query_as(statement(&self.release)).bind(me).bind(&partitions).bind(&epochs).fetch_all(pool).await?;
+            sqlx::query_as(statement(&self.release)).bind(me).bind(&partitions).bind(&epochs).fetch_all(conn).await?;
         Ok(rows.into_iter().map(|r| r.partition).collect())
     }
 
-    pub(super) async fn view(&self, pool: &PgPool) -> Result<View> {
-        let rows: Vec<ViewRow> = sqlx::query_as(statement(&self.view)).fetch_all(pool).await?;
+    pub(super) async fn view(&self, conn: &mut PgConnection) -> Result<View> {
+        let rows: Vec<ViewRow> = sqlx::query_as(statement(&self.view)).fetch_all(conn).await?;
         Ok(View::from_rows(rows)?)
     }
 
-    pub(super) async fn set_targets(&self, pool: &PgPool, targets: &Targets) -> Result<Vec<Partition>> {
+    pub(super) async fn set_targets(&self, conn: &mut PgConnection, targets: &Targets) -> Result<Vec<Partition>> {
         let (partitions, owners): (Vec<i16>, Vec<InstanceId>) =
             targets.iter().map(|(&p, &owner)| (i16::from(p), owner)).unzip();
         let rows: Vec<PartitionOnly> =
-            sqlx::query_as(statement(&self.set_targets)).bind(&partitions).bind(&owners).fetch_all(pool).await?;
+            sqlx::query_as(statement(&self.set_targets)).bind(&partitions).bind(&owners).fetch_all(conn).await?;
         Ok(rows.into_iter().map(|r| r.partition).collect())
     }
 
-    pub(super) async fn drain(&self, pool: &PgPool, me: InstanceId) -> Result<()> {
-        sqlx::query(statement(&self.drain)).bind(me).execute(pool).await?;
+    pub(super) async fn drain(&self, conn: &mut PgConnection, me: InstanceId) -> Result<()> {
+        sqlx::query(statement(&self.drain)).bind(me).execute(conn).await?;
         Ok(())
     }
 
-    pub(super) async fn instances(&self, pool: &PgPool) -> Result<Vec<InstanceInfo>> {
-        Ok(sqlx::query_as(statement(&self.instances)).fetch_all(pool).await?)
+    pub(super) async fn instances(&self, conn: &mut PgConnection) -> Result<Vec<InstanceInfo>> {
+        Ok(sqlx::query_as(statement(&self.instances)).fetch_all(conn).await?)
     }
 }

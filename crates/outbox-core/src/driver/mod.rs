@@ -427,6 +427,51 @@ fn sized<DB: sqlx::Database>(options: &ConnectOptions) -> sqlx::pool::PoolOption
         })
 }
 
+/// `work`, or [`Error::QueryTimeout`] naming it if it has not finished within `limit`. Run its
+/// statements with [`finishing`], so that a connection it leaves unanswered is closed.
+pub async fn answered_within<T, E: From<Error>>(
+    limit: Duration,
+    work: &'static str,
+    future: impl Future<Output = std::result::Result<T, E>>,
+) -> std::result::Result<T, E> {
+    tokio::time::timeout(limit, future).await.unwrap_or(Err(Error::QueryTimeout { work, after: limit }.into()))
+}
+
+/// Runs `work` on a connection of `pool`'s, which goes back to the pool once `work` returns (with an
+/// error too); dropped before that (a time limit, a cancelled task), the connection is closed instead.
+/// sqlx pings a connection handed back to its pool before reusing it (sqlx-core `pool/connection.rs`,
+/// `return_to_pool`), and on a connection that stopped answering that ping waits forever, holding a
+/// place in the pool: a one-connection pool, such as the processor's fetches', would never answer
+/// again. So a cut-short connection is closed without a word, and a finished one's ping is given up
+/// after [`RELEASE_PING_LIMIT`], closing it. A transaction begun here and cut short ends with its
+/// connection, whatever stage its `BEGIN` reached.
+pub async fn finishing<DB: sqlx::Database, T, E: From<sqlx::Error>>(
+    pool: &sqlx::Pool<DB>,
+    work: impl AsyncFnOnce(&mut DB::Connection) -> std::result::Result<T, E>,
+) -> std::result::Result<T, E> {
+    /// Closes the connection it still holds when dropped.
+    struct Unfinished<DB: sqlx::Database>(Option<sqlx::pool::PoolConnection<DB>>);
+    impl<DB: sqlx::Database> Drop for Unfinished<DB> {
+        fn drop(&mut self) {
+            if let Some(conn) = self.0.take() {
+                drop(conn.detach());
+            }
+        }
+    }
+    let mut conn = Unfinished(Some(pool.acquire().await?));
+    let Some(held) = conn.0.as_deref_mut() else { unreachable!("held until the work returns") };
+    let done = work(held).await;
+    if let Some(mut finished) = conn.0.take() {
+        // Given up, the return's future drops the connection, which closes it and frees its place.
+        tokio::spawn(tokio::time::timeout(RELEASE_PING_LIMIT, finished.return_to_pool()));
+    }
+    done
+}
+
+/// How long a connection handed back to its pool may take to answer sqlx's ping before it is closed
+/// (see [`finishing`]): a ping is one round trip, under a millisecond on a healthy connection.
+pub const RELEASE_PING_LIMIT: Duration = Duration::from_secs(5);
+
 /// Begins a transaction (with `statement` in place of the backend's plain `BEGIN`) so that a caller
 /// dropped while the `BEGIN` is in flight cannot leave the pooled connection inside a transaction nobody
 /// ends: sqlx 0.9 arms its rollback only once the answer is read (transact-rs/sqlx#4393), and the
@@ -998,7 +1043,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Database(e) | Error::Connect { source: e, .. } => is_transient(e),
-            Error::WriteLockTimeout { .. } => true,
+            Error::WriteLockTimeout { .. } | Error::QueryTimeout { .. } => true,
             _ => false,
         }
     }

@@ -477,9 +477,17 @@ async fn a_dropped_begin_leaves_no_transaction_open(pool: PgPool) {
         let single = db.new_pool(&ConnectOptions { max_connections: 1, ..ConnectOptions::default() }).await.unwrap();
         let own = || -> BoxFuture<'static, ()> {
             match single.clone() {
-                Db::Postgres(pool) => async move { drop(super::postgres::begin(&pool).await) }.boxed(),
+                Db::Postgres(pool) => async move {
+                    let began = super::finishing(&pool, async |conn| super::postgres::begin(conn).await.map(drop));
+                    drop(began.await)
+                }
+                .boxed(),
                 Db::Sqlite(pool) => async move { drop(super::sqlite::write(&pool).await) }.boxed(),
-                Db::MySql(pool) => async move { drop(super::mysql::begin(&pool).await) }.boxed(),
+                Db::MySql(pool) => async move {
+                    let began = super::finishing(&pool, async |conn| super::mysql::begin(conn).await.map(drop));
+                    drop(began.await)
+                }
+                .boxed(),
             }
         };
         let mut rows = 0;

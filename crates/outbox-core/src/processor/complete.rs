@@ -14,7 +14,7 @@ use tracing::error;
 
 use super::deliver::storable_error;
 use crate::Outbox;
-use crate::driver::Db;
+use crate::driver::{Db, answered_within};
 use crate::error::{Error, Result};
 use crate::stored::{Outcome, Verdict, Written};
 
@@ -90,5 +90,6 @@ async fn write_alone(
 }
 
 async fn write(outbox: &Outbox, db: &Db, outcomes: &[Outcome]) -> Result<Written> {
-    db.complete(outbox.statements(), outcomes).await.map_err(|e| outbox.not_migrated(e))
+    let complete = db.complete(outbox.statements(), outcomes);
+    answered_within(outbox.config().query_timeout, "completion", complete).await.map_err(|e| outbox.not_migrated(e))
 }

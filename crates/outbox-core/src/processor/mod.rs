@@ -54,7 +54,7 @@ use self::fetch::Fetches;
 use crate::Outbox;
 use crate::assignment::{Assignment, Epoch, InstanceId};
 use crate::config::Config;
-use crate::driver::Db;
+use crate::driver::{Db, answered_within};
 use crate::error::{Error, Result};
 use crate::handler::Handlers;
 use crate::notice::{Partitions, Wake};
@@ -295,8 +295,9 @@ impl State {
         };
         let (outbox, db) = (outbox.clone(), db.clone());
         self.fetch = Some(Box::pin(async move {
-            let found = db.fetch(outbox.statements(), &request).await.map_err(|e| outbox.not_migrated(e));
-            (request, found)
+            let fetch = db.fetch(outbox.statements(), &request);
+            let found = answered_within(outbox.config().query_timeout, "fetch", fetch).await;
+            (request, found.map_err(|e| outbox.not_migrated(e)))
         }));
     }
 

@@ -54,9 +54,9 @@ pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<MySql
 /// COMMITTED, where InnoDB locks only the rows a locking read returns: at REPEATABLE READ it also locks
 /// every row and gap it passes, so an ownership round's look for its free partitions held all 256 rows
 /// and stalled every other worker's fenced completion. The caller's transactions keep their own level.
-/// Cancel-safe (`begin_detached`).
-pub async fn begin(pool: &MySqlPool) -> sqlx::Result<sqlx::Transaction<'static, sqlx::MySql>> {
-    super::begin_detached(pool, Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")).await
+/// Run it under `finishing`, which closes the connection if it is cut short.
+pub async fn begin(conn: &mut MySqlConnection) -> sqlx::Result<sqlx::Transaction<'_, sqlx::MySql>> {
+    conn.begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION").await
 }
 
 /// Deadlock (1213), lock wait timeout (1205), too many connections (1040), server shutdown (1053),
@@ -298,16 +298,20 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
         for partition in fetch_partitions(&partitions) {
             query = query.bind(partition);
         }
-        let rows = query.bind(json(&request.exclude)?).bind(count(request.limit)).bind(followers).fetch(self.pool);
-        Runs::collect(rows, request).await
+        let query = query.bind(json(&request.exclude)?).bind(count(request.limit)).bind(followers);
+        super::finishing(self.pool, async |conn| Runs::collect(query.fetch(conn), request).await).await
     }
 
     /// One transaction: the grants checked and locked, then the completions of those that hold in three
     /// set statements, then their failures one statement each.
     pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
+        super::finishing(self.pool, async |conn| self.write_outcomes(conn, outcomes).await).await
+    }
+
+    async fn write_outcomes(&self, conn: &mut MySqlConnection, outcomes: &[Outcome]) -> Result<Written> {
         let s = self.statements;
         let mut written = Written::default();
-        let mut tx = begin(self.pool).await?;
+        let mut tx = begin(conn).await?;
         let grants = json(&grants_list(outcomes))?;
         written.hold(sqlx::query_as(statement(&s.fence)).bind(grants).fetch_all(&mut *tx).await?);
         let done = written.completions(outcomes);
@@ -373,14 +377,17 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     }
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
-        let mut tx = begin(self.pool).await?;
-        if sqlx::query(statement(&self.statements.skip_lock)).bind(id).fetch_optional(&mut *tx).await?.is_none() {
-            return Ok(false);
-        }
-        sqlx::query(statement(&self.statements.skip_keep)).bind(id).execute(&mut *tx).await?;
-        let deleted = sqlx::query(statement(&self.statements.skip_delete)).bind(id).execute(&mut *tx).await?;
-        tx.commit().await?;
-        Ok(deleted.rows_affected() > 0)
+        super::finishing(self.pool, async |conn| {
+            let mut tx = begin(conn).await?;
+            if sqlx::query(statement(&self.statements.skip_lock)).bind(id).fetch_optional(&mut *tx).await?.is_none() {
+                return Ok(false);
+            }
+            sqlx::query(statement(&self.statements.skip_keep)).bind(id).execute(&mut *tx).await?;
+            let deleted = sqlx::query(statement(&self.statements.skip_delete)).bind(id).execute(&mut *tx).await?;
+            tx.commit().await?;
+            Ok(deleted.rows_affected() > 0)
+        })
+        .await
     }
 
     pub(crate) async fn stats(&self) -> Result<Vec<PartitionStats>> {
@@ -390,27 +397,30 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 
     pub(crate) async fn purge(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge)).bind(millis(retention)).bind(count(limit));
-        Ok(query.execute(self.pool).await?.rows_affected())
+        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
     }
 
     pub(crate) async fn purge_inbox(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge_inbox)).bind(millis(retention)).bind(count(limit));
-        Ok(query.execute(self.pool).await?.rows_affected())
+        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
     }
 
     pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
-        let mut tx = begin(self.pool).await?;
-        let keys: Vec<String> = sqlx::query_scalar(statement(&self.statements.prunable_keys))
-            .bind(count(limit))
-            .fetch_all(&mut *tx)
-            .await?;
-        let mut pruned = 0;
-        for key in &keys {
-            let query = sqlx::query(statement(&self.statements.delete_key)).bind(key);
-            pruned += query.execute(&mut *tx).await?.rows_affected();
-        }
-        tx.commit().await?;
-        Ok(pruned)
+        super::finishing(self.pool, async |conn| {
+            let mut tx = begin(conn).await?;
+            let keys: Vec<String> = sqlx::query_scalar(statement(&self.statements.prunable_keys))
+                .bind(count(limit))
+                .fetch_all(&mut *tx)
+                .await?;
+            let mut pruned = 0;
+            for key in &keys {
+                let query = sqlx::query(statement(&self.statements.delete_key)).bind(key);
+                pruned += query.execute(&mut *tx).await?.rows_affected();
+            }
+            tx.commit().await?;
+            Ok(pruned)
+        })
+        .await
     }
 }
 

@@ -125,16 +125,20 @@ pub(super) async fn accept_in_order(
     Ok(done.rows_affected() == 1)
 }
 
-/// Starts a transaction for the processor's completions, with JIT compilation off (see
-/// `Db::fetch_pool`); cancel-safe (`begin_detached`).
-pub(super) async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>> {
-    Ok(super::begin_detached(pool, Some("BEGIN; SET LOCAL jit = off")).await?)
+/// Starts a transaction for the processor's completions on `conn`, with JIT compilation off (see
+/// `Db::fetch_pool`). Run it under `finishing`, which closes the connection if it is cut short.
+pub(super) async fn begin(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>> {
+    Ok(conn.begin_with("BEGIN; SET LOCAL jit = off").await?)
 }
 
 impl Driver<'_, PgPool, PgStatements> {
     pub(crate) async fn notify(&self, channel: Channel, notice: &str) -> Result<()> {
-        sqlx::query(statements::NOTIFY).bind(self.statements.channel(channel)).bind(notice).execute(self.pool).await?;
-        Ok(())
+        let query = sqlx::query(statements::NOTIFY).bind(self.statements.channel(channel)).bind(notice);
+        super::finishing(self.pool, async |conn| {
+            query.execute(conn).await?;
+            Ok(())
+        })
+        .await
     }
 
     /// Listens on a connection of its own until it is lost: `PgListener` keeps the connection it is
@@ -195,27 +199,39 @@ impl Driver<'_, PgPool, PgStatements> {
         let partitions: Vec<i16> = request.partitions.iter().map(|p| i16::from(p.0)).collect();
         let epochs: Vec<Epoch> = request.partitions.iter().map(|p| p.1).collect();
         let cursors: Vec<Option<&str>> = request.partitions.iter().map(|p| p.2.as_deref()).collect();
-        let rows = sqlx::query_as::<_, FetchedRow>(statement(&self.statements.fetch))
-            .bind(&partitions)
-            .bind(&epochs)
-            .bind(&cursors)
-            .bind(request.instance)
-            .bind(&request.exclude)
-            .bind(count(request.limit))
-            .bind(count(request.followers))
-            .bind(count(request.budget))
-            .fetch(self.pool);
-        // The statement already cut each run to the byte budget; the collector groups rows by key.
-        Runs::collect(rows, request).await
+        super::finishing(self.pool, async |conn| {
+            let rows = sqlx::query_as::<_, FetchedRow>(statement(&self.statements.fetch))
+                .bind(&partitions)
+                .bind(&epochs)
+                .bind(&cursors)
+                .bind(request.instance)
+                .bind(&request.exclude)
+                .bind(count(request.limit))
+                .bind(count(request.followers))
+                .bind(count(request.budget))
+                .fetch(conn);
+            // The statement already cut each run to the byte budget; the collector groups rows by key.
+            Runs::collect(rows, request).await
+        })
+        .await
     }
 
     /// Completions in one fenced statement, failures in another, one transaction.
     pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
         let (done, failures): (Vec<&Outcome>, Vec<&Outcome>) = outcomes.iter().partition(|o| o.verdict.completes());
+        super::finishing(self.pool, async |conn| self.write_outcomes(conn, &done, &failures).await).await
+    }
+
+    async fn write_outcomes(
+        &self,
+        conn: &mut PgConnection,
+        done: &[&Outcome],
+        failures: &[&Outcome],
+    ) -> Result<Written> {
         let mut written = Written::default();
-        let mut tx = begin(self.pool).await?;
+        let mut tx = begin(conn).await?;
         if !done.is_empty() {
-            let (partitions, instances, epochs) = fence_arguments(&done);
+            let (partitions, instances, epochs) = fence_arguments(done);
             let ids: Vec<Uuid> = done.iter().map(|o| o.id).collect();
             let completed_as: Vec<&str> = done.iter().map(|o| o.verdict.completed_as()).collect();
             let attempts: Vec<i32> = done.iter().map(|o| o.attempts).collect();
@@ -231,10 +247,10 @@ impl Driver<'_, PgPool, PgStatements> {
             written.merge(FencedRow::collect(rows));
         }
         if !failures.is_empty() {
-            let (partitions, instances, epochs) = fence_arguments(&failures);
+            let (partitions, instances, epochs) = fence_arguments(failures);
             let (mut ids, mut attempts, mut requeues, mut errors, mut delays, mut is_failed) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for o in &failures {
+            for o in failures {
                 let (error, delay, failed) = match &o.verdict {
                     Verdict::Retry { delay, error } => (error.as_str(), *delay, false),
                     Verdict::Failed { error } => (error.as_str(), Duration::ZERO, true),
@@ -299,17 +315,17 @@ impl Driver<'_, PgPool, PgStatements> {
 
     pub(crate) async fn purge(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge)).bind(millis(retention)).bind(count(limit));
-        Ok(query.execute(self.pool).await?.rows_affected())
+        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
     }
 
     pub(crate) async fn purge_inbox(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge_inbox)).bind(millis(retention)).bind(count(limit));
-        Ok(query.execute(self.pool).await?.rows_affected())
+        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
     }
 
     pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.prune_keys)).bind(count(limit));
-        Ok(query.execute(self.pool).await?.rows_affected())
+        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
     }
 }
 
@@ -409,9 +425,11 @@ mod tests {
         let fetches = super::fetch_pool(&pool);
         let fetching: String = sqlx::query_scalar("SHOW jit").fetch_one(&fetches).await.unwrap();
         assert_eq!(fetching, "off");
-        let mut tx = super::begin(&pool).await.unwrap();
+        let mut conn = pool.acquire().await.unwrap();
+        let mut tx = super::begin(&mut conn).await.unwrap();
         let inside: String = sqlx::query_scalar("SHOW jit").fetch_one(&mut *tx).await.unwrap();
         tx.commit().await.unwrap();
+        drop(conn);
         assert_eq!(inside, "off");
         let after: String = sqlx::query_scalar("SHOW jit").fetch_one(&pool).await.unwrap();
         let default: String =
