@@ -114,7 +114,9 @@ async fn a_node_declared_dead_while_leaving_still_leaves(db: TestDb) {
     wait_for("two instances balanced", LONG, || async { owners(&db).await.values().all(|&n| n == 128) }).await;
     // Records on every partition, so that a has calls running (up to 2 s each) when it leaves.
     let producer = produce(&outbox, &db, 300, 5);
-    wait_for("a delivering", LONG, || async { !sink.ranks_of("key-0").is_empty() }).await;
+    // Many calls, so that some still run (their partitions not handed over) when a's next heartbeat
+    // finds its lease ended: with few, a could finish leaving first, and never be declared dead.
+    wait_for("a inside many calls", LONG, || async { exclusive.calls_of("a") >= 40 }).await;
     let leaving = tokio::spawn(a.shutdown());
     wait_for("a handing over", LONG, || async { owners(&db).await.get(&b_id).is_some_and(|&n| n > 128) }).await;
     end_lease(&db, a_id).await;

@@ -232,6 +232,11 @@ impl Exclusive {
         entry.1 += 1;
         Inside { exclusive: self.clone(), partition }
     }
+
+    /// How many handler calls `instance` is inside now.
+    pub fn calls_of(&self, instance: &str) -> usize {
+        self.inside.lock().unwrap().values().filter(|(name, _)| name == instance).map(|&(_, calls)| calls).sum()
+    }
 }
 
 impl Drop for Inside {
