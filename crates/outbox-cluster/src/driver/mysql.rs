@@ -20,15 +20,25 @@ const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbe
 VALUES (?, ?, {now} + INTERVAL (? * 1000) MICROSECOND, ?)";
 
 /// Renews a lease that has not expired (see the PostgreSQL statement). Binds: lease ms, delivered, id. No
-/// row matched: the lease had expired.
+/// row matched: the lease had expired. Expiry is judged by the clock when the row is checked, after any
+/// wait for its lock: `{now}` (`UTC_TIMESTAMP(6)`) is fixed at the statement's start, so the time since
+/// then (`SYSDATE(6)` runs on) is added.
 const HEARTBEAT: &str =
     "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + INTERVAL (? * 1000) MICROSECOND,
     delivered = ?
-WHERE id = ? AND expires_at > {now}";
+WHERE id = ? AND expires_at > {now} + INTERVAL TIMESTAMPDIFF(MICROSECOND, NOW(6), SYSDATE(6)) MICROSECOND";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
 
 const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - INTERVAL (? * 1000) MICROSECOND";
+
+/// Locks the rows of the instances owning partitions targeted at `?` (bound twice) elsewhere, before
+/// [`ACQUIRABLE`] judges their leases: a renewal written but not yet committed is waited for, and the
+/// next statement's snapshot sees it, where it would otherwise find the lease expired and take the
+/// partitions of an instance that goes on delivering them.
+const LOCK_OWNERS: &str = "SELECT i.id FROM {s}_instances i
+WHERE i.id IN (SELECT p.owner FROM {s}_partitions p WHERE p.target_owner = ? AND NOT (p.owner <=> ?))
+LOCK IN SHARE MODE";
 
 /// Partitions targeted at `?` (bound twice) that are free or whose owner has no live lease, with that
 /// owner and its heartbeat interval (if its row is still there); rows a fenced write holds are skipped.
@@ -89,6 +99,7 @@ pub(super) struct MySqlStatements {
     heartbeat: Arc<str>,
     deregister: Arc<str>,
     reap: Arc<str>,
+    lock_owners: Arc<str>,
     acquirable: Arc<str>,
     take: Arc<str>,
     view: Arc<str>,
@@ -110,6 +121,7 @@ impl MySqlStatements {
             heartbeat: build(HEARTBEAT),
             deregister: build(DEREGISTER),
             reap: build(REAP),
+            lock_owners: build(LOCK_OWNERS),
             acquirable: build(ACQUIRABLE),
             take: build(TAKE),
             view: build(VIEW),
@@ -175,6 +187,7 @@ impl MySqlStatements {
 
     pub(super) async fn acquire(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<Vec<Taken>> {
         let mut tx = begin(conn).await?;
+        sqlx::query(statement(&self.lock_owners)).bind(me).bind(me).execute(&mut *tx).await?;
         let taken: Vec<Taken> =
             sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).fetch_all(&mut *tx).await?;
         if !taken.is_empty() {

@@ -161,3 +161,58 @@ async fn release_frees_only_what_is_still_held_at_its_epoch(pool: PgPool) {
         assert_eq!(instance.partitions, 1, "{backend}");
     }
 }
+
+/// A renewal written before its lease ran out but committed after another instance began to look for
+/// partitions to take is waited for: the renewed owner keeps its partitions. Judged from the look's
+/// snapshot, the lease seemed expired, and the partitions were taken from an instance that, renewed,
+/// went on delivering them. SQLite has one writer at a time, so a renewal in flight holds off every
+/// acquisition there.
+#[sqlx::test(migrations = false)]
+async fn an_acquisition_waits_for_a_renewal_in_flight(pool: PgPool) {
+    for store in stores(pool).await {
+        let backend = store.db().backend();
+        let short = Lease { live: Duration::from_millis(500), heartbeat: Duration::from_millis(100) };
+        let (owner, taker) = (registered(&store, short).await, registered(&store, DAY).await);
+        target(&store, [7, 8], owner).await;
+        assert_eq!(store.acquire(owner).await.unwrap().len(), 2, "{backend}");
+        target(&store, [7, 8], taker).await;
+        let (written, renewal_written) = tokio::sync::oneshot::channel();
+        let (commit, committing) = tokio::sync::oneshot::channel::<()>();
+        let renewal = match store.db().clone() {
+            Db::Postgres(pool) => tokio::spawn(async move {
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query("UPDATE outbox.instances SET expires_at = now() + interval '1 day' WHERE id = $1")
+                    .bind(owner)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                written.send(()).unwrap();
+                committing.await.unwrap();
+                tx.commit().await.unwrap();
+            }),
+            Db::MySql(pool) => tokio::spawn(async move {
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query("UPDATE outbox_instances SET expires_at = UTC_TIMESTAMP(6) + INTERVAL 1 DAY WHERE id = ?")
+                    .bind(owner)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                written.send(()).unwrap();
+                committing.await.unwrap();
+                tx.commit().await.unwrap();
+            }),
+            _ => continue,
+        };
+        renewal_written.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let acquiring = tokio::spawn({
+            let store = store.clone();
+            async move { store.acquire(taker).await.unwrap() }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        commit.send(()).unwrap();
+        renewal.await.unwrap();
+        let taken: Vec<Partition> = acquiring.await.unwrap().iter().map(|t| t.partition).collect();
+        assert!(taken.is_empty(), "{backend}: took {taken:?} from an owner whose renewal was in flight");
+    }
+}
