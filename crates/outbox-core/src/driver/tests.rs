@@ -522,3 +522,30 @@ async fn dropped_after(fut: impl Future<Output = ()>, polls: u32, gap: std::time
         tokio::task::yield_now().await;
     }
 }
+
+/// A statement's time limit and a full database are worth retrying on every backend, as they are on
+/// PostgreSQL: the processor writes a delivered record FAILED on an error it takes as permanent.
+#[sqlx::test(migrations = false)]
+async fn a_time_limit_and_a_full_database_are_worth_retrying(pool: PgPool) {
+    for db in backends(pool).await {
+        let backend = db.backend();
+        let err = match db {
+            Db::Postgres(_) => {
+                let mut tx = db.begin().await.unwrap();
+                tx.execute("SET LOCAL statement_timeout = 10", &[]).await.unwrap();
+                tx.execute("SELECT pg_sleep(1)", &[]).await.unwrap_err()
+            }
+            Db::MySql(_) => {
+                db.execute("SET STATEMENT max_statement_time = 0.01 FOR SELECT SLEEP(1)", &[]).await.unwrap_err()
+            }
+            Db::Sqlite(_) => {
+                // The test pool has one connection, so the page limit holds for the insert.
+                db.execute("CREATE TABLE filler (b BLOB)", &[]).await.unwrap();
+                let (pages,): (i64,) = db.fetch_one("PRAGMA page_count", &[]).await.unwrap();
+                db.execute_script(sqlx::AssertSqlSafe(format!("PRAGMA max_page_count = {}", pages + 2))).await.unwrap();
+                db.execute("INSERT INTO filler VALUES (zeroblob(1000000))", &[]).await.unwrap_err()
+            }
+        };
+        assert!(err.is_transient(), "{backend}: {err:?}");
+    }
+}

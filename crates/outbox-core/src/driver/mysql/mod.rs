@@ -60,10 +60,15 @@ pub async fn begin(conn: &mut MySqlConnection) -> sqlx::Result<sqlx::Transaction
 }
 
 /// Deadlock (1213), lock wait timeout (1205), too many connections (1040), server shutdown (1053),
-/// connection killed (1927) and query interrupted (1317) are worth retrying. `None`: not a MySQL error.
+/// connection killed (1927), query interrupted (1317), a statement time limit (MariaDB 1969, MySQL
+/// 3024), a full disk (1021) and exhausted memory or resources (1037, 1038, 1041) are worth retrying, as
+/// PostgreSQL's classes 53 and 57014 are. `None`: not a MySQL error.
 pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     let db = db.try_downcast_ref::<MySqlDatabaseError>()?;
-    Some(matches!(db.number(), 1040 | 1053 | 1205 | 1213 | 1317 | 1927 | 4031))
+    Some(matches!(
+        db.number(),
+        1021 | 1037 | 1038 | 1040 | 1041 | 1053 | 1205 | 1213 | 1317 | 1927 | 1969 | 3024 | 4031
+    ))
 }
 
 /// 1146 no such table. `None`: not a MySQL error.

@@ -99,10 +99,13 @@ pub(super) async fn connect(url: &str, connect: &ConnectOptions) -> Result<Sqlit
 }
 
 /// Busy (another writer held the lock past the busy timeout, or a read snapshot went stale before its
-/// first write) and locked are worth retrying. `None`: not a SQLite error.
+/// first write), locked, out of memory (7), a disk I/O error (10) and a full disk or database (13) are
+/// worth retrying, as PostgreSQL's class 53 is; judged by the primary code, the low byte of the extended
+/// one sqlx reports. `None`: not a SQLite error.
 pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     db.try_downcast_ref::<sqlx::sqlite::SqliteError>()?;
-    Some(db.code().is_some_and(|code| matches!(code.as_ref(), "5" | "6" | "261" | "262" | "517")))
+    let primary = db.code().and_then(|code| code.parse::<i32>().ok()).map(|code| code & 0xff);
+    Some(matches!(primary, Some(5 | 6 | 7 | 10 | 13)))
 }
 
 /// SQLite has no code of its own for a missing table: "no such table". `None`: not a SQLite error.
