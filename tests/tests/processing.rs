@@ -17,6 +17,7 @@ use outbox_core::{
     fallback_fn, handler_fn, partition_of,
 };
 use rand::RngExt;
+use sqlx::Connection;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -49,6 +50,46 @@ async fn a_wake_up_from_another_process_arrives_through_notify(pool: sqlx::PgPoo
     let db = TestDb::postgres(pool).with_pool_size(1).await;
     let (producer, consumer) = (outbox(&db, |_| {}).await, outbox(&db, hourly).await);
     wakes_up(&db, &producer, &consumer).await;
+}
+
+/// Losing the `LISTEN` connection brings the poll forward: a processor that relied on wake-ups (its
+/// safety-net poll an hour away) polls every `poll_interval` while it cannot listen again, so a record
+/// whose wake-up was lost does not wait for the safety net.
+#[sqlx::test(migrations = false)]
+async fn losing_the_wake_up_connection_brings_the_poll_forward(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool.clone());
+    let consumer = outbox(&db, |c| {
+        c.poll_interval = Duration::from_millis(200);
+        c.active_poll_interval = Duration::from_millis(200);
+        c.listen_poll_interval = Duration::from_secs(3600);
+    })
+    .await;
+    let sink = Sink::new();
+    let node = start(&consumer, &db, recording(&sink)).await;
+    wait_for("the node owning every partition", LONG, || async { node.assignment().borrow().epochs.len() == 256 })
+        .await;
+    let listening =
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'";
+    wait_for("the processor listening", LONG, || async { count(&db, listening).await == 1 }).await;
+    // Past the last poll at the short interval: from here on only a wake-up or the hourly poll reads.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    commit(&consumer, &db, vec![NewRecord::new("k", "t", "1")]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(sink.len(), 0, "while listening, a record committed without a wake-up waits for the hourly poll");
+    // The listener loses its connection and cannot make another (the connections already open stay).
+    let name: String = db.scalar("SELECT current_database()", &[]).await;
+    let postgres = (*pool.connect_options()).clone().database("postgres");
+    let mut elsewhere = sqlx::PgConnection::connect_with(&postgres).await.unwrap();
+    let connections = |allow: bool| sqlx::AssertSqlSafe(format!("ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS {allow}"));
+    sqlx::raw_sql(connections(false)).execute(&mut elsewhere).await.unwrap();
+    let cut = "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+               WHERE datname = current_database() AND query LIKE 'LISTEN %'";
+    assert_eq!(count(&db, cut).await, 1);
+    wait_for("the record delivered while the wake-up connection is down", LONG, || async { sink.len() == 1 }).await;
+    assert_eq!(count(&db, listening).await, 0, "delivered by a poll, not by a listener come back");
+    sqlx::raw_sql(connections(true)).execute(&mut elsewhere).await.unwrap();
+    node.shutdown().await.unwrap();
 }
 
 const LONG: Duration = Duration::from_secs(60);

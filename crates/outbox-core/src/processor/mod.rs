@@ -125,14 +125,14 @@ impl Processor {
         });
         let mut state = State::new(config, self.delivered.clone());
         let mut woken = self.outbox.wakeups().subscribe();
-        let (listening, listening_rx) = watch::channel(false);
+        let (listening, mut listening_rx) = watch::channel(false);
         let stop_listening = CancellationToken::new();
         let _stop_listening = stop_listening.clone().drop_guard();
-        if self.db.can_listen() {
+        let mut listener_open = self.db.can_listen();
+        if listener_open {
             tokio::spawn(listen(self.outbox.clone(), self.db.clone(), listening, stop_listening));
         }
         loop {
-            state.listening = *listening_rx.borrow();
             let current = self.assignment.borrow().clone();
             if !current.is_live() {
                 state.cancels.lease_ran_out(state.in_flight.len());
@@ -178,6 +178,10 @@ impl Processor {
                 () = sleep_until_opt(state.timers.first_key_value().map(|(&at, _)| at)) => state.timers_due(),
                 () = tokio::time::sleep_until(state.next_poll), if state.fetch.is_none() => state.poll_due(),
                 wake = woken.next() => state.on_woken(wake),
+                changed = listening_rx.changed(), if listener_open => match changed {
+                    Ok(()) => state.on_listening(*listening_rx.borrow_and_update()),
+                    Err(_) => listener_open = false,
+                },
                 () = sleep_until_opt(lease_deadline) => {}
                 changed = self.assignment.changed(), if state.assignment_open => {
                     if changed.is_err() {
@@ -440,6 +444,13 @@ impl State {
         });
         self.fetches.retain(|p| current.epochs.contains_key(&p));
         self.wanted = Partitions::ALL;
+    }
+
+    /// The `LISTEN` connection came up or was lost. Either way a wake-up may have been missed while it
+    /// was down, so every partition is read now; then polls come at the interval that now applies.
+    fn on_listening(&mut self, listening: bool) {
+        self.listening = listening;
+        self.poll_due();
     }
 
     fn on_woken(&mut self, wake: Wake) {
