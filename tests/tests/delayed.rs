@@ -18,6 +18,7 @@ every_backend!(
     a_time_already_past_is_at_once_and_an_absolute_time_is_kept,
     stats_count_records_scheduled_for_later_apart,
     a_wake_up_delivers_a_delayed_record_when_it_falls_due,
+    a_delay_counts_from_the_call_not_from_the_transaction_start,
 );
 
 /// On PostgreSQL the wake-up of a producer in another process (another `Outbox`) carries the wait too.
@@ -160,6 +161,21 @@ async fn stats_count_records_scheduled_for_later_apart(db: TestDb) {
     let b = stats.iter().find(|s| s.partition == partition_of("b")).unwrap();
     assert_eq!((b.pending, b.scheduled), (1, 0));
     assert!(b.oldest_pending.unwrap() < Duration::from_millis(400), "{:?}", b.oldest_pending);
+}
+
+/// A delay counts from the call that schedules the record, not from its transaction's start: a record
+/// scheduled for a second later, a second and a half into its transaction, is still waiting when the
+/// transaction commits.
+async fn a_delay_counts_from_the_call_not_from_the_transaction_start(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let mut tx = db.begin().await;
+    tx.execute("SELECT 1", &[]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    outbox.schedule(&mut tx, NewRecord::new("k", "t", "").deliver_after(Duration::from_secs(1))).await.unwrap();
+    tx.commit().await.unwrap();
+    let stats = outbox.stats(&db).await.unwrap();
+    let k = stats.iter().find(|s| s.partition == partition_of("k")).unwrap();
+    assert_eq!((k.pending, k.scheduled), (0, 1), "{}: due at the commit already", db.db.backend());
 }
 
 async fn a_wake_up_delivers_a_delayed_record_when_it_falls_due(db: TestDb) {

@@ -88,7 +88,8 @@ impl NewRecord {
         self
     }
 
-    /// Delivers the record no earlier than `delay` after the scheduling transaction's database time; see
+    /// Delivers the record no earlier than `delay` after the `schedule` call, by the database's clock (not
+    /// after its transaction's start, however long that ran); see
     /// [`NewRecord::deliver_at`].
     pub fn deliver_after(mut self, delay: Duration) -> Self {
         self.delay = Some(Delay::After(delay));

@@ -53,9 +53,11 @@ SELECT i.id, i.partition, i.key, n.seq, i.event_type, i.payload, i.headers::json
 FROM input i JOIN numbered n ON n.ord = i.ord
 RETURNING id, seq";
 
-/// When a record asked to be delivered at `at`, or `after_ms` after now, is due, if later than now.
-const DELIVER_AT: &str = "(SELECT CASE WHEN d > now() THEN d END
-    FROM (SELECT coalesce(at, now() + after_ms * interval '1 millisecond') AS d) due)";
+/// When a record asked to be delivered at `at`, or `after_ms` after the statement, is due, if later
+/// than the statement. The statement's time, not the caller's transaction's start (`now()`): a delay
+/// counts from the call that schedules it, as on the other backends, however long the transaction ran.
+const DELIVER_AT: &str = "(SELECT CASE WHEN d > statement_timestamp() THEN d END
+    FROM (SELECT coalesce(at, statement_timestamp() + after_ms * interval '1 millisecond') AS d) due)";
 
 /// One record, without the arrays: the key's lock row first (the insert reads from it, so it runs first),
 /// then the record with a number drawn under that lock. `$1` id, `$2` partition, `$3` key, `$4` type,
