@@ -178,31 +178,19 @@ async fn an_acquisition_waits_for_a_renewal_in_flight(pool: PgPool) {
         target(&store, [7, 8], taker).await;
         let (written, renewal_written) = tokio::sync::oneshot::channel();
         let (commit, committing) = tokio::sync::oneshot::channel::<()>();
-        let renewal = match store.db().clone() {
-            Db::Postgres(pool) => tokio::spawn(async move {
-                let mut tx = pool.begin().await.unwrap();
-                sqlx::query("UPDATE outbox.instances SET expires_at = now() + interval '1 day' WHERE id = $1")
-                    .bind(owner)
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
-                written.send(()).unwrap();
-                committing.await.unwrap();
-                tx.commit().await.unwrap();
-            }),
-            Db::MySql(pool) => tokio::spawn(async move {
-                let mut tx = pool.begin().await.unwrap();
-                sqlx::query("UPDATE outbox_instances SET expires_at = UTC_TIMESTAMP(6) + INTERVAL 1 DAY WHERE id = ?")
-                    .bind(owner)
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
-                written.send(()).unwrap();
-                committing.await.unwrap();
-                tx.commit().await.unwrap();
-            }),
+        let renew = match store.db() {
+            Db::Postgres(_) => "UPDATE outbox.instances SET expires_at = now() + interval '1 day' WHERE id = $1",
+            Db::MySql(_) => "UPDATE outbox_instances SET expires_at = UTC_TIMESTAMP(6) + INTERVAL 1 DAY WHERE id = $1",
             _ => continue,
         };
+        let db = store.db().clone();
+        let renewal = tokio::spawn(async move {
+            let mut tx = db.begin().await.unwrap();
+            tx.execute(renew, &[owner.into()]).await.unwrap();
+            written.send(()).unwrap();
+            committing.await.unwrap();
+            tx.commit().await.unwrap();
+        });
         renewal_written.await.unwrap();
         tokio::time::sleep(Duration::from_millis(700)).await;
         let acquiring = tokio::spawn({
