@@ -62,12 +62,16 @@ const VIEW: &str = "SELECT `partition`, owner, epoch, target_owner FROM {s}_part
 UNION ALL
 SELECT NULL, id, NULL, NULL FROM {s}_instances WHERE expires_at > {now} AND NOT draining";
 
-/// The targets of `?` (JSON `[[partition, hex owner], …]`) that differ from the stored ones, locked.
+/// The targets of `?` (JSON `[[partition, hex owner], …]`) that differ from the stored ones. Not a
+/// locking read: that would lock, and wait for, every partition named, where fenced completions hold
+/// rows `FOR SHARE`; [`SET_TARGETS`] then writes only these.
 const CHANGED_TARGETS: &str = "SELECT p.`partition`
 FROM JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]')) t
 STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.part
-WHERE NOT (p.target_owner <=> UNHEX(t.owner)) FOR UPDATE";
+WHERE NOT (p.target_owner <=> UNHEX(t.owner))";
 
+/// Writes the targets of `?` (only those that change: every row an `UPDATE` joins is locked, changed
+/// or not).
 const SET_TARGETS: &str =
     "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', owner CHAR(32) PATH '$[1]')) t
 STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.part
@@ -230,15 +234,17 @@ impl MySqlStatements {
     pub(super) async fn set_targets(&self, conn: &mut MySqlConnection, targets: &Targets) -> Result<Vec<Partition>> {
         let targets: Vec<(i16, String)> =
             targets.iter().map(|(&p, owner)| (i16::from(p), owner.0.simple().to_string())).collect();
-        let targets = json(&targets)?;
         let mut tx = begin(conn).await?;
         let rows: Vec<PartitionOnly> =
-            sqlx::query_as(statement(&self.changed_targets)).bind(&targets).fetch_all(&mut *tx).await?;
-        if !rows.is_empty() {
-            sqlx::query(statement(&self.set_targets)).bind(&targets).execute(&mut *tx).await?;
+            sqlx::query_as(statement(&self.changed_targets)).bind(json(&targets)?).fetch_all(&mut *tx).await?;
+        let changed: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
+        if !changed.is_empty() {
+            let writes: Vec<&(i16, String)> =
+                targets.iter().filter(|(p, _)| changed.iter().any(|c| i16::from(*c) == *p)).collect();
+            sqlx::query(statement(&self.set_targets)).bind(json(&writes)?).execute(&mut *tx).await?;
         }
         tx.commit().await?;
-        Ok(rows.into_iter().map(|r| r.partition).collect())
+        Ok(changed)
     }
 
     pub(super) async fn drain(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<()> {

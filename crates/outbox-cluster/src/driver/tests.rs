@@ -204,3 +204,31 @@ async fn an_acquisition_waits_for_a_renewal_in_flight(pool: PgPool) {
         assert!(taken.is_empty(), "{backend}: took {taken:?} from an owner whose renewal was in flight");
     }
 }
+
+/// Setting targets locks only the partitions whose target changes: a fenced write holding another
+/// partition's row (`FOR SHARE`, as every completion does) is not waited for. SQLite has one writer at
+/// a time, so there every write waits for the one before.
+#[sqlx::test(migrations = false)]
+async fn setting_targets_waits_for_no_partition_it_leaves_alone(pool: PgPool) {
+    for store in stores(pool).await {
+        let backend = store.db().backend();
+        let hold = match store.db() {
+            Db::Postgres(_) => "SELECT partition FROM outbox.partitions WHERE partition = 7 FOR SHARE",
+            Db::MySql(_) => "SELECT `partition` FROM outbox_partitions WHERE `partition` = 7 LOCK IN SHARE MODE",
+            _ => continue,
+        };
+        let (a, b) = (registered(&store, DAY).await, registered(&store, DAY).await);
+        target(&store, [7, 8], a).await;
+        let mut completion = store.db().begin().await.unwrap();
+        completion.execute(hold, &[]).await.unwrap();
+        let targets = [(7, a), (8, b)].into_iter().collect();
+        let changed = tokio::time::timeout(Duration::from_secs(5), store.set_targets(&targets))
+            .await
+            .unwrap_or_else(|_| panic!("{backend}: setting targets waited for a partition whose target stays"))
+            .unwrap();
+        assert_eq!(changed, [8], "{backend}");
+        completion.commit().await.unwrap();
+        let rows = store.view().await.unwrap().partitions;
+        assert_eq!((rows[7].target, rows[8].target), (Some(a), Some(b)), "{backend}");
+    }
+}
