@@ -32,8 +32,17 @@ pub const MAX_DELAY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 pub enum Delay {
     /// Not before this time (a time already past: at once).
     At(DateTime<Utc>),
-    /// Not before this long after the scheduling transaction's database time.
+    /// Not before this long after the `schedule` call, by the database's clock.
     After(Duration),
+}
+
+/// `at` rounded up to a whole millisecond, the coarsest time a driver keeps: cut down to what the
+/// database keeps, a delivery time would fall before the one asked for, and the record could be
+/// delivered early.
+fn whole_millis_up(at: DateTime<Utc>) -> DateTime<Utc> {
+    let below = at.timestamp_subsec_nanos() % 1_000_000;
+    let up = chrono::Duration::nanoseconds(i64::from((1_000_000 - below) % 1_000_000));
+    at.checked_add_signed(up).unwrap_or(at)
 }
 
 /// A record to schedule inside the caller's transaction. Its `Debug` shows the payload's length, never
@@ -83,8 +92,9 @@ impl NewRecord {
 
     /// Delivers the record no earlier than `at` (the database's clock). With stop-on-first-failure on, the
     /// key's later records wait for it (strict per-key order); with it off, they go ahead.
+    /// The time is kept to the millisecond, rounded up (see [`whole_millis_up`]).
     pub fn deliver_at(mut self, at: impl Into<DateTime<Utc>>) -> Self {
-        self.delay = Some(Delay::At(at.into()));
+        self.delay = Some(Delay::At(whole_millis_up(at.into())));
         self
     }
 
@@ -233,6 +243,18 @@ pub(crate) fn check_key(key: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    /// A delivery time is kept to the millisecond and never brought forward.
+    #[test]
+    fn a_delivery_time_is_rounded_up_to_the_millisecond() {
+        use chrono::TimeZone;
+        let whole = Utc.timestamp_millis_opt(1_700_000_000_123).unwrap();
+        assert_eq!(super::whole_millis_up(whole), whole);
+        let inside = whole + chrono::Duration::nanoseconds(1);
+        assert_eq!(super::whole_millis_up(inside), whole + chrono::Duration::milliseconds(1));
+        let last = whole + chrono::Duration::nanoseconds(999_999);
+        assert_eq!(super::whole_millis_up(last), whole + chrono::Duration::milliseconds(1));
+    }
+
     use super::*;
 
     fn check(r: NewRecord) -> Result<()> {

@@ -27,8 +27,9 @@ SELECT unhex(j.value ->> 0), j.value ->> 1, j.value ->> 2, j.value ->> 3, unhex(
 FROM json_each($1) j ORDER BY j.key";
 
 /// When a record asked to be delivered at `{at}` (ms), or `{after}` ms from now, is due, if later than now.
-const DELIVER_AT: &str =
-    "(SELECT CASE WHEN due > {now} THEN due END FROM (SELECT coalesce({at}, {now} + {after}) AS due))";
+/// `{now}` is cut down to the millisecond, so a delay gets one more: never due before it ran out.
+const DELIVER_AT: &str = "(SELECT CASE WHEN due > {now} THEN due END
+    FROM (SELECT coalesce({at}, {now} + {after} + ({after} > 0)) AS due))";
 
 /// Renders a stored time (milliseconds since the Unix epoch) as RFC 3339 text, which sqlx decodes into
 /// a `DateTime<Utc>` as it does PostgreSQL's `timestamptz`, so both backends share their row types.
