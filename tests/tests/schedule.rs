@@ -19,6 +19,7 @@ every_backend!(
     migrations_are_idempotent_concurrent_and_use_their_own_table,
     scheduling_before_migrating_says_so,
     key_rows_are_pruned_and_sequences_keep_growing,
+    pruning_key_rows_far_from_the_database_fits_its_time_limit,
     a_reserved_word_names_a_schema,
     a_batch_larger_than_one_statement_carries_is_written_whole,
     a_payload_over_the_servers_packet_is_refused_before_writing,
@@ -121,6 +122,21 @@ async fn key_rows_are_pruned_and_sequences_keep_growing(db: TestDb) {
     assert!(again.seq > last_of_key0, "{} after {last_of_key0}", again.seq);
     assert_eq!(outbox.prune_keys(&db, 7).await.unwrap(), 0);
     assert_eq!(key_rows(db.clone()).await, i64::from(keeps_rows));
+}
+
+/// Pruning key rows far from the database (20 ms a round trip) fits within `query_timeout`: a few
+/// statements for a batch of keys, not one each.
+async fn pruning_key_rows_far_from_the_database_fits_its_time_limit(db: TestDb) {
+    let Some((far, _proxy)) = db.far_away(Duration::from_millis(10)).await else { return };
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(2)).await;
+    let records: Vec<NewRecord> = (0..300).map(|k| NewRecord::new(format!("key-{k}"), "t", "")).collect();
+    let mut tx = db.begin().await;
+    outbox.schedule_batch(&mut tx, &records).await.unwrap();
+    tx.commit().await.unwrap();
+    deliver_all(&outbox, &db).await;
+    let rows = db.key_rows().await.unwrap_or(0);
+    assert_eq!(outbox.prune_keys(&far, 300).await.unwrap(), rows as u64);
+    assert_eq!(db.key_rows().await.unwrap_or(0), 0);
 }
 
 /// Starts a transaction scheduling `payload` on key "k" and returns once it is seen waiting for the key's

@@ -21,6 +21,7 @@ every_backend!(
     a_hot_key_set_that_sorts_low_cannot_starve_a_key_that_sorts_high,
     shutdown_stops_every_task_even_when_marking_the_instance_draining_fails,
     connections_that_stop_answering_are_given_up_and_delivery_goes_on,
+    a_batch_of_failures_far_from_the_database_is_written_within_its_time_limit,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -206,4 +207,25 @@ async fn connections_that_stop_answering_are_given_up_and_delivery_goes_on(db: T
     drained(&db, LONG).await;
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
     assert_first_deliveries_in_order(&sink, 8, 4);
+}
+
+/// An outage fails every key at once: the batch of failures that follows is written within
+/// `query_timeout` also 20 ms a round trip from the database (one statement for the batch, not one a
+/// record), so every record's attempt is counted and its retry scheduled.
+async fn a_batch_of_failures_far_from_the_database_is_written_within_its_time_limit(db: TestDb) {
+    let Some((far, _proxy)) = db.far_away(Duration::from_millis(10)).await else { return };
+    let outbox = outbox(&db, |c| {
+        c.query_timeout = Duration::from_secs(2);
+        c.retry = RetryPolicy::fixed(Duration::from_secs(3600), 5);
+    })
+    .await;
+    let outage = Handlers::new().default_route(Route::new(handler_fn(|_r: Record| async {
+        Err::<(), _>(HandlerError::retryable("the broker is down"))
+    })));
+    let records: Vec<NewRecord> = (0..400).map(|k| NewRecord::new(format!("key-{k}"), "t", "")).collect();
+    commit(&outbox, &db, records).await;
+    let node = start(&outbox, &far, outage).await;
+    let counted = "SELECT count(*) FROM {s}records WHERE attempts = 1";
+    wait_for("every failure written", LONG, || async { count(&db, counted).await == 400 }).await;
+    node.shutdown().await.unwrap();
 }

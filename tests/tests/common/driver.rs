@@ -46,13 +46,18 @@ impl TestDb {
     /// The same database reached through a proxy of its own on loopback (no delay), in a pool of its
     /// own; `None` where the database is not reached over the network (SQLite).
     pub async fn through_proxy(&self) -> Option<(TestDb, DelayProxy)> {
+        self.far_away(Duration::ZERO).await
+    }
+
+    /// [`TestDb::through_proxy`], its proxy delaying everything by `delay` each way.
+    pub async fn far_away(&self, delay: Duration) -> Option<(TestDb, DelayProxy)> {
         if self.is_sqlite() {
             return None;
         }
         let url = self.url().await;
         let (server, database) = url.rsplit_once('/').unwrap();
         let (host, port) = server.rsplit_once(':').unwrap();
-        let proxy = DelayProxy::start(port.parse().unwrap(), Duration::ZERO).await;
+        let proxy = DelayProxy::start(port.parse().unwrap(), delay).await;
         let db = Db::connect(&format!("{host}:{}/{database}", proxy.port)).await.unwrap();
         Some((TestDb { db, ..self.clone() }, proxy))
     }

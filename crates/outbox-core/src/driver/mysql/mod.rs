@@ -308,7 +308,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     }
 
     /// One transaction: the grants checked and locked, then the completions of those that hold in three
-    /// set statements, then their failures one statement each.
+    /// set statements, then their failures in two.
     pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
         super::finishing(self.pool, async |conn| self.write_outcomes(conn, outcomes).await).await
     }
@@ -329,26 +329,26 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             sqlx::query(statement(&s.delete)).bind(&done).execute(&mut *tx).await?;
             written.ids.extend(found.into_iter().map(|(id,)| id));
         }
-        for o in written.failures(outcomes) {
-            let (error, delay, failed) = match &o.verdict {
-                Verdict::Retry { delay, error } => (error.as_str(), *delay, false),
-                Verdict::Failed { error } => (error.as_str(), Duration::ZERO, true),
-                Verdict::Delivered | Verdict::Fallback => continue,
-            };
-            let updated = sqlx::query(statement(&s.fail))
-                .bind(o.attempts)
-                .bind(error)
-                .bind(failed)
-                .bind(millis(delay))
-                .bind(failed)
-                .bind(o.id)
-                .bind(o.requeues)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            if updated > 0 {
-                written.ids.insert(o.id);
+        let failures: Vec<(String, i32, i32, &str, i32, i64)> = written
+            .failures(outcomes)
+            .into_iter()
+            .filter_map(|o| {
+                let (error, delay, failed) = match &o.verdict {
+                    Verdict::Retry { delay, error } => (error.as_str(), *delay, 0),
+                    Verdict::Failed { error } => (error.as_str(), Duration::ZERO, 1),
+                    Verdict::Delivered | Verdict::Fallback => return None,
+                };
+                Some((o.id.simple().to_string(), o.requeues, o.attempts, error, failed, millis(delay)))
+            })
+            .collect();
+        if !failures.is_empty() {
+            let failures = json(&failures)?;
+            let found: Vec<(Uuid,)> =
+                sqlx::query_as(statement(&s.lock_failing)).bind(&failures).fetch_all(&mut *tx).await?;
+            if !found.is_empty() {
+                sqlx::query(statement(&s.fail)).bind(&failures).execute(&mut *tx).await?;
             }
+            written.ids.extend(found.into_iter().map(|(id,)| id));
         }
         tx.commit().await?;
         Ok(written)
@@ -418,8 +418,11 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
                 .fetch_all(&mut *tx)
                 .await?;
             let mut pruned = 0;
-            for key in &keys {
-                let query = sqlx::query(statement(&self.statements.delete_key)).bind(key);
+            for chunk in keys.chunks(statements::DELETE_KEYS_AT_ONCE) {
+                let mut query = sqlx::query(statement(&self.statements.delete_keys));
+                for i in 0..statements::DELETE_KEYS_AT_ONCE {
+                    query = query.bind(chunk.get(i).or(chunk.last()));
+                }
                 pruned += query.execute(&mut *tx).await?.rows_affected();
             }
             tx.commit().await?;
@@ -549,16 +552,24 @@ mod tests {
         .fetch_one(&mut *conn)
         .await
         .unwrap();
+        let failures: String = sqlx::query_scalar(
+            "SELECT JSON_ARRAYAGG(JSON_ARRAY(HEX(id), 0, 1, 'e', 0, 0)) FROM (SELECT id FROM outbox_records LIMIT 1000) t",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
         let keep = sql.keep.as_deref().unwrap_or_default();
         let statements = [
-            ("records", "numbers", &*sql.numbers),
-            ("records", "lock", &*sql.lock_done),
-            ("records", "keep", keep),
-            ("records", "delete", &*sql.delete),
-            ("partitions", "fence", &*sql.fence),
+            ("records", "numbers", &*sql.numbers, &ids),
+            ("records", "lock", &*sql.lock_done, &ids),
+            ("records", "keep", keep, &ids),
+            ("records", "delete", &*sql.delete, &ids),
+            ("records", "lock failing", &*sql.lock_failing, &failures),
+            ("records", "fail", &*sql.fail, &failures),
+            ("partitions", "fence", &*sql.fence, &grants),
         ];
-        for (table, name, text) in statements {
-            let list = if table == "records" { ids.clone() } else { grants.clone() };
+        for (table, name, text, list) in statements {
+            let list = list.clone();
             let plan = plan(conn, explain(text).bind(list)).await;
             let alias = if table == "records" { "r" } else { "p" };
             let by_key = plan.iter().filter(|s| s.table == alias).all(|s| s.access == "eq_ref" && s.index == "PRIMARY");

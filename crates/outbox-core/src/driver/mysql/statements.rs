@@ -134,13 +134,27 @@ STRAIGHT_JOIN {s}_records r FORCE INDEX (PRIMARY) ON r.id = UNHEX(j.id)";
 const DELETE: &str = "DELETE r FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]')) j
 STRAIGHT_JOIN {s}_records r FORCE INDEX (PRIMARY) ON r.id = UNHEX(j.id)";
 
-/// A retry at now + `?` ms, or FAILED, of a pending record not requeued since it was fetched: a late
-/// retry of this write never undoes an operator's requeue. Binds: attempts, error, failed, delay ms,
-/// failed, id, requeues.
-const FAIL: &str = "UPDATE {s}_records SET attempts = ?, last_error = ?,
-    next_attempt_at = IF(?, NULL, UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND),
-    failed_at = IF(?, UTC_TIMESTAMP(6), NULL)
-WHERE id = ? AND failed_at IS NULL AND requeues = ?";
+/// The failed deliveries of `?` (JSON `[[hex id, requeues, attempts, error, failed 0/1, delay ms], …]`).
+const FAILURES: &str = "JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$[0]', requeues INT PATH '$[1]',
+    attempts INT PATH '$[2]', err VARCHAR(4096) CHARACTER SET utf8mb4 PATH '$[3]', failed INT PATH '$[4]',
+    delay_ms BIGINT PATH '$[5]')) j
+STRAIGHT_JOIN {s}_records r FORCE INDEX (PRIMARY) ON r.id = UNHEX(j.id)";
+
+/// A record of [`FAILURES`] still pending and not requeued since it was fetched.
+const STILL_FAILING: &str = "r.failed_at IS NULL AND r.requeues = j.requeues";
+
+/// The records [`FAIL`] writes, locked (MySQL's `UPDATE` returns no rows).
+const LOCK_FAILING: &str = "SELECT r.id FROM {failures} WHERE {still_failing} FOR UPDATE";
+
+/// A retry at now + the delay, or FAILED, of each record of [`FAILURES`] still pending and not requeued
+/// since it was fetched: a late retry of this write never undoes an operator's requeue. One statement
+/// for the batch: one a record took a batch of failures (an outage fails every key) past
+/// `query_timeout` a few milliseconds from the database.
+const FAIL: &str = "UPDATE {failures}
+SET r.attempts = j.attempts, r.last_error = j.err,
+    r.next_attempt_at = IF(j.failed, NULL, UTC_TIMESTAMP(6) + INTERVAL (j.delay_ms * 1000) MICROSECOND),
+    r.failed_at = IF(j.failed, UTC_TIMESTAMP(6), NULL)
+WHERE {still_failing}";
 
 /// Binds: payloads, key, key, partition, partition, after partition, after partition, after key, after
 /// seq, limit.
@@ -207,8 +221,22 @@ const PRUNABLE_KEYS: &str = "SELECT k.`key` FROM {s}_keys k
 WHERE NOT EXISTS (SELECT 1 FROM {s}_records r WHERE r.`partition` = k.`partition` AND r.`key` = k.`key`)
 LIMIT ? FOR UPDATE SKIP LOCKED";
 
-/// One key at a time, by primary key: a join with a JSON list may read (and lock) every key row.
-const DELETE_KEY: &str = "DELETE FROM {s}_keys WHERE `key` = ?";
+/// A statement on the failed deliveries of one completion batch.
+fn failing(text: &str) -> String {
+    text.replace("{failures}", FAILURES).replace("{still_failing}", STILL_FAILING)
+}
+
+/// Key rows deleted by one statement (see [`MySqlStatements::delete_keys`]).
+pub(super) const DELETE_KEYS_AT_ONCE: usize = 100;
+
+/// [`DELETE_KEYS_AT_ONCE`] keys by primary key, the list bound (a short one padded with repeats): one
+/// statement text, prepared once. Not a join with a JSON list, whose column's collation is not the
+/// key's, so it may read (and lock) every key row; and not one key a round trip, which at a few
+/// milliseconds each takes a batch past `query_timeout`.
+fn delete_keys() -> String {
+    let list = vec!["?"; DELETE_KEYS_AT_ONCE].join(", ");
+    format!("DELETE FROM {{s}}_keys WHERE `key` IN ({list})")
+}
 
 /// MySQL's statements, built for one table prefix and mode.
 #[derive(Debug)]
@@ -222,6 +250,7 @@ pub struct MySqlStatements {
     pub(super) lock_done: Arc<str>,
     pub(super) keep: Option<Arc<str>>,
     pub(super) delete: Arc<str>,
+    pub(super) lock_failing: Arc<str>,
     pub(super) fail: Arc<str>,
     pub(super) list_failed: Arc<str>,
     pub(super) requeue: Arc<str>,
@@ -236,7 +265,7 @@ pub struct MySqlStatements {
     pub(super) accept_later_of_key: Arc<str>,
     pub(super) purge_inbox: Arc<str>,
     pub(super) prunable_keys: Arc<str>,
-    pub(super) delete_key: Arc<str>,
+    pub(super) delete_keys: Arc<str>,
 }
 
 /// Renders a MySQL statement: `{s}` becomes the table prefix (the configured schema name), `{now}` the
@@ -265,7 +294,8 @@ impl MySqlStatements {
             lock_done: build(LOCK_DONE),
             keep: keep_completed.then(|| build(KEEP)),
             delete: build(DELETE),
-            fail: build(FAIL),
+            lock_failing: build(&failing(LOCK_FAILING)),
+            fail: build(&failing(FAIL)),
             list_failed: build(LIST_FAILED),
             requeue: build(REQUEUE),
             requeue_all: build(REQUEUE_ALL),
@@ -279,7 +309,7 @@ impl MySqlStatements {
             accept_later_of_key: build(ACCEPT_LATER_OF_KEY),
             purge_inbox: build(PURGE_INBOX),
             prunable_keys: build(PRUNABLE_KEYS),
-            delete_key: build(DELETE_KEY),
+            delete_keys: build(&delete_keys()),
         }
     }
 }
