@@ -92,6 +92,28 @@ async fn losing_the_wake_up_connection_brings_the_poll_forward(pool: sqlx::PgPoo
     node.shutdown().await.unwrap();
 }
 
+/// A `LISTEN` connection that stops answering without a word (a NAT's idle timeout, a host gone) is
+/// found out by its check and made again: before, the processor counted on wake-ups that no longer came.
+#[sqlx::test(migrations = false)]
+async fn a_wake_up_connection_that_stops_answering_is_made_again(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let Some((through, proxy)) = db.through_proxy().await else { return };
+    let consumer = outbox(&db, |c| {
+        c.listen_poll_interval = Duration::from_millis(300);
+        c.query_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let node = start(&consumer, &through, recording(&Sink::new())).await;
+    let listening =
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'";
+    wait_for("the processor listening", LONG, || async { count(&db, listening).await == 1 }).await;
+    proxy.stall();
+    // The stalled connection stays open on the server's side; the new one listens beside it.
+    wait_for("the processor listening on a new connection", LONG, || async { count(&db, listening).await == 2 }).await;
+    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
+}
+
 const LONG: Duration = Duration::from_secs(60);
 
 /// A processor polling once an hour delivers a record at once when its producer calls `wake` after the

@@ -312,19 +312,21 @@ impl Db {
     /// Hears other processes' wake-ups and nudges on a connection of its own and passes them to
     /// `wakeups`, until the connection is lost (`Ok`) or cannot be made; `listening` is true while it
     /// listens. Right after it starts listening it tells `wakeups` that earlier notices were missed.
-    /// Returns at once where the database cannot listen.
+    /// Every `check.0` the connection must answer a statement within `check.1`, or it is given up
+    /// ([`Error::QueryTimeout`]). Returns at once where the database cannot listen.
     pub(crate) async fn listen(
         &self,
         statements: &Statements,
         wakeups: &Wakeups,
         listening: &watch::Sender<bool>,
+        check: (Duration, Duration),
     ) -> Result<()> {
         match self {
             #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => pool_of(pool, &statements.postgres).listen(wakeups, listening).await,
+            Db::Postgres(pool) => pool_of(pool, &statements.postgres).listen(wakeups, listening, check).await,
             #[allow(unreachable_patterns)] // in a build with PostgreSQL alone
             _ => {
-                let _ = (statements, wakeups, listening);
+                let _ = (statements, wakeups, listening, check);
                 Ok(())
             }
         }

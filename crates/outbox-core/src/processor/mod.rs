@@ -500,10 +500,13 @@ impl State {
 /// Hears other processes' wake-ups (see `wake.rs`) until `stop`, connecting again a second after the
 /// connection is lost or cannot be made; `listening` is true while it listens.
 async fn listen(outbox: Outbox, db: Db, listening: watch::Sender<bool>, stop: CancellationToken) {
+    // Checked as often as the processor polls while it listens: a lost connection costs no more than
+    // one safety-net interval of wake-ups.
+    let check = (outbox.config().listen_poll_interval, outbox.config().query_timeout);
     loop {
         let heard = tokio::select! {
             () = stop.cancelled() => return,
-            heard = db.listen(outbox.statements(), outbox.wakeups(), &listening) => heard,
+            heard = db.listen(outbox.statements(), outbox.wakeups(), &listening, check) => heard,
         };
         listening.send_replace(false);
         match heard {

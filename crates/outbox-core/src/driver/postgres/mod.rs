@@ -143,7 +143,15 @@ impl Driver<'_, PgPool, PgStatements> {
 
     /// Listens on a connection of its own until it is lost: `PgListener` keeps the connection it is
     /// given for its whole life, so it gets a one-connection pool, not one of the processor's.
-    pub(crate) async fn listen(&self, wakeups: &Wakeups, listening: &watch::Sender<bool>) -> Result<()> {
+    /// A connection that is dropped without a word (a NAT's or load balancer's idle timeout, a host
+    /// gone) never ends `try_recv`: the processor would count on wake-ups that no longer come. So it
+    /// must answer a statement every `check.0` (which also keeps it from looking idle), within `check.1`.
+    pub(crate) async fn listen(
+        &self,
+        wakeups: &Wakeups,
+        listening: &watch::Sender<bool>,
+        (every, within): (Duration, Duration),
+    ) -> Result<()> {
         let own = PgPoolOptions::new().max_connections(1).connect_lazy_with((*self.pool.connect_options()).clone());
         let mut listener = PgListener::connect_with(&own).await?;
         let channels = [Channel::Wake, Channel::Nudge];
@@ -151,13 +159,23 @@ impl Driver<'_, PgPool, PgStatements> {
         listening.send_replace(true);
         // Notices sent before this connection listened are lost: look once at everything.
         wakeups.missed();
-        while let Some(notification) = listener.try_recv().await? {
-            match channels.into_iter().find(|&c| self.statements.channel(c) == notification.channel()) {
-                Some(channel) => wakeups.heard(channel, notification.payload()),
-                None => debug!(channel = notification.channel(), "ignored a notice on an unknown channel"),
+        let mut check = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                heard = listener.try_recv() => {
+                    let Some(notification) = heard? else { return Ok(()) };
+                    match channels.into_iter().find(|&c| self.statements.channel(c) == notification.channel()) {
+                        Some(channel) => wakeups.heard(channel, notification.payload()),
+                        None => debug!(channel = notification.channel(), "ignored a notice on an unknown channel"),
+                    }
+                }
+                _ = check.tick() => {
+                    let answered = tokio::time::timeout(within, sqlx::query("SELECT 1").execute(&mut listener)).await;
+                    answered.map_err(|_| Error::QueryTimeout { work: "checking the wake-up connection", after: within })??;
+                }
             }
         }
-        Ok(())
     }
 
     pub(crate) async fn migrate(&self) -> Result<()> {
