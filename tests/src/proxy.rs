@@ -1,12 +1,13 @@
 //! A TCP proxy on a free loopback port that delays everything it forwards by a fixed time each way: the
 //! network between a service's pods and their database, which is never loopback. Bytes keep their order;
 //! the delay is added to each chunk as it is read, so bandwidth is not limited. It can also make the
-//! connections it already carries stop answering ([`DelayProxy::stall`]): a database host gone, or a
-//! failover that left clients holding half-open connections.
+//! connections it already carries stop answering ([`DelayProxy::stall`]): a failover that left clients
+//! holding half-open connections; or, told nothing of a close either ([`DelayProxy::vanish`]), a host
+//! gone.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -23,6 +24,8 @@ pub struct DelayProxy {
     accepted: Arc<AtomicU64>,
     /// Connections numbered below this stopped forwarding.
     stalled_below: Arc<AtomicU64>,
+    /// Whether a stalled connection keeps a close from one side to itself (see [`DelayProxy::vanish`]).
+    silent: Arc<AtomicBool>,
 }
 
 impl DelayProxy {
@@ -31,7 +34,8 @@ impl DelayProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let (accepted, stalled_below) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-        let (counted, stalled) = (accepted.clone(), stalled_below.clone());
+        let silent = Arc::new(AtomicBool::new(false));
+        let (counted, stalled, quiet) = (accepted.clone(), stalled_below.clone(), silent.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let number = counted.fetch_add(1, Ordering::SeqCst);
@@ -39,12 +43,12 @@ impl DelayProxy {
                 let _ = (client.set_nodelay(true), server.set_nodelay(true));
                 let ((client_read, client_write), (server_read, server_write)) =
                     (client.into_split(), server.into_split());
-                let link = Link { number, delay, stalled_below: stalled.clone() };
+                let link = Link { number, delay, stalled_below: stalled.clone(), silent: quiet.clone() };
                 tokio::spawn(forward(client_read, server_write, link.clone()));
                 tokio::spawn(forward(server_read, client_write, link));
             }
         });
-        DelayProxy { port, accept, accepted, stalled_below }
+        DelayProxy { port, accept, accepted, stalled_below, silent }
     }
 
     /// Every connection open now stops forwarding in both directions, its sockets left open: what its
@@ -52,6 +56,13 @@ impl DelayProxy {
     /// later are forwarded as before.
     pub fn stall(&self) {
         self.stalled_below.store(self.accepted.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+
+    /// [`DelayProxy::stall`], and a side that closes its end is not told to the other, which goes on
+    /// waiting: the other side's host vanished (no FIN, no RST).
+    pub fn vanish(&self) {
+        self.silent.store(true, Ordering::SeqCst);
+        self.stall();
     }
 }
 
@@ -61,6 +72,7 @@ struct Link {
     number: u64,
     delay: Duration,
     stalled_below: Arc<AtomicU64>,
+    silent: Arc<AtomicBool>,
 }
 
 impl Link {
@@ -90,7 +102,12 @@ async fn forward(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, link: Link) {
                 return;
             }
         }
-        let _ = to.shutdown().await;
+        if link.stalled() && link.silent.load(Ordering::SeqCst) {
+            // Closed once the other direction's reader is done with the socket, not before.
+            to.forget();
+        } else {
+            let _ = to.shutdown().await;
+        }
     });
     let mut buffer = vec![0; 64 * 1024];
     while let Ok(read) = from.read(&mut buffer).await {

@@ -89,7 +89,8 @@ impl Outbox {
     pub fn new(config: Config) -> Result<Self> {
         config.validate()?;
         let keep = config.completion == Completion::Keep;
-        let statements = driver::Statements::new(&config.schema, config.stop_on_first_failure, keep);
+        let statements =
+            driver::Statements::new(&config.schema, config.stop_on_first_failure, keep, config.query_timeout);
         Ok(Self { inner: Arc::new(Inner { config, statements, wakeups: notice::Wakeups::default() }) })
     }
 

@@ -1004,10 +1004,16 @@ pub(crate) struct Statements {
 
 impl Statements {
     /// `schema` must already be validated as an identifier.
-    pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
+    pub(crate) fn new(
+        schema: &str,
+        stop_on_first_failure: bool,
+        keep_completed: bool,
+        query_timeout: Duration,
+    ) -> Self {
+        let _ = query_timeout; // only PostgreSQL's statements carry it
         Self {
             #[cfg(feature = "postgres")]
-            postgres: postgres::PgStatements::new(schema, stop_on_first_failure, keep_completed),
+            postgres: postgres::PgStatements::new(schema, stop_on_first_failure, keep_completed, query_timeout),
             #[cfg(feature = "sqlite")]
             sqlite: sqlite::SqliteStatements::new(schema, stop_on_first_failure, keep_completed),
             #[cfg(feature = "mysql")]

@@ -478,7 +478,10 @@ async fn a_dropped_begin_leaves_no_transaction_open(pool: PgPool) {
         let own = || -> BoxFuture<'static, ()> {
             match single.clone() {
                 Db::Postgres(pool) => async move {
-                    let began = super::finishing(&pool, async |conn| super::postgres::begin(conn).await.map(drop));
+                    let statements =
+                        super::postgres::PgStatements::new("outbox", true, true, std::time::Duration::from_secs(10));
+                    let began =
+                        super::finishing(&pool, async |conn| super::postgres::begin(conn, &statements).await.map(drop));
                     drop(began.await)
                 }
                 .boxed(),

@@ -125,10 +125,14 @@ pub(super) async fn accept_in_order(
     Ok(done.rows_affected() == 1)
 }
 
-/// Starts a transaction for the processor's completions on `conn`, with JIT compilation off (see
-/// `Db::fetch_pool`). Run it under `finishing`, which closes the connection if it is cut short.
-pub(super) async fn begin(conn: &mut PgConnection) -> Result<Transaction<'_, Postgres>> {
-    Ok(conn.begin_with("BEGIN; SET LOCAL jit = off").await?)
+/// Starts a transaction for the processor's completions on `conn` with `s.begin_completion`: JIT
+/// compilation off (see `Db::fetch_pool`), and the session ended by the server if the transaction sits
+/// idle past `query_timeout`. A worker whose host vanished mid-completion (no FIN, no RST) otherwise
+/// leaves its locks held until the server's TCP keepalive gives up, hours by default: its partitions'
+/// rows stay locked `FOR SHARE`, which every acquisition skips, so nobody delivers them. Run it under
+/// `finishing`, which closes the connection if it is cut short.
+pub(super) async fn begin<'c>(conn: &'c mut PgConnection, s: &PgStatements) -> Result<Transaction<'c, Postgres>> {
+    Ok(conn.begin_with(statement(&s.begin_completion)).await?)
 }
 
 impl Driver<'_, PgPool, PgStatements> {
@@ -247,7 +251,7 @@ impl Driver<'_, PgPool, PgStatements> {
         failures: &[&Outcome],
     ) -> Result<Written> {
         let mut written = Written::default();
-        let mut tx = begin(conn).await?;
+        let mut tx = begin(conn, self.statements).await?;
         if !done.is_empty() {
             let (partitions, instances, epochs) = fence_arguments(done);
             let ids: Vec<Uuid> = done.iter().map(|o| o.id).collect();
@@ -444,11 +448,14 @@ mod tests {
         let fetching: String = sqlx::query_scalar("SHOW jit").fetch_one(&fetches).await.unwrap();
         assert_eq!(fetching, "off");
         let mut conn = pool.acquire().await.unwrap();
-        let mut tx = super::begin(&mut conn).await.unwrap();
+        let statements = super::PgStatements::new("outbox", true, true, std::time::Duration::from_millis(2500));
+        let mut tx = super::begin(&mut conn, &statements).await.unwrap();
         let inside: String = sqlx::query_scalar("SHOW jit").fetch_one(&mut *tx).await.unwrap();
+        let idle: String =
+            sqlx::query_scalar("SHOW idle_in_transaction_session_timeout").fetch_one(&mut *tx).await.unwrap();
         tx.commit().await.unwrap();
         drop(conn);
-        assert_eq!(inside, "off");
+        assert_eq!((inside.as_str(), idle.as_str()), ("off", "2500ms"));
         let after: String = sqlx::query_scalar("SHOW jit").fetch_one(&pool).await.unwrap();
         let default: String =
             sqlx::query_scalar("SELECT reset_val FROM pg_settings WHERE name = 'jit'").fetch_one(&pool).await.unwrap();

@@ -3,6 +3,7 @@
 //! it is spliced quoted, so a reserved word such as `user` names a schema too).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::notice::Channel;
 
@@ -282,11 +283,18 @@ pub struct PgStatements {
     pub(crate) accept_in_order: Arc<str>,
     pub(crate) purge_inbox: Arc<str>,
     pub(crate) migrations_table: Arc<str>,
+    /// Begins a completion's transaction (see `postgres::begin`).
+    pub(crate) begin_completion: Arc<str>,
 }
 
 impl PgStatements {
     /// `schema` must already be validated as an identifier.
-    pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
+    pub(crate) fn new(
+        schema: &str,
+        stop_on_first_failure: bool,
+        keep_completed: bool,
+        query_timeout: Duration,
+    ) -> Self {
         let quoted = quoted(schema);
         let build = |text: &str| -> Arc<str> {
             text.replace("{written_and_held}", WRITTEN_AND_HELD)
@@ -324,6 +332,11 @@ impl PgStatements {
             accept_in_order: build(ACCEPT_IN_ORDER),
             purge_inbox: build(PURGE_INBOX),
             migrations_table: build(MIGRATIONS_TABLE),
+            begin_completion: format!(
+                "BEGIN; SET LOCAL jit = off; SET LOCAL idle_in_transaction_session_timeout = {}",
+                query_timeout.as_millis().max(1)
+            )
+            .into(),
         }
     }
 
@@ -347,6 +360,8 @@ impl PgStatements {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use sqlx::PgPool;
 
     use crate::{Config, Outbox};
@@ -407,7 +422,7 @@ mod tests {
         .await
         .unwrap();
         sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 1").bind(instance).execute(pool).await.unwrap();
-        let sql = super::PgStatements::new("outbox", true, true);
+        let sql = super::PgStatements::new("outbox", true, true, Duration::from_secs(10));
         let partitions: Vec<i16> = (0..256).collect();
         sqlx::query("TRUNCATE outbox.records").execute(pool).await.unwrap();
         sqlx::query(
@@ -461,7 +476,7 @@ mod tests {
         .unwrap();
         sqlx::query("ANALYZE outbox.records").execute(&pool).await.unwrap();
         for stop_on_first_failure in [true, false] {
-            let sql = super::PgStatements::new("outbox", stop_on_first_failure, true);
+            let sql = super::PgStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
             let plan = plan(&pool, &sql.fetch, &[0, 1, 2]).await;
             assert!(plan.contains("Index Scan using records_partition_key_seq"), "{plan}");
             assert!(!plan.contains("Seq Scan on records"), "{plan}");
@@ -478,7 +493,7 @@ mod tests {
         let partitions: Vec<i16> = (0..256).collect();
         let n = ids.len();
         for keep_completed in [true, false] {
-            let sql = super::PgStatements::new("outbox", true, keep_completed);
+            let sql = super::PgStatements::new("outbox", true, keep_completed, Duration::from_secs(10));
             for (name, text) in [("complete", &sql.complete), ("fail", &sql.fail)] {
                 let mut conn = pool.acquire().await.unwrap();
                 sqlx::query("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await.unwrap();
