@@ -92,7 +92,7 @@ impl NewRecord {
 
     /// Delivers the record no earlier than `at` (the database's clock). With stop-on-first-failure on, the
     /// key's later records wait for it (strict per-key order); with it off, they go ahead.
-    /// The time is kept to the millisecond, rounded up (see [`whole_millis_up`]).
+    /// The time is kept to the millisecond, rounded up, so that no database stores it earlier than asked.
     pub fn deliver_at(mut self, at: impl Into<DateTime<Utc>>) -> Self {
         self.delay = Some(Delay::At(whole_millis_up(at.into())));
         self
