@@ -15,7 +15,9 @@ mod tests;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::driver::{answered_within, finishing};
+use outbox_core::driver::answered_within;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use outbox_core::driver::finishing;
 use outbox_core::{Db, Epochs, InstanceId, Outbox, Partition};
 
 use crate::error::{Error, Result};
