@@ -232,16 +232,21 @@ impl MySqlStatements {
     }
 
     pub(super) async fn set_targets(&self, conn: &mut MySqlConnection, targets: &Targets) -> Result<Vec<Partition>> {
-        let targets: Vec<(i16, String)> =
-            targets.iter().map(|(&p, owner)| (i16::from(p), owner.0.simple().to_string())).collect();
+        // `[[partition, hex owner], …]` of the targets of `partitions`.
+        let listed = |partitions: &mut dyn Iterator<Item = &Partition>| -> Result<String> {
+            let list: Vec<(i16, String)> = partitions
+                .filter_map(|p| targets.get(p).map(|owner| (i16::from(*p), owner.0.simple().to_string())))
+                .collect();
+            Ok(json(&list)?)
+        };
         let mut tx = begin(conn).await?;
-        let rows: Vec<PartitionOnly> =
-            sqlx::query_as(statement(&self.changed_targets)).bind(json(&targets)?).fetch_all(&mut *tx).await?;
+        let rows: Vec<PartitionOnly> = sqlx::query_as(statement(&self.changed_targets))
+            .bind(listed(&mut targets.keys())?)
+            .fetch_all(&mut *tx)
+            .await?;
         let changed: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
         if !changed.is_empty() {
-            let writes: Vec<&(i16, String)> =
-                targets.iter().filter(|(p, _)| changed.iter().any(|c| i16::from(*c) == *p)).collect();
-            sqlx::query(statement(&self.set_targets)).bind(json(&writes)?).execute(&mut *tx).await?;
+            sqlx::query(statement(&self.set_targets)).bind(listed(&mut changed.iter())?).execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(changed)

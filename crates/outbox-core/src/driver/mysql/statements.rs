@@ -148,8 +148,8 @@ const LOCK_FAILING: &str = "SELECT r.id FROM {failures} WHERE {still_failing} FO
 
 /// A retry at now + the delay, or FAILED, of each record of [`FAILURES`] still pending and not requeued
 /// since it was fetched: a late retry of this write never undoes an operator's requeue. One statement
-/// for the batch: one a record took a batch of failures (an outage fails every key) past
-/// `query_timeout` a few milliseconds from the database.
+/// for the whole batch: a statement for each record took a batch of failures (an outage fails every
+/// key) past `query_timeout` a few milliseconds from the database.
 const FAIL: &str = "UPDATE {failures}
 SET r.attempts = j.attempts, r.last_error = j.err,
     r.next_attempt_at = IF(j.failed, NULL, UTC_TIMESTAMP(6) + INTERVAL (j.delay_ms * 1000) MICROSECOND),
