@@ -22,6 +22,7 @@ every_backend!(
     shutdown_stops_every_task_even_when_marking_the_instance_draining_fails,
     connections_that_stop_answering_are_given_up_and_delivery_goes_on,
     a_batch_of_failures_far_from_the_database_is_written_within_its_time_limit,
+    a_heartbeat_connection_that_stops_answering_costs_no_lease,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -264,4 +265,37 @@ async fn a_batch_of_failures_far_from_the_database_is_written_within_its_time_li
     let counted = "SELECT count(*) FROM {s}records WHERE attempts = 1";
     wait_for("every failure written", LONG, || async { count(&db, counted).await == 400 }).await;
     node.shutdown().await.unwrap();
+}
+
+/// The heartbeat's own connection stops answering, its socket left open (a failover that left clients
+/// half-open connections, a NAT entry dropped): the renewal goes out again on a new connection one
+/// heartbeat interval later, well within the lease, so the instance is not declared dead. It keeps its
+/// id and its partitions, and its handler calls are not cancelled. Before, the renewal on the dead
+/// connection was waited for until the lease had ended, every time.
+async fn a_heartbeat_connection_that_stops_answering_costs_no_lease(db: TestDb) {
+    let Some((through, proxy)) = db.through_proxy().await else { return };
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    let sink = Sink::new();
+    // A lease of 1 s, renewed every 250 ms.
+    let config = outbox_cluster::ClusterConfig {
+        heartbeat_interval: Duration::from_millis(250),
+        stale_timeout: Duration::from_millis(1500),
+        ..fast_cluster()
+    };
+    let node = outbox_cluster::Node::start(outbox.clone(), &through, recording(&sink), config).await.unwrap();
+    let owned = "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL";
+    wait_for("every partition owned", LONG, || async { count(&db, owned).await == 256 }).await;
+    let registered = rows!(db, (outbox_core::InstanceId,), "SELECT id FROM {s}instances");
+    assert_eq!(registered.len(), 1, "one instance registered");
+    proxy.stall();
+    // Four leases: before, each renewal on the dead connection cost the lease.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    wait_for("a record committed after the stall delivered", LONG, || async { sink.len() == 1 }).await;
+    let now = rows!(db, (outbox_core::InstanceId,), "SELECT id FROM {s}instances");
+    assert_eq!(now, registered, "the instance was declared dead and registered again");
+    let kept = rows!(db, (i64,), "SELECT count(*) FROM {s}partitions WHERE owner = $1", registered[0].0);
+    assert_eq!(kept, vec![(256,)], "the instance lost partitions");
+    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
+    assert_eq!(sink.len(), 1, "the record was delivered again");
 }

@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use outbox_core::{Assignment, Deadline, Epochs, InstanceId};
 use tokio::sync::watch;
@@ -44,9 +45,8 @@ pub(crate) struct Heartbeat {
 
 impl Heartbeat {
     /// Renews the lease every `heartbeat_interval` over a connection of its own, so it never queues
-    /// behind deliveries or a busy shared pool; reconnects when the connection is lost. A slow renewal
-    /// is waited for up to the lease's length: the deadline it yields is counted from before it was
-    /// sent, so lateness costs nothing (SQLite writers may queue for the lock across processes).
+    /// behind deliveries or a busy shared pool; reconnects when the connection is lost. The deadline a
+    /// renewal yields is counted from before it was sent, so a late answer costs nothing.
     pub(crate) async fn run(self, shutdown: CancellationToken) {
         let mut ticker = tokio::time::interval(self.config.heartbeat_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -62,8 +62,7 @@ impl Heartbeat {
             let id = self.assign.borrow().instance;
             let sent = Deadline::now();
             let delivered = self.delivered.load(Ordering::Relaxed).saturating_sub(counted_from);
-            let renewal = conn.renew(&self.store, id, lease(&self.config), delivered);
-            match tokio::time::timeout(self.config.lease(), renewal).await {
+            match tokio::time::timeout(self.config.lease(), self.renew(&mut conn, id, delivered)).await {
                 Ok(Ok(Some(remaining))) => {
                     metrics::histogram!("outbox_heartbeat_seconds").record(sent.instant().elapsed().as_secs_f64());
                     self.extend_lease(id, sent.after(remaining));
@@ -83,6 +82,34 @@ impl Heartbeat {
                 }
             }
         }
+    }
+
+    /// One renewal on `conn`. If it has not answered within a heartbeat interval (a connection left
+    /// half-open by a failover or a dropped NAT entry never will), the same renewal goes out again on
+    /// a new connection beside it, and the first answer counts: waiting for the first alone let the
+    /// lease end, while giving it up would lose a slow but live renewal its place (on SQLite, its turn
+    /// at the file). The connection that answered is kept.
+    async fn renew(&self, conn: &mut HeartbeatConnection, id: InstanceId, delivered: u64) -> Result<Option<Duration>> {
+        let lease = lease(&self.config);
+        let mut spare = HeartbeatConnection::default();
+        let (answer, spare_answered) = {
+            let first = conn.renew(&self.store, id, lease, delivered);
+            tokio::pin!(first);
+            match tokio::time::timeout(self.config.heartbeat_interval, &mut first).await {
+                Ok(answer) => (answer, false),
+                Err(_) => {
+                    warn!(instance = %id, "heartbeat not answered within an interval; renewing on a new connection too");
+                    tokio::select! {
+                        answer = &mut first => (answer, false),
+                        answer = spare.renew(&self.store, id, lease, delivered) => (answer, true),
+                    }
+                }
+            }
+        };
+        if spare_answered {
+            *conn = spare;
+        }
+        answer
     }
 
     /// The lease of `id` was renewed: the processor may go on until `until`. Only the deadline moves, so
