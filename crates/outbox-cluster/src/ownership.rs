@@ -129,12 +129,6 @@ impl Ownership {
             // leader.
             rebalance_targets(&self.outbox, &self.store, id, &live, &rows).await?
         } else if leader {
-            // Housekeeping for the cluster, once per stale timeout: forget instances whose lease expired
-            // two stale timeouts ago (their partitions have moved on long since).
-            if rounds.reaped.is_none_or(|at| at.elapsed() >= self.config.stale_timeout) {
-                self.store.reap(self.config.stale_timeout * 2).await?;
-                rounds.reaped = Some(Instant::now());
-            }
             rebalance_targets(&self.outbox, &self.store, id, &live, &rows).await?
         } else {
             rows.iter().filter_map(|r| r.target.map(|t| (r.partition, t))).collect()
@@ -179,9 +173,26 @@ impl Ownership {
                 nudge(&self.outbox, &self.store, [leader]).await;
             }
         }
+        if leader && !self.leaving.is_cancelled() {
+            self.reap(rounds).await;
+        }
         metrics::histogram!("outbox_ownership_round_seconds", "leader" => leader.to_string())
             .record(began.elapsed().as_secs_f64());
         Ok(())
+    }
+
+    /// The leader's housekeeping, once per stale timeout, after the round's own work: forgets the
+    /// instances whose lease expired two stale timeouts ago (their partitions moved on long since). A
+    /// failure only waits for the next time: a row that cannot be deleted (on MySQL, locked by a client
+    /// whose host vanished) must not keep the cluster from being rebalanced.
+    async fn reap(&self, rounds: &mut Rounds) {
+        if rounds.reaped.is_some_and(|at| at.elapsed() < self.config.stale_timeout) {
+            return;
+        }
+        rounds.reaped = Some(Instant::now());
+        if let Err(e) = self.store.reap(self.config.stale_timeout * 2).await {
+            warn!(instance = %rounds.instance, error = %e, "deleting the rows of instances dead long since failed; trying again after stale_timeout");
+        }
     }
 
     /// Holds back the partitions `owned` that this instance never heard it acquired: an acquisition

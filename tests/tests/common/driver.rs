@@ -201,6 +201,44 @@ impl TestDb {
         }
     }
 
+    /// Makes every deletion of an instance row named `stale` fail, as a database that refuses it would
+    /// (or a lock it waits for past the time limit); [`TestDb::allow_deleting_instances`] ends it.
+    pub async fn refuse_deleting_stale_instances(&self) {
+        if self.is_mysql() {
+            let trigger = "CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox_instances FOR EACH ROW
+                 BEGIN IF OLD.name = 'stale' THEN
+                     SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'deletion refused by the test';
+                 END IF; END";
+            self.db.execute_script(trigger).await.unwrap();
+        } else if self.is_sqlite() {
+            self.exec(
+                "CREATE TRIGGER refuse_delete BEFORE DELETE ON {s}instances WHEN OLD.name = 'stale'
+                 BEGIN SELECT RAISE(ABORT, 'deletion refused by the test'); END",
+                &[],
+            )
+            .await;
+        } else {
+            self.exec(
+                "CREATE FUNCTION outbox.refuse_delete() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN RAISE EXCEPTION 'deletion refused by the test'; END $$",
+                &[],
+            )
+            .await;
+            self.exec(
+                "CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox.instances
+                 FOR EACH ROW WHEN (OLD.name = 'stale') EXECUTE FUNCTION outbox.refuse_delete()",
+                &[],
+            )
+            .await;
+        }
+    }
+
+    /// Ends [`TestDb::refuse_deleting_stale_instances`].
+    pub async fn allow_deleting_instances(&self) {
+        let on = if self.is_sqlite() || self.is_mysql() { "" } else { " ON outbox.instances" };
+        self.exec(&format!("DROP TRIGGER refuse_delete{on}"), &[]).await;
+    }
+
     /// Schedules `records` on a pooled connection outside any transaction.
     pub async fn schedule_without_transaction(&self, outbox: &Outbox, records: &[NewRecord]) -> Vec<Scheduled> {
         match &self.db {
