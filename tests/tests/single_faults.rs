@@ -23,44 +23,43 @@ every_backend!(
     connections_that_stop_answering_are_given_up_and_delivery_goes_on,
     a_batch_of_failures_far_from_the_database_is_written_within_its_time_limit,
     a_heartbeat_connection_that_stops_answering_costs_no_lease,
+    a_completion_whose_host_vanished_gives_its_partition_up,
 );
 
 const LONG: Duration = Duration::from_secs(60);
 
 /// A worker whose host vanishes in the middle of a completion (no FIN, no RST: the database is never
-/// told) holds its partition's row `FOR SHARE` only until the transaction has sat idle for
-/// `query_timeout`, when PostgreSQL ends the session. Before, the row stayed locked until the server's
-/// TCP keepalive gave up (two hours by default), and every acquisition passed the partition over.
-#[sqlx::test(migrations = false)]
-async fn a_completion_whose_host_vanished_gives_its_partition_up(pool: sqlx::PgPool) {
-    logs();
-    let db = TestDb::postgres(pool);
+/// told) holds its partition's row locked in share mode only until the transaction has sat idle for
+/// `query_timeout`, when the database ends the session (PostgreSQL's
+/// `idle_in_transaction_session_timeout`, MySQL's `wait_timeout`, each set for the transaction).
+/// Before, the row stayed locked until the server's TCP keepalive gave up (two hours by default), and
+/// every acquisition passed the partition over.
+async fn a_completion_whose_host_vanished_gives_its_partition_up(db: TestDb) {
     let Some((far, proxy)) = db.through_proxy().await else { return };
     let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
     // The completion waits for this lock on the record inside its transaction, past its fence.
     let mut blocker = db.begin().await;
-    blocker.execute("SELECT 1 FROM outbox.records WHERE key = 'k' FOR UPDATE", &[]).await.unwrap();
+    let lock = db.sql("SELECT 1 FROM {s}records WHERE key = 'k' FOR UPDATE");
+    blocker.execute(sqlx::AssertSqlSafe(lock), &[]).await.unwrap();
     let sink = Sink::new();
     let node = start(&outbox, &far, recording(&sink)).await;
     wait_for("the record delivered", LONG, || async { sink.len() == 1 }).await;
-    let waiting =
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'";
-    wait_for("the completion waiting for the record", LONG, || async { count(&db, waiting).await == 1 }).await;
+    wait_for("the completion waiting for the record", LONG, || async { db.lock_waiters().await >= 1 }).await;
     proxy.vanish();
     // The completion's statement now ends on the server; its answer and the COMMIT never pass.
     blocker.rollback().await.unwrap();
-    let free = format!(
-        "SELECT count(*) FROM (SELECT 1 FROM outbox.partitions WHERE partition = {} FOR UPDATE SKIP LOCKED) f",
-        i16::from(partition_of("k"))
-    );
-    wait_for("the partition's row free again", LONG, || async { count(&db, &free).await == 1 }).await;
+    let partition = i16::from(partition_of("k"));
+    wait_for("the partition's row free again", LONG, || async {
+        rows!(db, (i64,), "SELECT epoch FROM {s}partitions WHERE partition = $1 FOR UPDATE SKIP LOCKED", partition)
+            .len()
+            == 1
+    })
+    .await;
     // Its first step may meet a connection that vanished (an error), but it stops.
     let _ = tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops");
     // The sessions whose clients went away unannounced stay until told to go.
-    let rest = "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-                WHERE datname = current_database() AND pid <> pg_backend_pid()";
-    count(&db, rest).await;
+    db.end_other_sessions().await;
 }
 
 /// `n` distinct keys with `prefix` that fall into `partition`.

@@ -134,6 +134,43 @@ impl TestDb {
         Some(self.scalar(sql, &[]).await)
     }
 
+    /// How many sessions of the test's database wait for a row lock (0 on SQLite, whose writers sleep
+    /// in their busy handler).
+    pub async fn lock_waiters(&self) -> i64 {
+        let sql = match self.db.backend() {
+            "sqlite" => return 0,
+            "mysql" => {
+                // InnoDB refreshes this view only when it was last read over 100 ms ago: polled more
+                // often, it never changes.
+                tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+                "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'"
+            }
+            _ => {
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            }
+        };
+        self.scalar(sql, &[]).await
+    }
+
+    /// Ends every other session of the test's database: those whose clients vanished stay until told.
+    pub async fn end_other_sessions(&self) {
+        if self.is_sqlite() {
+            return;
+        }
+        if self.is_mysql() {
+            let others = "SELECT CAST(id AS SIGNED) FROM information_schema.processlist
+                          WHERE db = DATABASE() AND id <> CONNECTION_ID()";
+            for (id,) in self.rows::<(i64,)>(others, &[]).await {
+                // The session may have ended meanwhile (1094: unknown thread).
+                let _ = self.db.execute(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")), &[]).await;
+            }
+            return;
+        }
+        let rest = "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+                    WHERE datname = current_database() AND pid <> pg_backend_pid()";
+        self.scalar::<i64>(rest, &[]).await;
+    }
+
     /// Terminates the server connections of process `pid`, started with `PGAPPNAME=application`; `None`
     /// where the backend has no server connections (SQLite runs inside each process). PostgreSQL knows
     /// its clients by application name; MariaDB only by address, so the process's client ports are

@@ -83,7 +83,7 @@ impl Store {
             #[cfg(feature = "sqlite")]
             sqlite: sqlite::SqliteStatements::new(schema),
             #[cfg(feature = "mysql")]
-            mysql: mysql::MySqlStatements::new(schema),
+            mysql: mysql::MySqlStatements::new(schema, outbox.config().query_timeout),
         };
         Self { db, statements: Arc::new(statements), limit: outbox.config().query_timeout }
     }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::driver::mysql::{begin, render};
+use outbox_core::driver::mysql::{begin_statement, render, transaction};
 use outbox_core::driver::{json, millis, statement};
 use outbox_core::{Epochs, InstanceId, Partition};
 use sqlx::{Connection, MySqlConnection, MySqlPool};
@@ -99,6 +99,7 @@ FROM {s}_instances i ORDER BY i.started_at";
 /// The statements, built for one table prefix.
 #[derive(Debug)]
 pub(super) struct MySqlStatements {
+    begin: Arc<str>,
     register: Arc<str>,
     heartbeat: Arc<str>,
     deregister: Arc<str>,
@@ -118,9 +119,10 @@ pub(super) struct MySqlStatements {
 
 impl MySqlStatements {
     /// `schema` is validated by the outbox's config.
-    pub(super) fn new(schema: &str) -> Self {
+    pub(super) fn new(schema: &str, query_timeout: Duration) -> Self {
         let build = |text: &str| -> Arc<str> { render(text, schema).into() };
         Self {
+            begin: begin_statement(query_timeout),
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),
             deregister: build(DEREGISTER),
@@ -190,16 +192,17 @@ impl MySqlStatements {
     }
 
     pub(super) async fn acquire(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<Vec<Taken>> {
-        let mut tx = begin(conn).await?;
-        sqlx::query(statement(&self.lock_owners)).bind(me).bind(me).execute(&mut *tx).await?;
-        let taken: Vec<Taken> =
-            sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).fetch_all(&mut *tx).await?;
-        if !taken.is_empty() {
-            let partitions: Vec<i16> = taken.iter().map(|t| i16::from(t.partition)).collect();
-            sqlx::query(statement(&self.take)).bind(json(&partitions)?).bind(me).execute(&mut *tx).await?;
-        }
-        tx.commit().await?;
-        Ok(taken)
+        transaction(conn, &self.begin, async |tx| {
+            sqlx::query(statement(&self.lock_owners)).bind(me).bind(me).execute(&mut *tx).await?;
+            let taken: Vec<Taken> =
+                sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).fetch_all(&mut *tx).await?;
+            if !taken.is_empty() {
+                let partitions: Vec<i16> = taken.iter().map(|t| i16::from(t.partition)).collect();
+                sqlx::query(statement(&self.take)).bind(json(&partitions)?).bind(me).execute(&mut *tx).await?;
+            }
+            Ok(taken)
+        })
+        .await
     }
 
     pub(super) async fn owned(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<Epochs> {
@@ -214,16 +217,17 @@ impl MySqlStatements {
         held: &Epochs,
     ) -> Result<Vec<Partition>> {
         let held: Vec<(i16, i64)> = held.iter().map(|(&p, e)| (i16::from(p), e.0)).collect();
-        let mut tx = begin(conn).await?;
-        let rows: Vec<PartitionOnly> =
-            sqlx::query_as(statement(&self.releasable)).bind(json(&held)?).bind(me).fetch_all(&mut *tx).await?;
-        let released: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
-        if !released.is_empty() {
-            let partitions: Vec<i16> = released.iter().map(|&p| i16::from(p)).collect();
-            sqlx::query(statement(&self.release)).bind(json(&partitions)?).execute(&mut *tx).await?;
-        }
-        tx.commit().await?;
-        Ok(released)
+        transaction(conn, &self.begin, async |tx| {
+            let rows: Vec<PartitionOnly> =
+                sqlx::query_as(statement(&self.releasable)).bind(json(&held)?).bind(me).fetch_all(&mut *tx).await?;
+            let released: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
+            if !released.is_empty() {
+                let partitions: Vec<i16> = released.iter().map(|&p| i16::from(p)).collect();
+                sqlx::query(statement(&self.release)).bind(json(&partitions)?).execute(&mut *tx).await?;
+            }
+            Ok(released)
+        })
+        .await
     }
 
     pub(super) async fn view(&self, conn: &mut MySqlConnection) -> Result<View> {
@@ -239,17 +243,18 @@ impl MySqlStatements {
                 .collect();
             Ok(json(&list)?)
         };
-        let mut tx = begin(conn).await?;
-        let rows: Vec<PartitionOnly> = sqlx::query_as(statement(&self.changed_targets))
-            .bind(listed(&mut targets.keys())?)
-            .fetch_all(&mut *tx)
-            .await?;
-        let changed: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
-        if !changed.is_empty() {
-            sqlx::query(statement(&self.set_targets)).bind(listed(&mut changed.iter())?).execute(&mut *tx).await?;
-        }
-        tx.commit().await?;
-        Ok(changed)
+        transaction(conn, &self.begin, async |tx| {
+            let rows: Vec<PartitionOnly> = sqlx::query_as(statement(&self.changed_targets))
+                .bind(listed(&mut targets.keys())?)
+                .fetch_all(&mut *tx)
+                .await?;
+            let changed: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
+            if !changed.is_empty() {
+                sqlx::query(statement(&self.set_targets)).bind(listed(&mut changed.iter())?).execute(&mut *tx).await?;
+            }
+            Ok(changed)
+        })
+        .await
     }
 
     pub(super) async fn drain(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<()> {
@@ -264,7 +269,7 @@ impl MySqlStatements {
 
 #[cfg(test)]
 mod tests {
-    use outbox_core::driver::mysql::{begin, test_database};
+    use outbox_core::driver::mysql::{test_database, transaction};
     use outbox_core::driver::statement;
     use outbox_core::{Config, Db, InstanceId, Outbox};
     use sqlx::Connection;
@@ -286,23 +291,24 @@ mod tests {
             .execute(&pool)
             .await
             .unwrap();
-        let statements = MySqlStatements::new("outbox");
+        let statements = MySqlStatements::new("outbox", std::time::Duration::from_secs(10));
         let mut own = pool.acquire().await.unwrap();
-        let mut round = begin(&mut own).await.unwrap();
-        let found: Vec<Taken> =
-            sqlx::query_as(statement(&statements.acquirable)).bind(a).bind(a).fetch_all(&mut *round).await.unwrap();
-        assert_eq!(found.len(), 8);
-
         let mut other = pool.acquire().await.unwrap();
-        sqlx::query("SET SESSION innodb_lock_wait_timeout = 1").execute(&mut *other).await.unwrap();
-        let mut fence = other.begin().await.unwrap();
-        let shared: Vec<(i16,)> =
-            sqlx::query_as("SELECT `partition` FROM outbox_partitions WHERE `partition` >= 8 LOCK IN SHARE MODE")
-                .fetch_all(&mut *fence)
-                .await
-                .expect("the round locked partitions it did not take");
-        assert_eq!(shared.len(), 248);
-        fence.rollback().await.unwrap();
-        round.rollback().await.unwrap();
+        transaction(&mut own, &statements.begin, async |round| {
+            let found: Vec<Taken> =
+                sqlx::query_as(statement(&statements.acquirable)).bind(a).bind(a).fetch_all(&mut *round).await?;
+            assert_eq!(found.len(), 8);
+            sqlx::query("SET SESSION innodb_lock_wait_timeout = 1").execute(&mut *other).await?;
+            let mut fence = other.begin().await?;
+            let shared: Vec<(i16,)> =
+                sqlx::query_as("SELECT `partition` FROM outbox_partitions WHERE `partition` >= 8 LOCK IN SHARE MODE")
+                    .fetch_all(&mut *fence)
+                    .await
+                    .expect("the round locked partitions it did not take");
+            assert_eq!(shared.len(), 248);
+            fence.rollback().await
+        })
+        .await
+        .unwrap();
     }
 }

@@ -1010,14 +1010,13 @@ impl Statements {
         keep_completed: bool,
         query_timeout: Duration,
     ) -> Self {
-        let _ = query_timeout; // only PostgreSQL's statements carry it
         Self {
             #[cfg(feature = "postgres")]
             postgres: postgres::PgStatements::new(schema, stop_on_first_failure, keep_completed, query_timeout),
             #[cfg(feature = "sqlite")]
             sqlite: sqlite::SqliteStatements::new(schema, stop_on_first_failure, keep_completed),
             #[cfg(feature = "mysql")]
-            mysql: mysql::MySqlStatements::new(schema, stop_on_first_failure, keep_completed),
+            mysql: mysql::MySqlStatements::new(schema, stop_on_first_failure, keep_completed, query_timeout),
         }
     }
 }

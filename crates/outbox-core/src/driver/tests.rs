@@ -487,7 +487,10 @@ async fn a_dropped_begin_leaves_no_transaction_open(pool: PgPool) {
                 .boxed(),
                 Db::Sqlite(pool) => async move { drop(super::sqlite::write(&pool).await) }.boxed(),
                 Db::MySql(pool) => async move {
-                    let began = super::finishing(&pool, async |conn| super::mysql::begin(conn).await.map(drop));
+                    let begin = super::mysql::begin_statement(std::time::Duration::from_secs(10));
+                    let began = super::finishing(&pool, async |conn| {
+                        super::mysql::transaction(conn, &begin, async |_| Ok::<_, sqlx::Error>(())).await
+                    });
                     drop(began.await)
                 }
                 .boxed(),

@@ -7,6 +7,7 @@ mod statements;
 
 use std::collections::BTreeSet;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine;
@@ -16,7 +17,7 @@ use tracing::info;
 use uuid::Uuid;
 
 use self::statements::{MIGRATIONS_TABLE, fetch_partitions};
-pub use self::statements::{MySqlStatements, NOW, render};
+pub use self::statements::{MySqlStatements, NOW, begin_statement, render};
 use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
@@ -50,13 +51,42 @@ pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<MySql
     super::sized(options).connect_with(server).await.map_err(|source| Error::Connect { database, source })
 }
 
-/// Begins one of the outbox's own transactions (completions, ownership rounds, purges) at READ
-/// COMMITTED, where InnoDB locks only the rows a locking read returns: at REPEATABLE READ it also locks
-/// every row and gap it passes, so an ownership round's look for its free partitions held all 256 rows
-/// and stalled every other worker's fenced completion. The caller's transactions keep their own level.
-/// Run it under `finishing`, which closes the connection if it is cut short.
-pub async fn begin(conn: &mut MySqlConnection) -> sqlx::Result<sqlx::Transaction<'_, sqlx::MySql>> {
-    conn.begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION").await
+/// Runs `work` in one of the outbox's own transactions on `conn` (completions, ownership rounds,
+/// pruning), begun with `begin` ([`begin_statement`]), and commits it if `work` succeeds.
+///
+/// It runs at READ COMMITTED, where InnoDB locks only the rows a locking read returns: at REPEATABLE
+/// READ it also locks every row and gap it passes, so an ownership round's look for its free partitions
+/// held all 256 rows and stalled every other worker's fenced completion. The caller's transactions keep
+/// their own level.
+///
+/// For its length the session's `wait_timeout` is the outbox's `query_timeout`: a transaction whose
+/// client's host vanished (no FIN, no RST) is ended by the server after that long, with its locks,
+/// where it held them until the server's TCP keepalive gave up, two hours by default. MySQL has no
+/// setting for one transaction, so the session's own value goes back in the round trip of the
+/// `COMMIT` (or `ROLLBACK`), and an application's connection from a shared pool keeps it.
+///
+/// Run it under `finishing`, which closes the connection, and so ends the transaction, if it is cut
+/// short at any stage.
+pub async fn transaction<T, E: From<sqlx::Error>>(
+    conn: &mut MySqlConnection,
+    begin: &Arc<str>,
+    work: impl AsyncFnOnce(&mut MySqlConnection) -> std::result::Result<T, E>,
+) -> std::result::Result<T, E> {
+    const COMMIT: &str = "COMMIT; SET SESSION wait_timeout = @outbox_wait_timeout";
+    const ROLLBACK: &str = "ROLLBACK; SET SESSION wait_timeout = @outbox_wait_timeout";
+    sqlx::raw_sql(statement(begin)).execute(&mut *conn).await?;
+    let done = work(&mut *conn).await;
+    let failed = match &done {
+        Ok(_) => match sqlx::raw_sql(COMMIT).execute(&mut *conn).await {
+            Ok(_) => return done,
+            Err(e) => Err(e.into()),
+        },
+        Err(_) => done,
+    };
+    // `work` or the COMMIT failed, and the transaction may still be open. A ROLLBACK that fails too
+    // leaves a broken connection, which the pool closes on its return.
+    let _ = sqlx::raw_sql(ROLLBACK).execute(&mut *conn).await;
+    failed
 }
 
 /// Deadlock (1213), lock wait timeout (1205), too many connections (1040), server shutdown (1053),
@@ -316,42 +346,44 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     async fn write_outcomes(&self, conn: &mut MySqlConnection, outcomes: &[Outcome]) -> Result<Written> {
         let s = self.statements;
         let mut written = Written::default();
-        let mut tx = begin(conn).await?;
-        let grants = json(&grants_list(outcomes))?;
-        written.hold(sqlx::query_as(statement(&s.fence)).bind(grants).fetch_all(&mut *tx).await?);
-        let done = written.completions(outcomes);
-        if !done.is_empty() {
-            let done = json(&done)?;
-            let found: Vec<(Uuid,)> = sqlx::query_as(statement(&s.lock_done)).bind(&done).fetch_all(&mut *tx).await?;
-            if let Some(keep) = &s.keep {
-                sqlx::query(statement(keep)).bind(&done).execute(&mut *tx).await?;
+        transaction(conn, &s.begin, async |tx| {
+            let grants = json(&grants_list(outcomes))?;
+            written.hold(sqlx::query_as(statement(&s.fence)).bind(grants).fetch_all(&mut *tx).await?);
+            let done = written.completions(outcomes);
+            if !done.is_empty() {
+                let done = json(&done)?;
+                let found: Vec<(Uuid,)> =
+                    sqlx::query_as(statement(&s.lock_done)).bind(&done).fetch_all(&mut *tx).await?;
+                if let Some(keep) = &s.keep {
+                    sqlx::query(statement(keep)).bind(&done).execute(&mut *tx).await?;
+                }
+                sqlx::query(statement(&s.delete)).bind(&done).execute(&mut *tx).await?;
+                written.ids.extend(found.into_iter().map(|(id,)| id));
             }
-            sqlx::query(statement(&s.delete)).bind(&done).execute(&mut *tx).await?;
-            written.ids.extend(found.into_iter().map(|(id,)| id));
-        }
-        let failures: Vec<(String, i32, i32, &str, i32, i64)> = written
-            .failures(outcomes)
-            .into_iter()
-            .filter_map(|o| {
-                let (error, delay, failed) = match &o.verdict {
-                    Verdict::Retry { delay, error } => (error.as_str(), *delay, 0),
-                    Verdict::Failed { error } => (error.as_str(), Duration::ZERO, 1),
-                    Verdict::Delivered | Verdict::Fallback => return None,
-                };
-                Some((o.id.simple().to_string(), o.requeues, o.attempts, error, failed, millis(delay)))
-            })
-            .collect();
-        if !failures.is_empty() {
-            let failures = json(&failures)?;
-            let found: Vec<(Uuid,)> =
-                sqlx::query_as(statement(&s.lock_failing)).bind(&failures).fetch_all(&mut *tx).await?;
-            if !found.is_empty() {
-                sqlx::query(statement(&s.fail)).bind(&failures).execute(&mut *tx).await?;
+            let failures: Vec<(String, i32, i32, &str, i32, i64)> = written
+                .failures(outcomes)
+                .into_iter()
+                .filter_map(|o| {
+                    let (error, delay, failed) = match &o.verdict {
+                        Verdict::Retry { delay, error } => (error.as_str(), *delay, 0),
+                        Verdict::Failed { error } => (error.as_str(), Duration::ZERO, 1),
+                        Verdict::Delivered | Verdict::Fallback => return None,
+                    };
+                    Some((o.id.simple().to_string(), o.requeues, o.attempts, error, failed, millis(delay)))
+                })
+                .collect();
+            if !failures.is_empty() {
+                let failures = json(&failures)?;
+                let found: Vec<(Uuid,)> =
+                    sqlx::query_as(statement(&s.lock_failing)).bind(&failures).fetch_all(&mut *tx).await?;
+                if !found.is_empty() {
+                    sqlx::query(statement(&s.fail)).bind(&failures).execute(&mut *tx).await?;
+                }
+                written.ids.extend(found.into_iter().map(|(id,)| id));
             }
-            written.ids.extend(found.into_iter().map(|(id,)| id));
-        }
-        tx.commit().await?;
-        Ok(written)
+            Ok(written)
+        })
+        .await
     }
 
     pub(crate) async fn failed(&self, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
@@ -383,14 +415,16 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
         super::finishing(self.pool, async |conn| {
-            let mut tx = begin(conn).await?;
-            if sqlx::query(statement(&self.statements.skip_lock)).bind(id).fetch_optional(&mut *tx).await?.is_none() {
-                return Ok(false);
-            }
-            sqlx::query(statement(&self.statements.skip_keep)).bind(id).execute(&mut *tx).await?;
-            let deleted = sqlx::query(statement(&self.statements.skip_delete)).bind(id).execute(&mut *tx).await?;
-            tx.commit().await?;
-            Ok(deleted.rows_affected() > 0)
+            transaction(conn, &self.statements.begin, async |tx| {
+                if sqlx::query(statement(&self.statements.skip_lock)).bind(id).fetch_optional(&mut *tx).await?.is_none()
+                {
+                    return Ok(false);
+                }
+                sqlx::query(statement(&self.statements.skip_keep)).bind(id).execute(&mut *tx).await?;
+                let deleted = sqlx::query(statement(&self.statements.skip_delete)).bind(id).execute(&mut *tx).await?;
+                Ok(deleted.rows_affected() > 0)
+            })
+            .await
         })
         .await
     }
@@ -412,21 +446,22 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 
     pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
         super::finishing(self.pool, async |conn| {
-            let mut tx = begin(conn).await?;
-            let keys: Vec<String> = sqlx::query_scalar(statement(&self.statements.prunable_keys))
-                .bind(count(limit))
-                .fetch_all(&mut *tx)
-                .await?;
-            let mut pruned = 0;
-            for chunk in keys.chunks(statements::DELETE_KEYS_AT_ONCE) {
-                let mut query = sqlx::query(statement(&self.statements.delete_keys));
-                for i in 0..statements::DELETE_KEYS_AT_ONCE {
-                    query = query.bind(chunk.get(i).or(chunk.last()));
+            transaction(conn, &self.statements.begin, async |tx| {
+                let keys: Vec<String> = sqlx::query_scalar(statement(&self.statements.prunable_keys))
+                    .bind(count(limit))
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let mut pruned = 0;
+                for chunk in keys.chunks(statements::DELETE_KEYS_AT_ONCE) {
+                    let mut query = sqlx::query(statement(&self.statements.delete_keys));
+                    for i in 0..statements::DELETE_KEYS_AT_ONCE {
+                        query = query.bind(chunk.get(i).or(chunk.last()));
+                    }
+                    pruned += query.execute(&mut *tx).await?.rows_affected();
                 }
-                pruned += query.execute(&mut *tx).await?.rows_affected();
-            }
-            tx.commit().await?;
-            Ok(pruned)
+                Ok(pruned)
+            })
+            .await
         })
         .await
     }
@@ -448,6 +483,8 @@ pub async fn test_database() -> super::Db {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use sqlx::mysql::{MySqlArguments, MySqlPoolOptions, MySqlRow};
     use sqlx::query::Query;
     use sqlx::{AssertSqlSafe, MySql, MySqlConnection, MySqlPool, Row};
@@ -464,6 +501,44 @@ mod tests {
         assert_eq!(json_arrays(&records, 8), ["[1,22]", "[333]", "[4444]", "[55555]"]);
         assert_eq!(json_arrays(&records, 100), ["[1,22,333,4444,55555]"]);
         assert_eq!(json_arrays(&records, 1), ["[1]", "[22]", "[333]", "[4444]", "[55555]"]);
+    }
+
+    /// The outbox's own transactions bound how long the server waits for their client to the
+    /// `query_timeout` (whole seconds, rounded up), and give the session its own `wait_timeout` back after
+    /// a commit and after a failure, which is rolled back: an application's connection from a shared pool
+    /// keeps its setting.
+    #[tokio::test]
+    async fn a_transaction_bounds_the_wait_for_its_client_and_gives_the_setting_back() {
+        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
+        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
+        let mut conn = pool.acquire().await.unwrap();
+        sqlx::raw_sql("CREATE TABLE written (n INT); SET SESSION wait_timeout = 1234")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let begin = super::begin_statement(Duration::from_millis(2500));
+        let session = "SELECT CAST(@@SESSION.wait_timeout AS SIGNED)";
+        let inside: i64 =
+            super::transaction(&mut conn, &begin, async |tx| sqlx::query_scalar(session).fetch_one(tx).await)
+                .await
+                .unwrap();
+        assert_eq!(inside, 3);
+        let after: i64 = sqlx::query_scalar(session).fetch_one(&mut *conn).await.unwrap();
+        assert_eq!(after, 1234, "after a commit");
+        let failed = super::transaction(&mut conn, &begin, async |tx| {
+            sqlx::query("INSERT INTO written (n) VALUES (1)").execute(&mut *tx).await?;
+            sqlx::query("SELECT no_such_column FROM written").execute(&mut *tx).await
+        })
+        .await;
+        assert!(failed.is_err());
+        let after: i64 = sqlx::query_scalar(session).fetch_one(&mut *conn).await.unwrap();
+        assert_eq!(after, 1234, "after a failure");
+        let (written, open): (i64, i64) =
+            sqlx::query_as("SELECT (SELECT count(*) FROM written), CAST(@@in_transaction AS SIGNED)")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+        assert_eq!((written, open), (0, 0), "the failed transaction was rolled back and ended");
     }
 
     /// One line of MariaDB's `EXPLAIN`: query kind, table, access type, index, extra.
@@ -589,14 +664,14 @@ mod tests {
         let pool = held_by(instance).await;
         let mut conn = pool.acquire().await.unwrap();
         sqlx::raw_sql(AssertSqlSafe(insert(5, 1))).execute(&mut *conn).await.unwrap();
-        let sql = MySqlStatements::new("outbox", true, true);
+        let sql = MySqlStatements::new("outbox", true, true, Duration::from_secs(10));
         assert_found_by_primary_key(&mut conn, &sql, "5 records").await;
 
         // 2,000 keys × 20 records over 256 partitions.
         sqlx::raw_sql(AssertSqlSafe(insert(2000, 20))).execute(&mut *conn).await.unwrap();
         let records = |step: &Step| matches!(step.table.as_str(), "r" | "x") && !step.extra.contains("Table function");
         for stop_on_first_failure in [true, false] {
-            let sql = MySqlStatements::new("outbox", stop_on_first_failure, true);
+            let sql = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
             let served = r#"[[0, 1, "", false], [1, 1, "key-500", true], [2, 1, "", false]]"#;
             let fetch = explain_fetch(&sql, served, instance, &[0, 1, 2]);
             let plan = plan(&mut conn, fetch.bind("[]").bind(100_i64).bind(7_i64)).await;
@@ -613,7 +688,12 @@ mod tests {
             }
             assert!(plan.iter().any(|s| s.table == "p" && s.access == "eq_ref"), "{plan:#?}");
         }
-        assert_found_by_primary_key(&mut conn, &MySqlStatements::new("outbox", true, true), "40,005 records").await;
+        assert_found_by_primary_key(
+            &mut conn,
+            &MySqlStatements::new("outbox", true, true, Duration::from_secs(10)),
+            "40,005 records",
+        )
+        .await;
     }
 
     /// A poll (every partition) with keys in flight reads the keys once and the list of keys in flight
@@ -633,7 +713,7 @@ mod tests {
             let refill = format!("DELETE FROM outbox_records; {}", insert(1000, per_key));
             sqlx::raw_sql(AssertSqlSafe(refill)).execute(&mut *conn).await.unwrap();
             for stop_on_first_failure in [true, false] {
-                let sql = MySqlStatements::new("outbox", stop_on_first_failure, true);
+                let sql = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
                 let fetch = explain_fetch(&sql, &served, instance, &all).bind(&in_flight);
                 let plan = plan(&mut conn, fetch.bind(200_i64).bind(7_i64)).await;
                 assert!(

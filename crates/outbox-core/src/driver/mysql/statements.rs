@@ -6,6 +6,7 @@
 //! scan it, and a scan in a locking statement locks every row, which deadlocks two workers' completions.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::partition::PARTITIONS;
 
@@ -238,10 +239,23 @@ fn delete_keys() -> String {
     format!("DELETE FROM {{s}}_keys WHERE `key` IN ({list})")
 }
 
+/// The statement that begins one of the outbox's own transactions ([`transaction`](super::transaction)) for an outbox
+/// whose `query_timeout` is `limit`.
+pub fn begin_statement(limit: Duration) -> Arc<str> {
+    // `wait_timeout` is whole seconds, at most a year.
+    let secs = (limit.as_secs() + u64::from(limit.subsec_nanos() > 0)).clamp(1, 31_536_000);
+    format!(
+        "SET @outbox_wait_timeout = @@SESSION.wait_timeout, SESSION wait_timeout = {secs};
+         SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
+    )
+    .into()
+}
+
 /// MySQL's statements, built for one table prefix and mode.
 #[derive(Debug)]
 pub struct MySqlStatements {
     pub(super) schema: String,
+    pub(super) begin: Arc<str>,
     pub(super) lock_keys: Arc<str>,
     pub(super) insert: Arc<str>,
     pub(super) numbers: Arc<str>,
@@ -277,7 +291,12 @@ pub fn render(text: &str, schema: &str) -> String {
 
 impl MySqlStatements {
     /// `schema` must already be validated as an identifier.
-    pub(crate) fn new(schema: &str, stop_on_first_failure: bool, keep_completed: bool) -> Self {
+    pub(crate) fn new(
+        schema: &str,
+        stop_on_first_failure: bool,
+        keep_completed: bool,
+        query_timeout: Duration,
+    ) -> Self {
         let build = |text: &str| -> Arc<str> { render(text, schema).into() };
         let (head_seq, serve) =
             if stop_on_first_failure { (HEAD_LOWEST, SERVE_HEAD_DUE) } else { (HEAD_LOWEST_DUE, SERVE_ANY_DUE) };
@@ -286,6 +305,7 @@ impl MySqlStatements {
             FETCH.replace("{head_seq}", head_seq).replace("{serve}", serve).replace("{partitions}", &partitions);
         Self {
             schema: schema.to_string(),
+            begin: begin_statement(query_timeout),
             lock_keys: build(LOCK_KEYS),
             insert: build(&INSERT.replace("{deliver_at}", DELIVER_AT)),
             numbers: build(NUMBERS),
