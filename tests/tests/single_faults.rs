@@ -24,6 +24,7 @@ every_backend!(
     a_batch_of_failures_far_from_the_database_is_written_within_its_time_limit,
     a_heartbeat_connection_that_stops_answering_costs_no_lease,
     a_completion_whose_host_vanished_gives_its_partition_up,
+    a_completion_given_up_on_a_lock_ends_on_the_server_too,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -60,6 +61,34 @@ async fn a_completion_whose_host_vanished_gives_its_partition_up(db: TestDb) {
     let _ = tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops");
     // The sessions whose clients went away unannounced stay until told to go.
     db.end_other_sessions().await;
+}
+
+/// A record locked by a transaction outside the outbox (an operator's console left open) holds its
+/// completion up: each try is given up after `query_timeout`, and the database ends its lock wait then
+/// too. Before, every try given up went on waiting on the server (on MySQL for
+/// `innodb_lock_wait_timeout`, 50 s; on PostgreSQL for ever), with its partitions' rows locked and a
+/// server connection taken: one more with each retry.
+async fn a_completion_given_up_on_a_lock_ends_on_the_server_too(db: TestDb) {
+    if db.is_sqlite() {
+        return; // one writer at a time: nothing waits on the server
+    }
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    let mut blocker = db.begin().await;
+    let lock = db.sql("SELECT 1 FROM {s}records WHERE key = 'k' FOR UPDATE");
+    blocker.execute(sqlx::AssertSqlSafe(lock), &[]).await.unwrap();
+    let sink = Sink::new();
+    let node = start(&outbox, &db, recording(&sink)).await;
+    wait_for("the record delivered", LONG, || async { sink.len() == 1 }).await;
+    wait_for("the completion waiting for the record", LONG, || async { db.lock_waiters().await >= 1 }).await;
+    // Six time limits: a try and its retry may overlap for a moment, no more.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let waiting = db.lock_waiters().await;
+    assert!(waiting <= 2, "{waiting} statements wait for the record's lock");
+    blocker.rollback().await.unwrap();
+    drained(&db, LONG).await;
+    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
+    assert_eq!(sink.len(), 1, "the record was delivered again");
 }
 
 /// `n` distinct keys with `prefix` that fall into `partition`.

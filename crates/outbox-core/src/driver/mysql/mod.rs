@@ -59,11 +59,15 @@ pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<MySql
 /// held all 256 rows and stalled every other worker's fenced completion. The caller's transactions keep
 /// their own level.
 ///
-/// For its length the session's `wait_timeout` is the outbox's `query_timeout`: a transaction whose
-/// client's host vanished (no FIN, no RST) is ended by the server after that long, with its locks,
-/// where it held them until the server's TCP keepalive gave up, two hours by default. MySQL has no
-/// setting for one transaction, so the session's own value goes back in the round trip of the
-/// `COMMIT` (or `ROLLBACK`), and an application's connection from a shared pool keeps it.
+/// For its length the session's `wait_timeout` and `innodb_lock_wait_timeout` are the outbox's
+/// `query_timeout`, so the server gives up when the client does:
+/// - a transaction whose client's host vanished (no FIN, no RST) is ended after that long, with its
+///   locks, where it held them until the server's TCP keepalive gave up, two hours by default;
+/// - a statement whose client gave up waiting for a lock stops waiting too, where it waited on (50 s by
+///   default) with its locks held and one more such statement came with each retry.
+///
+/// MySQL has no setting for one transaction, so the session's own values go back in the round trip of
+/// the `COMMIT` (or `ROLLBACK`), and an application's connection from a shared pool keeps them.
 ///
 /// Run it under `finishing`, which closes the connection, and so ends the transaction, if it is cut
 /// short at any stage.
@@ -72,8 +76,10 @@ pub async fn transaction<T, E: From<sqlx::Error>>(
     begin: &Arc<str>,
     work: impl AsyncFnOnce(&mut MySqlConnection) -> std::result::Result<T, E>,
 ) -> std::result::Result<T, E> {
-    const COMMIT: &str = "COMMIT; SET SESSION wait_timeout = @outbox_wait_timeout";
-    const ROLLBACK: &str = "ROLLBACK; SET SESSION wait_timeout = @outbox_wait_timeout";
+    const COMMIT: &str = "COMMIT; SET SESSION wait_timeout = @outbox_wait_timeout,
+        SESSION innodb_lock_wait_timeout = @outbox_lock_wait_timeout";
+    const ROLLBACK: &str = "ROLLBACK; SET SESSION wait_timeout = @outbox_wait_timeout,
+        SESSION innodb_lock_wait_timeout = @outbox_lock_wait_timeout";
     sqlx::raw_sql(statement(begin)).execute(&mut *conn).await?;
     let done = work(&mut *conn).await;
     let failed = match &done {
@@ -503,36 +509,36 @@ mod tests {
         assert_eq!(json_arrays(&records, 1), ["[1]", "[22]", "[333]", "[4444]", "[55555]"]);
     }
 
-    /// The outbox's own transactions bound how long the server waits for their client to the
-    /// `query_timeout` (whole seconds, rounded up), and give the session its own `wait_timeout` back after
+    /// The outbox's own transactions bound how long the server waits for their client, and for a lock,
+    /// to the `query_timeout` (whole seconds, rounded up), and give the session its own values back after
     /// a commit and after a failure, which is rolled back: an application's connection from a shared pool
-    /// keeps its setting.
+    /// keeps its settings.
     #[tokio::test]
     async fn a_transaction_bounds_the_wait_for_its_client_and_gives_the_setting_back() {
         #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
         let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
         let mut conn = pool.acquire().await.unwrap();
-        sqlx::raw_sql("CREATE TABLE written (n INT); SET SESSION wait_timeout = 1234")
-            .execute(&mut *conn)
-            .await
-            .unwrap();
+        let own =
+            "CREATE TABLE written (n INT); SET SESSION wait_timeout = 1234, SESSION innodb_lock_wait_timeout = 77";
+        sqlx::raw_sql(own).execute(&mut *conn).await.unwrap();
         let begin = super::begin_statement(Duration::from_millis(2500));
-        let session = "SELECT CAST(@@SESSION.wait_timeout AS SIGNED)";
-        let inside: i64 =
-            super::transaction(&mut conn, &begin, async |tx| sqlx::query_scalar(session).fetch_one(tx).await)
+        let session =
+            "SELECT CAST(@@SESSION.wait_timeout AS SIGNED), CAST(@@SESSION.innodb_lock_wait_timeout AS SIGNED)";
+        let inside: (i64, i64) =
+            super::transaction(&mut conn, &begin, async |tx| sqlx::query_as(session).fetch_one(tx).await)
                 .await
                 .unwrap();
-        assert_eq!(inside, 3);
-        let after: i64 = sqlx::query_scalar(session).fetch_one(&mut *conn).await.unwrap();
-        assert_eq!(after, 1234, "after a commit");
+        assert_eq!(inside, (3, 3));
+        let after: (i64, i64) = sqlx::query_as(session).fetch_one(&mut *conn).await.unwrap();
+        assert_eq!(after, (1234, 77), "after a commit");
         let failed = super::transaction(&mut conn, &begin, async |tx| {
             sqlx::query("INSERT INTO written (n) VALUES (1)").execute(&mut *tx).await?;
             sqlx::query("SELECT no_such_column FROM written").execute(&mut *tx).await
         })
         .await;
         assert!(failed.is_err());
-        let after: i64 = sqlx::query_scalar(session).fetch_one(&mut *conn).await.unwrap();
-        assert_eq!(after, 1234, "after a failure");
+        let after: (i64, i64) = sqlx::query_as(session).fetch_one(&mut *conn).await.unwrap();
+        assert_eq!(after, (1234, 77), "after a failure");
         let (written, open): (i64, i64) =
             sqlx::query_as("SELECT (SELECT count(*) FROM written), CAST(@@in_transaction AS SIGNED)")
                 .fetch_one(&mut *conn)

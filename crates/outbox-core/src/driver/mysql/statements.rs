@@ -245,7 +245,8 @@ pub fn begin_statement(limit: Duration) -> Arc<str> {
     // `wait_timeout` is whole seconds, at most a year.
     let secs = (limit.as_secs() + u64::from(limit.subsec_nanos() > 0)).clamp(1, 31_536_000);
     format!(
-        "SET @outbox_wait_timeout = @@SESSION.wait_timeout, SESSION wait_timeout = {secs};
+        "SET @outbox_wait_timeout = @@SESSION.wait_timeout, SESSION wait_timeout = {secs},
+             @outbox_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout, SESSION innodb_lock_wait_timeout = {secs};
          SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
     )
     .into()

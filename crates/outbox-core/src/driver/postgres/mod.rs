@@ -126,11 +126,16 @@ pub(super) async fn accept_in_order(
 }
 
 /// Starts a transaction for the processor's completions on `conn` with `s.begin_completion`: JIT
-/// compilation off (see `Db::fetch_pool`), and the session ended by the server if the transaction sits
-/// idle past `query_timeout`. A worker whose host vanished mid-completion (no FIN, no RST) otherwise
-/// leaves its locks held until the server's TCP keepalive gives up, hours by default: its partitions'
-/// rows stay locked `FOR SHARE`, which every acquisition skips, so nobody delivers them. Run it under
-/// `finishing`, which closes the connection if it is cut short.
+/// compilation off (see `Db::fetch_pool`), and the server giving up when the client does, after
+/// `query_timeout`:
+/// - the session is ended if the transaction sits idle that long. A worker whose host vanished
+///   mid-completion (no FIN, no RST) otherwise leaves its locks held until the server's TCP keepalive
+///   gives up, hours by default: its partitions' rows stay locked `FOR SHARE`, which every acquisition
+///   skips, so nobody delivers them;
+/// - a lock is waited for at most that long. A statement whose client gave up otherwise waits on for
+///   ever, its partitions' rows locked, and each retry adds one.
+///
+/// Run it under `finishing`, which closes the connection if it is cut short.
 pub(super) async fn begin<'c>(conn: &'c mut PgConnection, s: &PgStatements) -> Result<Transaction<'c, Postgres>> {
     Ok(conn.begin_with(statement(&s.begin_completion)).await?)
 }
@@ -441,7 +446,8 @@ mod tests {
     }
 
     /// The processor's statements run with JIT off (fetches on a connection of their own, completions in
-    /// transactions), and the application's pool keeps its setting.
+    /// transactions, which also bound idling and lock waits to `query_timeout`), and the application's
+    /// pool keeps its settings.
     #[sqlx::test(migrations = false)]
     async fn processor_statements_run_without_jit(pool: PgPool) {
         let fetches = super::fetch_pool(&pool);
@@ -453,9 +459,10 @@ mod tests {
         let inside: String = sqlx::query_scalar("SHOW jit").fetch_one(&mut *tx).await.unwrap();
         let idle: String =
             sqlx::query_scalar("SHOW idle_in_transaction_session_timeout").fetch_one(&mut *tx).await.unwrap();
+        let lock: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut *tx).await.unwrap();
         tx.commit().await.unwrap();
         drop(conn);
-        assert_eq!((inside.as_str(), idle.as_str()), ("off", "2500ms"));
+        assert_eq!((inside.as_str(), idle.as_str(), lock.as_str()), ("off", "2500ms", "2500ms"));
         let after: String = sqlx::query_scalar("SHOW jit").fetch_one(&pool).await.unwrap();
         let default: String =
             sqlx::query_scalar("SELECT reset_val FROM pg_settings WHERE name = 'jit'").fetch_one(&pool).await.unwrap();

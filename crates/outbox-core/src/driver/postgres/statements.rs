@@ -332,11 +332,14 @@ impl PgStatements {
             accept_in_order: build(ACCEPT_IN_ORDER),
             purge_inbox: build(PURGE_INBOX),
             migrations_table: build(MIGRATIONS_TABLE),
-            begin_completion: format!(
-                "BEGIN; SET LOCAL jit = off; SET LOCAL idle_in_transaction_session_timeout = {}",
-                query_timeout.as_millis().max(1)
-            )
-            .into(),
+            begin_completion: {
+                let ms = query_timeout.as_millis().max(1);
+                format!(
+                    "BEGIN; SET LOCAL jit = off; SET LOCAL idle_in_transaction_session_timeout = {ms};
+                     SET LOCAL lock_timeout = {ms}"
+                )
+                .into()
+            },
         }
     }
 
