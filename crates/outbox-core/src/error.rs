@@ -156,9 +156,10 @@ pub enum Error {
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
     /// A round trip to the database got no answer within the configured `query_timeout`: the connection
-    /// stopped answering (its host gone, a half-open connection) or the database is overloaded. The
-    /// connection was closed, not returned to its pool. Transient.
-    #[error("{work}: no answer from the database within {after:?}; its connection was closed")]
+    /// stopped answering (its host gone, a half-open connection), the database is overloaded, or (SQLite)
+    /// another process held the write lock that long. The work was given up and its transaction rolled
+    /// back; a network connection was closed, not returned to its pool. Transient.
+    #[error("{work}: no answer from the database within {after:?}; given up")]
     QueryTimeout {
         /// What was asked of the database.
         work: &'static str,
