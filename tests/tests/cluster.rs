@@ -25,6 +25,7 @@ every_backend!(
     a_node_that_owns_nothing_stops_without_waiting,
     a_node_declared_dead_while_leaving_still_leaves,
     a_failing_reap_holds_no_round_up,
+    an_acquisition_whose_host_vanished_kills_no_other_instance,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -426,4 +427,51 @@ async fn a_failing_reap_holds_no_round_up(db: TestDb) {
     for node in [a, b] {
         tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
     }
+}
+
+/// An instance's host vanishes (no FIN, no RST) in the middle of an acquisition, after it locked the
+/// rows of the partitions' live owner to judge its lease (MySQL: in a transaction, across round trips).
+/// The database ends that transaction once it has sat idle for `query_timeout`, and the owner's
+/// heartbeat, which waited on its own row meanwhile, renews the lease in time: the healthy instance
+/// keeps its lease and delivers on. Before, on MySQL the row stayed locked until the server's TCP
+/// keepalive gave up (two hours by default), every renewal waited on it, and the owner's lease ran out:
+/// it delivered nothing, silently, as nobody could declare it dead.
+async fn an_acquisition_whose_host_vanished_kills_no_other_instance(db: TestDb) {
+    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
+    // A lease of 4 s, four times the time limit.
+    let config = |name: &str| outbox_cluster::ClusterConfig {
+        heartbeat_interval: Duration::from_millis(500),
+        stale_timeout: Duration::from_secs(5),
+        name: name.into(),
+        ..fast_cluster()
+    };
+    let a = start_calls(&outbox, &db, config("a"), &sink, &exclusive, 3).await;
+    wait_for("a owns every partition", LONG, || async { owners(&db).await.values().sum::<i64>() == 256 }).await;
+    let a_id = a.id();
+    // b's acquisition waits for a's row, locked here, inside the step that locks it.
+    let mut blocker = db.begin().await;
+    // By its primary key: MySQL's REPEATABLE READ would lock every row and gap a scan passes.
+    let lock = db.sql("SELECT name FROM {s}instances WHERE id = $1 FOR UPDATE");
+    blocker.execute(sqlx::AssertSqlSafe(lock), &[a_id.into()]).await.unwrap();
+    let b = start_calls(&outbox, &far, config("b"), &sink, &exclusive, 3).await;
+    wait_for("b's acquisition waiting for a's row", LONG, || async { db.acquisitions_waiting().await >= 1 }).await;
+    proxy.vanish();
+    blocker.rollback().await.unwrap();
+    // Past a's lease: a's renewals got through, and a delivers on.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(a.id(), a_id, "a was declared dead and registered again");
+    assert!(a.assignment().borrow().is_live(), "a's lease ended: it delivers nothing");
+    wait_for("the partitions shared by both", LONG, || async {
+        owners(&db).await.values().copied().collect::<Vec<_>>() == [128, 128]
+    })
+    .await;
+    commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("key-{k}"), "t", "")).collect()).await;
+    drained(&db, LONG).await;
+    for node in [a, b] {
+        let _ = tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops");
+    }
+    db.end_other_sessions().await;
+    assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
 }

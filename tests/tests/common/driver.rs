@@ -152,6 +152,23 @@ impl TestDb {
         self.scalar(sql, &[]).await
     }
 
+    /// How many ownership acquisitions wait for the lock on an owner's instance row (0 on SQLite).
+    pub async fn acquisitions_waiting(&self) -> i64 {
+        let sql = match self.db.backend() {
+            "sqlite" => return 0,
+            // A locking read of the owners runs for microseconds unless it waits.
+            "mysql" => {
+                "SELECT count(*) FROM information_schema.processlist
+                 WHERE db = DATABASE() AND info LIKE 'SELECT i.id FROM %instances i%LOCK IN SHARE MODE'"
+            }
+            _ => {
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'
+                 AND query LIKE 'WITH owners AS MATERIALIZED%'"
+            }
+        };
+        self.scalar(sql, &[]).await
+    }
+
     /// Ends every other session of the test's database: those whose clients vanished stay until told.
     pub async fn end_other_sessions(&self) {
         if self.is_sqlite() {
