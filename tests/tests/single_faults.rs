@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
+use outbox_cluster::Node;
 use outbox_core::{Error, HandlerError, Handlers, NewRecord, Record, RetryPolicy, Route, handler_fn, partition_of};
 
 every_backend!(
@@ -37,16 +38,7 @@ const LONG: Duration = Duration::from_secs(60);
 /// every acquisition passed the partition over.
 async fn a_completion_whose_host_vanished_gives_its_partition_up(db: TestDb) {
     let Some((far, proxy)) = db.through_proxy().await else { return };
-    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
-    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
-    // The completion waits for this lock on the record inside its transaction, past its fence.
-    let mut blocker = db.begin().await;
-    let lock = db.sql("SELECT 1 FROM {s}records WHERE key = 'k' FOR UPDATE");
-    blocker.execute(sqlx::AssertSqlSafe(lock), &[]).await.unwrap();
-    let sink = Sink::new();
-    let node = start(&outbox, &far, recording(&sink)).await;
-    wait_for("the record delivered", LONG, || async { sink.len() == 1 }).await;
-    wait_for("the completion waiting for the record", LONG, || async { db.lock_waiters().await >= 1 }).await;
+    let (blocker, node, _) = a_completion_waiting_for_a_locked_record(&db, &far).await;
     proxy.vanish();
     // The completion's statement now ends on the server; its answer and the COMMIT never pass.
     blocker.rollback().await.unwrap();
@@ -72,15 +64,7 @@ async fn a_completion_given_up_on_a_lock_ends_on_the_server_too(db: TestDb) {
     if db.is_sqlite() {
         return; // one writer at a time: nothing waits on the server
     }
-    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
-    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
-    let mut blocker = db.begin().await;
-    let lock = db.sql("SELECT 1 FROM {s}records WHERE key = 'k' FOR UPDATE");
-    blocker.execute(sqlx::AssertSqlSafe(lock), &[]).await.unwrap();
-    let sink = Sink::new();
-    let node = start(&outbox, &db, recording(&sink)).await;
-    wait_for("the record delivered", LONG, || async { sink.len() == 1 }).await;
-    wait_for("the completion waiting for the record", LONG, || async { db.lock_waiters().await >= 1 }).await;
+    let (blocker, node, sink) = a_completion_waiting_for_a_locked_record(&db, &db).await;
     // Six time limits: a try and its retry may overlap for a moment, no more.
     tokio::time::sleep(Duration::from_secs(6)).await;
     let waiting = db.lock_waiters().await;
@@ -89,6 +73,22 @@ async fn a_completion_given_up_on_a_lock_ends_on_the_server_too(db: TestDb) {
     drained(&db, LONG).await;
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
     assert_eq!(sink.len(), 1, "the record was delivered again");
+}
+
+/// A node on `through` (`query_timeout` 1 s) that delivered record `k` and whose completion waits for
+/// the record's row, locked by the transaction returned; with what its handler recorded.
+async fn a_completion_waiting_for_a_locked_record(db: &TestDb, through: &TestDb) -> (outbox_core::Tx, Node, Arc<Sink>) {
+    let outbox = outbox(db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    commit(&outbox, db, vec![NewRecord::new("k", "t", "")]).await;
+    // The completion waits for this lock inside its transaction, past its fence.
+    let mut blocker = db.begin().await;
+    let lock = db.sql("SELECT 1 FROM {s}records WHERE key = 'k' FOR UPDATE");
+    blocker.execute(sqlx::AssertSqlSafe(lock), &[]).await.unwrap();
+    let sink = Sink::new();
+    let node = start(&outbox, through, recording(&sink)).await;
+    wait_for("the record delivered", LONG, || async { sink.len() == 1 }).await;
+    wait_for("the completion waiting for the record", LONG, || async { db.lock_waiters().await >= 1 }).await;
+    (blocker, node, sink)
 }
 
 /// `n` distinct keys with `prefix` that fall into `partition`.
@@ -310,7 +310,7 @@ async fn a_heartbeat_connection_that_stops_answering_costs_no_lease(db: TestDb) 
         stale_timeout: Duration::from_millis(1500),
         ..fast_cluster()
     };
-    let node = outbox_cluster::Node::start(outbox.clone(), &through, recording(&sink), config).await.unwrap();
+    let node = Node::start(outbox.clone(), &through, recording(&sink), config).await.unwrap();
     let owned = "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL";
     wait_for("every partition owned", LONG, || async { count(&db, owned).await == 256 }).await;
     let registered = rows!(db, (outbox_core::InstanceId,), "SELECT id FROM {s}instances");

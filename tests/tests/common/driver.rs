@@ -226,64 +226,50 @@ impl TestDb {
 
     /// Makes every update of the outbox's `instances.draining` fail, as a database that refuses it would.
     pub async fn refuse_draining(&self) {
-        if self.is_mysql() {
-            let trigger = "CREATE TRIGGER refuse_drain BEFORE UPDATE ON outbox_instances FOR EACH ROW
-                 BEGIN IF NEW.draining <> OLD.draining THEN
-                     SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'draining refused by the test';
-                 END IF; END";
-            self.db.execute_script(trigger).await.unwrap();
-        } else if self.is_sqlite() {
-            self.exec(
-                "CREATE TRIGGER refuse_drain BEFORE UPDATE OF draining ON {s}instances
-                 BEGIN SELECT RAISE(ABORT, 'draining refused by the test'); END",
-                &[],
-            )
-            .await;
-        } else {
-            self.exec(
-                "CREATE FUNCTION outbox.refuse_drain() RETURNS trigger LANGUAGE plpgsql AS
-                 $$ BEGIN RAISE EXCEPTION 'draining refused by the test'; END $$",
-                &[],
-            )
-            .await;
-            self.exec(
-                "CREATE TRIGGER refuse_drain BEFORE UPDATE OF draining ON outbox.instances
-                 FOR EACH ROW EXECUTE FUNCTION outbox.refuse_drain()",
-                &[],
-            )
-            .await;
-        }
+        self.refusing_trigger(
+            "CREATE TRIGGER refuse_drain BEFORE UPDATE ON outbox_instances FOR EACH ROW
+             BEGIN IF NEW.draining <> OLD.draining THEN
+                 SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'draining refused by the test';
+             END IF; END",
+            "CREATE TRIGGER refuse_drain BEFORE UPDATE OF draining ON {s}instances
+             BEGIN SELECT RAISE(ABORT, 'draining refused by the test'); END",
+            "CREATE TRIGGER refuse_drain BEFORE UPDATE OF draining ON outbox.instances
+             FOR EACH ROW EXECUTE FUNCTION outbox.refuse('draining refused by the test')",
+        )
+        .await;
     }
 
     /// Makes every deletion of an instance row named `stale` fail, as a database that refuses it would
     /// (or a lock it waits for past the time limit); [`TestDb::allow_deleting_instances`] ends it.
     pub async fn refuse_deleting_stale_instances(&self) {
+        self.refusing_trigger(
+            "CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox_instances FOR EACH ROW
+             BEGIN IF OLD.name = 'stale' THEN
+                 SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'deletion refused by the test';
+             END IF; END",
+            "CREATE TRIGGER refuse_delete BEFORE DELETE ON {s}instances WHEN OLD.name = 'stale'
+             BEGIN SELECT RAISE(ABORT, 'deletion refused by the test'); END",
+            "CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox.instances
+             FOR EACH ROW WHEN (OLD.name = 'stale') EXECUTE FUNCTION outbox.refuse('deletion refused by the test')",
+        )
+        .await;
+    }
+
+    /// Creates the trigger written for this backend; on PostgreSQL its function `outbox.refuse(message)`,
+    /// which raises the message it is given, is created first.
+    async fn refusing_trigger(&self, mysql: &'static str, sqlite: &str, postgres: &str) {
         if self.is_mysql() {
-            let trigger = "CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox_instances FOR EACH ROW
-                 BEGIN IF OLD.name = 'stale' THEN
-                     SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'deletion refused by the test';
-                 END IF; END";
-            self.db.execute_script(trigger).await.unwrap();
+            self.db.execute_script(mysql).await.unwrap();
         } else if self.is_sqlite() {
-            self.exec(
-                "CREATE TRIGGER refuse_delete BEFORE DELETE ON {s}instances WHEN OLD.name = 'stale'
-                 BEGIN SELECT RAISE(ABORT, 'deletion refused by the test'); END",
-                &[],
-            )
-            .await;
+            self.exec(sqlite, &[]).await;
         } else {
             self.exec(
-                "CREATE FUNCTION outbox.refuse_delete() RETURNS trigger LANGUAGE plpgsql AS
-                 $$ BEGIN RAISE EXCEPTION 'deletion refused by the test'; END $$",
+                "CREATE OR REPLACE FUNCTION outbox.refuse() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN RAISE EXCEPTION '%', TG_ARGV[0]; END $$",
                 &[],
             )
             .await;
-            self.exec(
-                "CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox.instances
-                 FOR EACH ROW WHEN (OLD.name = 'stale') EXECUTE FUNCTION outbox.refuse_delete()",
-                &[],
-            )
-            .await;
+            self.exec(postgres, &[]).await;
         }
     }
 
