@@ -1010,6 +1010,7 @@ impl Statements {
         keep_completed: bool,
         query_timeout: Duration,
     ) -> Self {
+        let _ = query_timeout; // SQLite's statements do not carry it (a build with SQLite alone)
         Self {
             #[cfg(feature = "postgres")]
             postgres: postgres::PgStatements::new(schema, stop_on_first_failure, keep_completed, query_timeout),
