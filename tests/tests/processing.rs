@@ -105,12 +105,19 @@ async fn a_wake_up_connection_that_stops_answering_is_made_again(pool: sqlx::PgP
     })
     .await;
     let node = start(&consumer, &through, recording(&Sink::new())).await;
-    let listening =
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'";
-    wait_for("the processor listening", LONG, || async { count(&db, listening).await == 1 }).await;
+    // A listening session shows its last statement: the `LISTEN`, or the check that ran after it. The
+    // stalled one may stay on the server's side or go (its client closes it), so the new one is told
+    // apart by when it began.
+    let listening_since = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                           AND (query LIKE 'LISTEN %' OR query = 'SELECT 1') AND backend_start > $1::timestamptz";
+    let epoch = "1970-01-01 00:00:00+00";
+    wait_for("the processor listening", LONG, || async { rows!(db, (i64,), listening_since, epoch) == [(1,)] }).await;
+    let stalled_at = rows!(db, (String,), "SELECT clock_timestamp()::text").remove(0).0;
     proxy.stall();
-    // The stalled connection stays open on the server's side; the new one listens beside it.
-    wait_for("the processor listening on a new connection", LONG, || async { count(&db, listening).await == 2 }).await;
+    wait_for("the processor listening on a new connection", LONG, || async {
+        rows!(db, (i64,), listening_since, stalled_at.as_str()) == [(1,)]
+    })
+    .await;
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
 }
 
