@@ -304,10 +304,10 @@ async fn a_heartbeat_connection_that_stops_answering_costs_no_lease(db: TestDb) 
     let Some((through, proxy)) = db.through_proxy().await else { return };
     let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
     let sink = Sink::new();
-    // A lease of 1 s, renewed every 250 ms.
+    // A lease of 2 s, renewed every 500 ms.
     let config = outbox_cluster::ClusterConfig {
-        heartbeat_interval: Duration::from_millis(250),
-        stale_timeout: Duration::from_millis(1500),
+        heartbeat_interval: Duration::from_millis(500),
+        stale_timeout: Duration::from_secs(3),
         ..fast_cluster()
     };
     let node = Node::start(outbox.clone(), &through, recording(&sink), config).await.unwrap();
@@ -316,8 +316,8 @@ async fn a_heartbeat_connection_that_stops_answering_costs_no_lease(db: TestDb) 
     let registered = rows!(db, (outbox_core::InstanceId,), "SELECT id FROM {s}instances");
     assert_eq!(registered.len(), 1, "one instance registered");
     proxy.stall();
-    // Four leases: before, each renewal on the dead connection cost the lease.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Three leases: before, the renewal on the dead connection cost the lease.
+    tokio::time::sleep(Duration::from_secs(6)).await;
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
     wait_for("a record committed after the stall delivered", LONG, || async { sink.len() == 1 }).await;
     let now = rows!(db, (outbox_core::InstanceId,), "SELECT id FROM {s}instances");
