@@ -26,6 +26,7 @@ every_backend!(
     a_node_declared_dead_while_leaving_still_leaves,
     a_failing_reap_holds_no_round_up,
     an_acquisition_whose_host_vanished_kills_no_other_instance,
+    calls_of_records_older_than_a_takeover_are_counted_before_they_are_made,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -400,6 +401,77 @@ async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
     b.shutdown().await.unwrap();
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
     assert_first_deliveries_in_order(&sink, 60, 100);
+}
+
+/// A partition taken from an owner whose lease ran out is stamped with the time in the database, so
+/// each call of a record scheduled before then is written as an unfinished attempt before it is made
+/// (the handler finds it stored), by the instance that took the partition and by one it is handed on
+/// to gracefully before the record was reached (here: during the quiet period of the takeover).
+/// Records scheduled after the takeover are not counted, and a counted call that succeeds leaves no
+/// trace in `completed`.
+async fn calls_of_records_older_than_a_takeover_are_counted_before_they_are_made(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    // A dead owner of every partition that heartbeated every 2.5 s: a 5 s quiet period after a takeover.
+    let dead = register_instance(&db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 2500 WHERE id = $1", dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    let keys: Vec<String> = (0..40).map(|k| format!("k-{k}")).collect();
+    commit(&outbox, &db, keys.iter().map(|k| NewRecord::new(k, "before", "")).collect()).await;
+
+    // Per call: (instance name, event type, the attempts and whether the error says "did not finish",
+    // as stored for the record during the call).
+    type Seen = Arc<std::sync::Mutex<Vec<(String, String, i32, bool)>>>;
+    let seen: Seen = Arc::default();
+    let handlers = |name: &str| {
+        let (name, seen, db) = (name.to_string(), seen.clone(), db.clone());
+        Handlers::new().default_route(Route::new(handler_fn(move |r| {
+            let (name, seen, db) = (name.clone(), seen.clone(), db.clone());
+            async move {
+                let stored =
+                    rows!(db, (i32, Option<String>), "SELECT attempts, last_error FROM {s}records WHERE id = $1", r.id);
+                let (attempts, error) = stored.into_iter().next().unwrap_or_default();
+                let unfinished = error.is_some_and(|e| e.contains("did not finish"));
+                seen.lock().unwrap().push((name, r.event_type.clone(), attempts, unfinished));
+                Ok::<(), HandlerError>(())
+            }
+        })))
+    };
+    let a = Node::start(
+        outbox.clone(),
+        &db,
+        handlers("a"),
+        outbox_cluster::ClusterConfig { name: "a".into(), ..fast_cluster() },
+    )
+    .await
+    .unwrap();
+    wait_for("a took every partition over", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    let b = Node::start(
+        outbox.clone(),
+        &db,
+        handlers("b"),
+        outbox_cluster::ClusterConfig { name: "b".into(), ..fast_cluster() },
+    )
+    .await
+    .unwrap();
+    wait_for("half handed on to b", LONG, || async { owners(&db).await.get(&b.id()) == Some(&128) }).await;
+    drained(&db, LONG).await;
+    commit(&outbox, &db, keys.iter().map(|k| NewRecord::new(k, "after", "")).collect()).await;
+    drained(&db, LONG).await;
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+
+    let seen = seen.lock().unwrap().clone();
+    let calls = |event: &str| -> Vec<(String, i32, bool)> {
+        seen.iter().filter(|(_, e, ..)| e == event).map(|(n, _, a, u)| (n.clone(), *a, *u)).collect()
+    };
+    let (before, after) = (calls("before"), calls("after"));
+    assert_eq!(before.len(), 40, "{seen:?}");
+    assert!(before.iter().all(|&(_, attempts, unfinished)| attempts == 1 && unfinished), "{seen:?}");
+    assert!(before.iter().any(|(name, ..)| name == "b"), "b was handed some before reaching them: {seen:?}");
+    assert_eq!(after.len(), 40, "{seen:?}");
+    assert!(after.iter().all(|&(_, attempts, unfinished)| attempts == 0 && !unfinished), "{seen:?}");
+    let traces = count(&db, "SELECT count(*) FROM {s}completed WHERE attempts <> 0").await;
+    assert_eq!(traces, 0, "a counted call that succeeded leaves its record as if uncounted");
 }
 
 /// The leader's housekeeping, deleting the rows of instances dead long since, fails (here refused; on

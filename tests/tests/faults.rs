@@ -31,6 +31,7 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 every_backend!(cluster_survives_scaling_crashes_pauses_and_killed_connections);
+every_backend!(a_record_whose_handler_ends_the_process_fails_after_its_retries);
 
 /// SIGSTOP durations, one per timing window of the workers' tunables (heartbeat 200 ms, stale timeout
 /// 1 s, so a 600 ms lease): shorter than the lease; past the takeover by another instance (the lease,
@@ -54,10 +55,16 @@ impl Worker {
     /// Starts a worker on `url` logging its handler calls to `<name>.calls` in `calls`; its own log goes
     /// to `outbox-fault-<backend>-<name>.log` in the temporary directory.
     fn start(db: &TestDb, url: &str, name: &str, calls: &std::path::Path) -> Worker {
+        Self::start_with(db, url, name, calls, &[])
+    }
+
+    /// The same, with more environment variables (see `outbox-test-worker`).
+    fn start_with(db: &TestDb, url: &str, name: &str, calls: &std::path::Path, env: &[(&str, &str)]) -> Worker {
         let backend = db.db.backend();
         let path = std::env::temp_dir().join(format!("outbox-fault-{backend}-{name}.log"));
         let log = std::fs::File::create(path).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_outbox-test-worker"))
+            .envs(env.iter().copied())
             .env("DATABASE_URL", url)
             .env("WORKER_NAME", name)
             .env("PGAPPNAME", format!("outbox-{name}"))
@@ -396,6 +403,117 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
         deliveries.len() - delivered.len(),
         by_epoch.len()
     );
+}
+
+/// A handler that ends its process (`std::process::abort`, as a panic under `panic = "abort"`, a stack
+/// overflow or running out of memory would) on one record, with one worker process started again each
+/// time it ends, as an orchestrator would. The first call is not counted (nothing is written before
+/// it); each instance that takes the partition over from the one that ended counts its call before
+/// making it, so after `1 + MAX_RETRIES` counted calls the record is FAILED without another, and its
+/// key's later record waits behind it while every other key is delivered, none of them counted more
+/// than once. Before calls were counted, the record ended every process that took it on, for ever.
+async fn a_record_whose_handler_ends_the_process_fails_after_its_retries(db: TestDb) {
+    const MAX_RETRIES: usize = 2;
+    let outbox = outbox(&db, |_| {}).await;
+    let url = db.url().await;
+    let mut records = vec![
+        NewRecord::new("poison", "ok", "before"),
+        NewRecord::new("poison", "abort", "ends the process"),
+        NewRecord::new("poison", "ok", "after"),
+    ];
+    for k in 0..20 {
+        records.extend((0..5).map(|i| NewRecord::new(format!("k-{k}"), "ok", format!("{i}"))));
+    }
+    let scheduled = commit(&outbox, &db, records).await;
+    let (before, poison, after) = (scheduled[0].id, scheduled[1].id, scheduled[2].id);
+    let calls = tempfile::tempdir().unwrap();
+    let retries = MAX_RETRIES.to_string();
+    let env = [("ABORT_EVENT", "abort"), ("MAX_RETRIES", retries.as_str())];
+    let start = |n: usize| Worker::start_with(&db, &url, &format!("abort-{n}"), calls.path(), &env);
+    let mut ended = 0;
+    let mut worker = start(ended);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while failed_count(&db).await == 0 {
+        assert!(Instant::now() < deadline, "the record never FAILED; {ended} processes ended on it");
+        if let Some(status) = worker.child.0.try_wait().unwrap() {
+            assert!(!status.success(), "the worker exited on its own with {status}");
+            ended += 1;
+            assert!(ended <= MAX_RETRIES + 2, "{ended} processes ended on one record");
+            worker = start(ended);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wait_for("every other key delivered", Duration::from_secs(60), || async {
+        count(&db, "SELECT count(*) FROM {s}records WHERE failed_at IS NULL").await == 1
+    })
+    .await;
+    worker.stop().await;
+    assert_eq!(ended, MAX_RETRIES + 2, "the first call uncounted, then one ended per counted call");
+
+    let rows = rows!(
+        db,
+        (Uuid, i32, Option<String>, bool),
+        "SELECT id, attempts, last_error, failed_at IS NOT NULL FROM {s}records ORDER BY seq"
+    );
+    let [(failed, attempts, error, is_failed), (waiting, _, _, waiting_failed)] = &rows[..] else {
+        panic!("left in the outbox: {rows:?}")
+    };
+    assert_eq!((*failed, *is_failed), (poison, true));
+    assert_eq!(*attempts, MAX_RETRIES as i32 + 1, "every counted call");
+    assert!(error.as_deref().is_some_and(|e| e.contains("did not finish")), "{error:?}");
+    assert_eq!((*waiting, *waiting_failed), (after, false), "the key's later record waits behind it");
+    let delivered: BTreeSet<Uuid> =
+        outbox_tests::calls::read_dir(calls.path()).unwrap().iter().map(|c| c.record_id).collect();
+    assert!(delivered.contains(&before), "the record before it was delivered");
+    assert_eq!(delivered.len(), 1 + 20 * 5, "every record but the two of the key's from the poison on");
+    // Calls in flight beside the record when a process ended are counted once: a record counted before
+    // is called alone, and its turn lasts until its outcome is written.
+    let counted = rows!(db, (String, i32), "SELECT key, attempts FROM {s}completed");
+    assert_eq!(counted.len(), 1 + 20 * 5);
+    let most = counted.iter().max_by_key(|(_, attempts)| *attempts);
+    assert!(most.is_some_and(|(_, attempts)| *attempts <= 1), "{most:?}");
+}
+
+/// Measures what counting calls before they are made costs: one in-process node with a no-op handler
+/// drains a backlog (20,000 records over 2,000 keys) of partitions that are free, or that it takes
+/// over from a dead owner, so every record already there is in a counted run. Timed from the first
+/// completed record (after the quiet period of a takeover) until the backlog is drained; alternated.
+///
+/// `./scripts/test.sh -p outbox-tests --test faults -- --ignored --nocapture measure_a_drain`
+#[sqlx::test(migrations = false)]
+#[ignore = "measurement, run on demand"]
+async fn measure_a_drain_after_a_takeover(pool: PgPool) {
+    let db = TestDb::postgres(pool.clone());
+    let outbox = outbox(&db, |_| {}).await;
+    let ok = outbox_core::handler_fn(|_| async { Ok::<(), outbox_core::HandlerError>(()) });
+    let handlers = || outbox_core::Handlers::new().default_route(outbox_core::Route::new(ok.clone()));
+    const RECORDS: i64 = 20_000;
+    for taken_over in [false, true, false, true, false, true] {
+        for batch in 0..20 {
+            let records = (0..1000).map(|i| NewRecord::new(format!("k-{}", (batch * 1000 + i) % 2000), "t", "x"));
+            commit(&outbox, &db, records.collect()).await;
+        }
+        if taken_over {
+            let dead = register_instance(&db).await;
+            exec!(db, "UPDATE {s}instances SET expires_at = {ago:60} WHERE id = $1", dead);
+            exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+        }
+        let node = start(&outbox, &db, handlers()).await;
+        wait_for("the first record completed", Duration::from_secs(60), || async { pending(&db).await < RECORDS })
+            .await;
+        let began = Instant::now();
+        drained(&db, Duration::from_secs(300)).await;
+        let took = began.elapsed();
+        node.shutdown().await.unwrap();
+        eprintln!(
+            "{}: {:.0} records/s",
+            if taken_over { "taken over" } else { "free      " },
+            RECORDS as f64 / took.as_secs_f64()
+        );
+        exec!(db, "DELETE FROM {s}completed");
+        exec!(db, "DELETE FROM {s}instances");
+        exec!(db, "UPDATE {s}partitions SET owner = NULL, target_owner = NULL");
+    }
 }
 
 /// Measures, with real worker processes, how long partitions take to move after a graceful stop

@@ -639,7 +639,7 @@ async fn nothing_is_delivered_past_the_assignment_deadline(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
     let (me, partition) = own_partition_of(&db, "k", Epoch(7)).await;
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
-    let expired = Assignment { instance: me, epochs: [(partition, Epoch(7))].into(), lease: Some(Deadline::now()) };
+    let expired = Assignment { lease: Some(Deadline::now()), ..Assignment::new(me, [(partition, Epoch(7))].into()) };
     let (tx, assignment) = watch::channel(expired);
     let sink = Sink::new();
     let stop = CancellationToken::new();
@@ -707,7 +707,7 @@ async fn in_call(
     let sink = Sink::new();
     let (handlers, Gate { entered, release }) = gated(&sink);
     let (assignment, watched) =
-        watch::channel(Assignment { instance: me, epochs: [(partition, Epoch(3))].into(), lease: Some(lease) });
+        watch::channel(Assignment { lease: Some(lease), ..Assignment::new(me, [(partition, Epoch(3))].into()) });
     let stop = CancellationToken::new();
     let processor = Processor::new(outbox.clone(), db.clone(), handlers, watched);
     let mut busy = processor.busy_partitions();
@@ -727,7 +727,7 @@ async fn calls_of_an_instance_declared_dead_are_cancelled_under_its_new_id(db: T
     let lease = Deadline::now().after(LONG);
     let InCall { assignment: tx, mut busy, stop, processor, .. } = in_call(&outbox, &db, me, partition, lease).await;
     let again = register_instance(&db).await;
-    tx.send_replace(Assignment { instance: again, epochs: Default::default(), lease: Some(lease) });
+    tx.send_replace(Assignment { lease: Some(lease), ..Assignment::new(again, Default::default()) });
     tokio::time::timeout(Duration::from_secs(10), busy.wait_for(|b| b.is_empty()))
         .await
         .expect("the call under the old id was not cancelled")
@@ -828,7 +828,7 @@ async fn an_outcome_of_an_earlier_grant_is_fenced_beside_one_of_the_current_gran
 
     let sink = Sink::new();
     let lease = Some(Deadline::now().after(LONG));
-    let (tx, assignment) = watch::channel(Assignment { instance: old, epochs: [(partition, Epoch(3))].into(), lease });
+    let (tx, assignment) = watch::channel(Assignment { lease, ..Assignment::new(old, [(partition, Epoch(3))].into()) });
     let stop = CancellationToken::new();
     let processor =
         tokio::spawn(Processor::new(outbox.clone(), db.clone(), recording(&sink), assignment).run(stop.clone()));
@@ -838,7 +838,7 @@ async fn an_outcome_of_an_earlier_grant_is_fenced_beside_one_of_the_current_gran
     // Declared dead, the instance registers again and gets the partition back at epoch 5.
     let again = register_instance(&db).await;
     exec!(db, "UPDATE {s}partitions SET owner = $1, epoch = 5 WHERE partition = $2", again, i16::from(partition));
-    tx.send_replace(Assignment { instance: again, epochs: [(partition, Epoch(5))].into(), lease });
+    tx.send_replace(Assignment { lease, ..Assignment::new(again, [(partition, Epoch(5))].into()) });
     commit(&outbox, &db, vec![NewRecord::new(neighbour.clone(), "t", "")]).await;
     wait_for("the neighbour delivered", LONG, || async { sink.of_key(&neighbour).len() == 1 }).await;
     tokio::time::sleep(Duration::from_millis(300)).await;

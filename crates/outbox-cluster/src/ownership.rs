@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use outbox_core::{Assignment, Epoch, Epochs, InstanceId, Outbox, Partition};
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -22,7 +23,7 @@ use crate::config::ClusterConfig;
 use crate::driver::Store;
 use crate::error::Result;
 use crate::rebalance::{self, Targets};
-use crate::stored::{PartitionRow, View};
+use crate::stored::{PartitionRow, Taken, View};
 
 /// The ownership task of one node.
 pub(crate) struct Ownership {
@@ -138,12 +139,19 @@ impl Ownership {
         // What this round read is what this instance owns, with what it takes now (no other instance
         // takes its partitions while its lease is live).
         let mut owned: Epochs = rows.iter().filter(|r| r.owner == Some(id)).map(|r| (r.partition, r.epoch)).collect();
+        // When each was last taken from an owner that did not give it up: the processor counts the calls
+        // of records scheduled before then before making them.
+        let mut taken_over_at: BTreeMap<Partition, DateTime<Utc>> =
+            rows.iter().filter_map(|r| Some((r.partition, r.taken_over_at?))).collect();
         self.hold_back_unheard(rounds, &owned);
         if rows.iter().any(|r| mine(&r.partition) && r.owner != Some(id)) {
-            for (partition, epoch, quiet) in self.acquire(id).await? {
-                owned.insert(partition, epoch);
+            for (taken, quiet) in self.acquire(id).await? {
+                owned.insert(taken.partition, taken.epoch);
+                if let Some(at) = taken.taken_over_at {
+                    taken_over_at.insert(taken.partition, at);
+                }
                 if let Some(quiet) = quiet {
-                    rounds.quiet.insert(partition, (epoch, Instant::now() + quiet));
+                    rounds.quiet.insert(taken.partition, (taken.epoch, Instant::now() + quiet));
                 }
             }
         }
@@ -152,10 +160,13 @@ impl Ownership {
             owned.iter().filter(|(p, _)| mine(p) && !rounds.quiet.contains_key(p)).map(|(&p, &e)| (p, e)).collect();
         metrics::gauge!("outbox_owned_partitions").set(keep.len() as f64);
         metrics::gauge!("outbox_live_instances").set(live.len() as f64);
+        let taken_over: BTreeMap<Partition, DateTime<Utc>> =
+            keep.keys().filter_map(|p| Some((*p, *taken_over_at.get(p)?))).collect();
         self.assign.send_if_modified(|current| {
-            let changed = current.instance == id && current.epochs != keep;
+            let changed = current.instance == id && (current.epochs != keep || current.taken_over != taken_over);
             if changed {
                 current.epochs = keep;
+                current.taken_over = taken_over;
             }
             changed
         });
@@ -238,11 +249,11 @@ impl Ownership {
         Ok(())
     }
 
-    /// Acquires the partitions targeted at `me` that are free or whose owner is dead; returns each with
-    /// its new epoch and, if taken from an owner whose lease expired, its quiet period: deliver nothing
-    /// of it for the time the previous owner needs to notice and stop (two of its heartbeat intervals,
-    /// or of ours if longer or if its row is gone).
-    async fn acquire(&self, me: InstanceId) -> Result<Vec<(Partition, Epoch, Option<Duration>)>> {
+    /// Acquires the partitions targeted at `me` that are free or whose owner is dead; returns each with,
+    /// if taken from an owner whose lease expired, its quiet period: deliver nothing of it for the time
+    /// the previous owner needs to notice and stop (two of its heartbeat intervals, or of ours if longer
+    /// or if its row is gone).
+    async fn acquire(&self, me: InstanceId) -> Result<Vec<(Taken, Option<Duration>)>> {
         let taken = self.store.acquire(me).await?;
         Ok(taken
             .into_iter()
@@ -260,7 +271,7 @@ impl Ownership {
                 if quiet.is_none() {
                     info!(partition, %epoch, instance = %me, reason = "free", "partition acquired");
                 }
-                (partition, epoch, quiet)
+                (t, quiet)
             })
             .collect())
     }

@@ -31,7 +31,7 @@ pub(crate) async fn register(store: &Store, config: &ClusterConfig) -> Result<As
     let id = InstanceId::new();
     let sent = Deadline::now();
     let remaining = store.register(id, &config.name, lease(config)).await?;
-    Ok(Assignment { instance: id, epochs: Epochs::new(), lease: Some(sent.after(remaining)) })
+    Ok(Assignment { lease: Some(sent.after(remaining)), ..Assignment::new(id, Epochs::new()) })
 }
 
 /// The heartbeat task: renews the lease every `heartbeat_interval` and moves the processor's deadline.
@@ -131,6 +131,7 @@ impl Heartbeat {
                 return false;
             }
             current.epochs.clear();
+            current.taken_over.clear();
             current.lease = Some(Deadline::now());
             true
         });

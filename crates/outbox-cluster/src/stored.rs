@@ -43,6 +43,8 @@ pub struct PartitionRow {
     /// Where the rebalancer wants it.
     #[sqlx(rename = "target_owner")]
     pub target: Option<InstanceId>,
+    /// When it was last taken from an owner that did not give it up (database time), if ever.
+    pub taken_over_at: Option<DateTime<Utc>>,
 }
 
 /// What an ownership round reads, in one statement: every partition's row and the instances taking
@@ -63,6 +65,7 @@ pub(crate) struct ViewRow {
     owner: Option<InstanceId>,
     epoch: Option<Epoch>,
     target_owner: Option<InstanceId>,
+    taken_over_at: Option<DateTime<Utc>>,
 }
 
 impl View {
@@ -76,6 +79,7 @@ impl View {
                     owner,
                     epoch: row.epoch.ok_or_else(|| sqlx::Error::Decode("partition row without an epoch".into()))?,
                     target: row.target_owner,
+                    taken_over_at: row.taken_over_at,
                 }),
                 (None, None) => return Err(sqlx::Error::Decode("view row with neither partition nor instance".into())),
             }
@@ -97,6 +101,10 @@ pub(crate) struct Taken {
     pub(crate) previous: Option<InstanceId>,
     /// That owner's heartbeat interval in ms, if its row is still there.
     pub(crate) previous_heartbeat_ms: Option<i64>,
+    /// When it was last taken from an owner (now, if `previous` is one), by database time. That owner
+    /// may have ended in the middle of a handler call: every later owner counts the calls of records
+    /// scheduled before then before making them.
+    pub(crate) taken_over_at: Option<DateTime<Utc>>,
 }
 
 /// A partition number as a statement returns it.

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -94,12 +95,17 @@ pub struct Assignment {
     pub epochs: Epochs,
     /// The lease's deadline; `None`: no deadline (the database's lease still fences every fetch).
     pub lease: Option<Deadline>,
+    /// Partitions of `epochs` that were ever taken from an owner that did not give them up (its lease
+    /// ran out), with the database time of the last such takeover: that owner may have ended in the
+    /// middle of a handler call, so each call of a record scheduled before then is counted before it is
+    /// made (see the processor's docs).
+    pub taken_over: BTreeMap<Partition, DateTime<Utc>>,
 }
 
 impl Assignment {
     /// An assignment without deadline.
     pub fn new(instance: InstanceId, epochs: Epochs) -> Self {
-        Self { instance, epochs, lease: None }
+        Self { instance, epochs, lease: None, taken_over: BTreeMap::new() }
     }
 
     /// Whether the lease lets the processor fetch and deliver.

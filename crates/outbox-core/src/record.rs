@@ -171,7 +171,8 @@ pub struct Record {
     pub payload: Bytes,
     /// Headers.
     pub headers: Headers,
-    /// Failed deliveries so far (0 on the first delivery).
+    /// Failed deliveries so far (0 on the first delivery), counting calls that did not finish in a
+    /// partition taken over from an owner that did not give it up (the processor's docs).
     pub attempts: i32,
     /// When the record was scheduled (the scheduling transaction's start, database time).
     pub created_at: DateTime<Utc>,

@@ -77,6 +77,8 @@ pub(crate) struct Fetched {
     pub(crate) instance: InstanceId,
     /// Operator requeues of the record when it was fetched.
     pub(crate) requeues: i32,
+    /// Whether its call is counted before it is made (see `processor/careful.rs`).
+    pub(crate) careful: bool,
 }
 
 /// What a fetch found.
@@ -126,7 +128,7 @@ impl Found {
                     deliver_at: row.deliver_at,
                     epoch,
                 };
-                run.push(Fetched { record, instance: request.instance, requeues: row.requeues });
+                run.push(Fetched { record, instance: request.instance, requeues: row.requeues, careful: false });
             }
             if !run.is_empty() {
                 found.runs.push(run);

@@ -5,7 +5,9 @@
 //!
 //! Environment: `DATABASE_URL` (`postgres://…`, or `sqlite://path` for a SQLite file shared with the
 //! test and the other workers), `WORKER_NAME`, and optional `HEARTBEAT`, `STALE`, `REBALANCE`, `POLL`
-//! (humantime durations). A test that wants to terminate a worker's PostgreSQL connections starts it
+//! (humantime durations), `MAX_RETRIES` (retries at 50 ms intervals; the default policy without it),
+//! and `ABORT_EVENT`: an event type whose handler ends the process with `std::process::abort` (as a
+//! panic under `panic = "abort"` would). A test that wants to terminate a worker's PostgreSQL connections starts it
 //! with `PGAPPNAME`, which names them. With `SPAN_LOG` set, the worker traces through OpenTelemetry
 //! (an in-memory exporter) and, once stopped, writes every span it ended to that file
 //! ([`outbox_tests::spans`]).
@@ -15,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_cluster::{ClusterConfig, Node};
-use outbox_core::{Config, Db, HandlerError, Handlers, Outbox, Route, handler_fn};
+use outbox_core::{Config, Db, HandlerError, Handlers, Outbox, RetryPolicy, Route, handler_fn};
 use outbox_tests::calls::{Call, CallLog};
 use rand::RngExt;
 use tokio::signal::unix::{SignalKind, signal};
@@ -40,8 +42,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let name = std::env::var("WORKER_NAME")?;
     let url = std::env::var("DATABASE_URL")?;
     let db = Db::connect(&url).await?;
-    let outbox =
-        Outbox::new(Config { poll_interval: duration("POLL", Duration::from_millis(50))?, ..Config::default() })?;
+    let mut config = Config { poll_interval: duration("POLL", Duration::from_millis(50))?, ..Config::default() };
+    if let Ok(retries) = std::env::var("MAX_RETRIES") {
+        config.retry = RetryPolicy::fixed(Duration::from_millis(50), retries.parse()?);
+    }
+    let outbox = Outbox::new(config)?;
+    let abort = std::env::var("ABORT_EVENT").ok();
     let cluster = ClusterConfig {
         name: name.clone(),
         heartbeat_interval: duration("HEARTBEAT", Duration::from_millis(200))?,
@@ -56,6 +62,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let instance = name.clone();
     let handler = handler_fn(move |r| {
         let (log, instance) = (log.clone(), instance.clone());
+        if abort.as_deref() == Some(r.event_type.as_str()) {
+            eprintln!("record {} (key {}): ABORT_EVENT {}, ending the process", r.id, r.key, r.event_type);
+            std::process::abort();
+        }
         async move {
             // Two awaits, as a handler that connects and then sends a request: a call spans several
             // polls, so a paused or fenced instance is caught in the middle of one.

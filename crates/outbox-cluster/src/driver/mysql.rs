@@ -41,26 +41,29 @@ WHERE i.id IN (SELECT p.owner FROM {s}_partitions p WHERE p.target_owner = ? AND
 LOCK IN SHARE MODE";
 
 /// Partitions targeted at `?` (bound twice) that are free or whose owner has no live lease, with that
-/// owner and its heartbeat interval (if its row is still there); rows a fenced write holds are skipped.
+/// owner and its heartbeat interval (if its row is still there), and the takeover time they will have;
+/// rows a fenced write holds are skipped.
 const ACQUIRABLE: &str = "SELECT p.`partition`, p.owner AS previous,
-    (SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner) AS previous_heartbeat_ms, p.epoch + 1 AS epoch
+    (SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner) AS previous_heartbeat_ms, p.epoch + 1 AS epoch,
+    IF(p.owner IS NULL, p.taken_over_at, UTC_TIMESTAMP(6)) AS taken_over_at
 FROM {s}_partitions p
 WHERE p.target_owner = ? AND NOT (p.owner <=> ?)
   AND (p.owner IS NULL OR NOT EXISTS (SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))
 FOR UPDATE SKIP LOCKED";
 
-/// Takes the (locked) partitions of `?` (JSON array) for `?`, bumping their epochs. Joins, here and
-/// below, go from the list to each row by its primary key (`IN (SELECT …)`, or a plan that scans,
-/// would read, and lock, every partition).
-const TAKE: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$')) t
+/// Takes the (locked) partitions of `?` (JSON array of `[partition, 1 if taken from an owner]`) for `?`,
+/// bumping their epochs, and stamps those taken from an owner with the takeover time `?` that
+/// [`ACQUIRABLE`] read. Joins, here and below, go from the list to each row by its primary key (`IN
+/// (SELECT …)`, or a plan that scans, would read, and lock, every partition).
+const TAKE: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$[0]', stolen INT PATH '$[1]')) t
 STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.x
-SET p.owner = ?, p.epoch = p.epoch + 1, p.changed_at = {now}";
+SET p.owner = ?, p.epoch = p.epoch + 1, p.changed_at = {now}, p.taken_over_at = IF(t.stolen = 1, ?, p.taken_over_at)";
 
 /// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
 /// part in the assignment (lease live by database time, not draining), each id in `owner`.
-const VIEW: &str = "SELECT `partition`, owner, epoch, target_owner FROM {s}_partitions
+const VIEW: &str = "SELECT `partition`, owner, epoch, target_owner, taken_over_at FROM {s}_partitions
 UNION ALL
-SELECT NULL, id, NULL, NULL FROM {s}_instances WHERE expires_at > {now} AND NOT draining";
+SELECT NULL, id, NULL, NULL, NULL FROM {s}_instances WHERE expires_at > {now} AND NOT draining";
 
 /// The targets of `?` (JSON `[[partition, hex owner], …]`) that differ from the stored ones. Not a
 /// locking read: that would lock, and wait for, every partition named, where fenced completions hold
@@ -197,8 +200,11 @@ impl MySqlStatements {
             let taken: Vec<Taken> =
                 sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).fetch_all(&mut *tx).await?;
             if !taken.is_empty() {
-                let partitions: Vec<i16> = taken.iter().map(|t| i16::from(t.partition)).collect();
-                sqlx::query(statement(&self.take)).bind(json(&partitions)?).bind(me).execute(&mut *tx).await?;
+                let partitions: Vec<(i16, u8)> =
+                    taken.iter().map(|t| (i16::from(t.partition), u8::from(t.previous.is_some()))).collect();
+                let at = taken.iter().find(|t| t.previous.is_some()).and_then(|t| t.taken_over_at);
+                let take = sqlx::query(statement(&self.take)).bind(json(&partitions)?).bind(me).bind(at);
+                take.execute(&mut *tx).await?;
             }
             Ok(taken)
         })

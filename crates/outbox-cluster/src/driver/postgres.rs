@@ -44,8 +44,9 @@ const REAP: &str = "DELETE FROM {s}.instances WHERE expires_at < now() - $1 * in
 /// read locked (`FOR SHARE`): a renewal written but not yet committed is waited for and its new expiry
 /// read, where the statement's snapshot would still show the lease expired and take the partitions of
 /// an instance that goes on delivering them.
+/// A partition taken from an owner is stamped `taken_over_at` (see `Taken`).
 /// Returns (partition, epoch, previous owner, the previous owner's heartbeat interval in ms if its row
-/// is still there).
+/// is still there, the partition's last takeover time).
 const ACQUIRE: &str = "WITH owners AS MATERIALIZED (
     SELECT i.id, i.expires_at, i.heartbeat_ms FROM {s}.instances i
     WHERE i.id IN (SELECT p.owner FROM {s}.partitions p WHERE p.target_owner = $1 AND p.owner <> $1)
@@ -57,15 +58,16 @@ const ACQUIRE: &str = "WITH owners AS MATERIALIZED (
       AND (p.owner IS NULL OR o.id IS NULL OR o.expires_at <= now())
     FOR UPDATE OF p SKIP LOCKED
 )
-UPDATE {s}.partitions p SET owner = $1, epoch = p.epoch + 1, changed_at = now()
+UPDATE {s}.partitions p SET owner = $1, epoch = p.epoch + 1, changed_at = now(),
+    taken_over_at = CASE WHEN taken.owner IS NULL THEN p.taken_over_at ELSE now() END
 FROM taken WHERE p.partition = taken.partition
-RETURNING p.partition, p.epoch, taken.owner AS previous, taken.heartbeat_ms AS previous_heartbeat_ms";
+RETURNING p.partition, p.epoch, taken.owner AS previous, taken.heartbeat_ms AS previous_heartbeat_ms, p.taken_over_at";
 
 /// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
 /// part in the assignment (lease live by database time, not draining), each id in `owner`.
-const VIEW: &str = "SELECT partition, owner, epoch, target_owner FROM {s}.partitions
+const VIEW: &str = "SELECT partition, owner, epoch, target_owner, taken_over_at FROM {s}.partitions
 UNION ALL
-SELECT NULL, id, NULL, NULL FROM {s}.instances WHERE expires_at > now() AND NOT draining";
+SELECT NULL, id, NULL, NULL, NULL FROM {s}.instances WHERE expires_at > now() AND NOT draining";
 
 /// Writes the targets that changed. `$1` partitions, `$2` target owners.
 const SET_TARGETS: &str = "UPDATE {s}.partitions p SET target_owner = t.owner

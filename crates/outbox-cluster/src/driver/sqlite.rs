@@ -38,14 +38,17 @@ WHERE p.target_owner = $1 AND p.owner IS NOT $1
   AND (p.owner IS NULL OR NOT EXISTS (
       SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))";
 
-const TAKE: &str = "UPDATE {s}_partitions SET owner = $1, epoch = epoch + 1, changed_at = {now}
-WHERE partition = $2 RETURNING epoch";
+/// Takes a partition; one taken from an owner is stamped `taken_over_at` (see `Taken`).
+const TAKE: &str = "UPDATE {s}_partitions SET owner = $1, epoch = epoch + 1, changed_at = {now},
+    taken_over_at = CASE WHEN owner IS NULL THEN taken_over_at ELSE {now} END
+WHERE partition = $2 RETURNING epoch, {time:taken_over_at} AS taken_over_at";
 
 /// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
 /// part in the assignment (lease live by database time, not draining), each id in `owner`.
-const VIEW: &str = "SELECT partition, owner, epoch, target_owner FROM {s}_partitions
+const VIEW: &str =
+    "SELECT partition, owner, epoch, target_owner, {time:taken_over_at} AS taken_over_at FROM {s}_partitions
 UNION ALL
-SELECT NULL, id, NULL, NULL FROM {s}_instances WHERE expires_at > {now} AND NOT draining";
+SELECT NULL, id, NULL, NULL, NULL FROM {s}_instances WHERE expires_at > {now} AND NOT draining";
 
 const SET_TARGET: &str = "UPDATE {s}_partitions SET target_owner = $2
 WHERE partition = $1 AND target_owner IS NOT $2 RETURNING partition";
@@ -172,7 +175,7 @@ impl SqliteStatements {
             sqlx::query_as(statement(&self.acquirable)).bind(me).fetch_all(&mut *tx).await?;
         let mut taken = Vec::with_capacity(candidates.len());
         for candidate in candidates {
-            let epoch = sqlx::query_scalar(statement(&self.take))
+            let (epoch, taken_over_at) = sqlx::query_as(statement(&self.take))
                 .bind(me)
                 .bind(i16::from(candidate.partition))
                 .fetch_one(&mut *tx)
@@ -182,6 +185,7 @@ impl SqliteStatements {
                 epoch,
                 previous: candidate.owner,
                 previous_heartbeat_ms: candidate.heartbeat_ms,
+                taken_over_at,
             });
         }
         tx.commit().await?;

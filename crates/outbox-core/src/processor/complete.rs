@@ -89,7 +89,7 @@ async fn write_alone(
     }
 }
 
-async fn write(outbox: &Outbox, db: &Db, outcomes: &[Outcome]) -> Result<Written> {
+pub(super) async fn write(outbox: &Outbox, db: &Db, outcomes: &[Outcome]) -> Result<Written> {
     let complete = db.complete(outbox.statements(), outcomes);
     answered_within(outbox.config().query_timeout, "completion", complete).await.map_err(|e| outbox.not_migrated(e))
 }

@@ -91,14 +91,29 @@ async fn deliver(handlers: &Handlers, config: &Config, fetched: &Fetched) -> (Ve
     })
 }
 
+/// FAILED, if calls counted before they were made used up the record's retries (`careful.rs`): the
+/// last one did not finish (a failure that used them up would have ended in the fallback or FAILED),
+/// so the record is given up without another call, or it could end every instance that takes it on.
+pub(super) fn out_of_unfinished_calls(handlers: &Handlers, config: &Config, record: &Record) -> Option<Verdict> {
+    let attempts = u32::try_from(record.attempts).unwrap_or(0);
+    if attempts == 0 || policy(handlers.get(&record.event_type), config).may_retry(attempts) {
+        return None;
+    }
+    let error = format!(
+        "retries ran out after {attempts} attempts, the last of which did not finish (the process ended \
+         during the handler call, or the call was cancelled); FAILED without another call"
+    );
+    Some(failed(record, record.attempts, &error))
+}
+
 /// The route's retry policy, or the configured default.
 fn policy<'a>(route: Option<&'a Route>, config: &'a Config) -> &'a crate::RetryPolicy {
     route.and_then(|r| r.retry.as_ref()).unwrap_or(&config.retry)
 }
 
 /// What completing a delivered record needs, taken from the record (its key moved, not copied).
-fn outcome(fetched: Fetched, verdict: Verdict, attempts: i32) -> Outcome {
-    let Fetched { record, instance, requeues } = fetched;
+pub(super) fn outcome(fetched: Fetched, verdict: Verdict, attempts: i32) -> Outcome {
+    let Fetched { record, instance, requeues, .. } = fetched;
     Outcome {
         id: record.id,
         partition: record.partition,

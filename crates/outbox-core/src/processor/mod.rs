@@ -12,7 +12,11 @@
 //!   in the database, so a slow key holds only its own slot (a crash before that completion redelivers
 //!   the run: at least once);
 //! - **complete** (`complete.rs`): outcomes are written in batches, each statement fenced by (owner, epoch)
-//!   per partition: a worker that lost a partition changes nothing.
+//!   per partition: a worker that lost a partition changes nothing;
+//! - **count** (`careful.rs`): in a partition once taken over from an owner that did not give it up,
+//!   the calls of the records scheduled before then are written as attempts before they are made, one
+//!   write per fetch, so a handler that ends the process is counted and its record reaches FAILED
+//!   instead of ending every instance in turn.
 //!
 //! Which partitions it holds, under which instance id and epoch, and until when its lease lets it
 //! deliver, comes from an [`Assignment`] watch channel fed by the ownership layer (`outbox-cluster`).
@@ -30,6 +34,7 @@
 //! library can prevent: a call already running in a process that was stopped (SIGSTOP, a frozen VM)
 //! goes on when the process resumes, until the processor notices the lease ran out and cancels it.
 
+mod careful;
 mod complete;
 mod deliver;
 mod fetch;
@@ -40,7 +45,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::{Id as TaskId, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -48,8 +55,9 @@ use tracing::{Instrument, debug, error, info, instrument, warn};
 
 pub use deliver::MAX_ERROR_BYTES;
 
+use self::careful::{Calls, TakenOver};
 use self::complete::{Completed, complete};
-use self::deliver::{Context, deliver_run};
+use self::deliver::{Context, deliver_run, out_of_unfinished_calls, outcome};
 use self::fetch::Fetches;
 use crate::Outbox;
 use crate::assignment::{Assignment, Epoch, InstanceId};
@@ -59,7 +67,7 @@ use crate::error::{Error, Result};
 use crate::handler::Handlers;
 use crate::notice::{Partitions, Wake};
 use crate::partition::Partition;
-use crate::stored::{Found, Outcome, Request, Verdict};
+use crate::stored::{Fetched, Found, Outcome, Request, Verdict, Written};
 
 /// Delivers the records of the assigned partitions. See the [module docs](self).
 pub struct Processor {
@@ -164,7 +172,13 @@ impl Processor {
                     state.fetch = None;
                     // The borrow holds back a new assignment until the dispatched keys are published.
                     let current = self.assignment.borrow();
-                    state.on_fetched(&request, found, &current, &context);
+                    state.on_fetched(&request, found, &current, &context, (&self.outbox, &self.db));
+                    self.publish_busy(&state.in_flight);
+                    drop(current);
+                }
+                Some(counted) = state.counting.next(), if !state.counting.is_empty() => {
+                    let current = self.assignment.borrow();
+                    state.on_counted(counted, &current, &context);
                     self.publish_busy(&state.in_flight);
                     drop(current);
                 }
@@ -222,6 +236,14 @@ struct State {
     deliveries: JoinSet<(String, Vec<Outcome>)>,
     /// The key of each delivery task, to release it if the task ends without an answer.
     tasks: HashMap<TaskId, String>,
+    /// Partitions once taken over from an owner that did not give them up (`careful.rs`).
+    taken_over: TakenOver,
+    /// Runs whose calls are being counted before they start, with their turns (`careful.rs`).
+    counting: FuturesUnordered<Pin<Box<dyn Future<Output = Counted> + Send>>>,
+    /// Turns of the counted calls, one permit each and all for a suspect.
+    turns: Arc<Semaphore>,
+    /// The turns held by keys whose counted calls' outcomes are still to be written.
+    turns_held: HashMap<String, OwnedSemaphorePermit>,
     /// Outcomes waiting for the next completion.
     outcomes: Vec<Outcome>,
     fetch: Pending<(Request, Result<Found>)>,
@@ -253,10 +275,14 @@ impl State {
         Self {
             delivered,
             next_poll: Instant::now() + config.poll_interval,
-            config,
             in_flight: HashMap::new(),
             deliveries: JoinSet::new(),
             tasks: HashMap::new(),
+            taken_over: TakenOver::default(),
+            counting: FuturesUnordered::new(),
+            turns: Arc::new(Semaphore::new(careful::turns(&config) as usize)),
+            config,
+            turns_held: HashMap::new(),
             outcomes: Vec::new(),
             fetch: None,
             polling: false,
@@ -322,7 +348,14 @@ impl State {
         self.completion = Some(Box::pin(async move { complete(&outbox, &db, batch).await }));
     }
 
-    fn on_fetched(&mut self, request: &Request, found: Result<Found>, current: &Assignment, context: &Arc<Context>) {
+    fn on_fetched(
+        &mut self,
+        request: &Request,
+        found: Result<Found>,
+        current: &Assignment,
+        context: &Arc<Context>,
+        (outbox, db): (&Outbox, &Db),
+    ) {
         let found = match found {
             Ok(found) => found,
             Err(e) => {
@@ -349,7 +382,9 @@ impl State {
             self.next_poll = Instant::now() + self.poll_interval();
         }
         self.fetches.served(&found.last_served);
-        for run in found.runs {
+        self.taken_over.follow(current);
+        let mut counted = Vec::new();
+        for mut run in found.runs {
             let Some(head) = run.first() else { continue };
             let (partition, epoch) = (head.record.partition, head.record.epoch);
             // The assignment may have changed, or the lease run out, while the fetch ran; or a
@@ -359,11 +394,88 @@ impl State {
             {
                 continue;
             }
-            let key = head.record.key.clone();
-            self.in_flight.insert(key.clone(), partition);
-            let fenced = self.cancels.token(partition, request.instance, epoch);
-            let task = self.deliveries.spawn(deliver_run(context.clone(), run, fenced).in_current_span());
-            self.tasks.insert(task.id(), key);
+            self.in_flight.insert(head.record.key.clone(), partition);
+            match self.taken_over.mark(&mut run) {
+                Calls::Plain => self.dispatch(run, None, context),
+                Calls::Counted => counted.push(run),
+                Calls::Suspect => self.count(vec![run], careful::turns(&self.config), context, (outbox, db)),
+            }
+        }
+        if !counted.is_empty() {
+            self.count(counted, 1, context, (outbox, db));
+        }
+    }
+
+    /// Starts a run's delivery task, holding `turn` until its outcomes are written if it was counted.
+    fn dispatch(&mut self, run: Vec<Fetched>, turn: Option<OwnedSemaphorePermit>, context: &Arc<Context>) {
+        let Some(head) = run.first() else { return };
+        let (key, partition, instance, epoch) =
+            (head.record.key.clone(), head.record.partition, head.instance, head.record.epoch);
+        if let Some(turn) = turn {
+            self.turns_held.insert(key.clone(), turn);
+        }
+        let fenced = self.cancels.token(partition, instance, epoch);
+        let task = self.deliveries.spawn(deliver_run(context.clone(), run, fenced).in_current_span());
+        self.tasks.insert(task.id(), key);
+    }
+
+    /// Counts the marked calls of `runs` (their keys in flight) in one write, once it has `per_run`
+    /// turns for each; a suspect whose unfinished calls used up its retries is FAILED instead, uncalled.
+    fn count(
+        &mut self,
+        mut runs: Vec<Vec<Fetched>>,
+        per_run: u32,
+        context: &Arc<Context>,
+        (outbox, db): (&Outbox, &Db),
+    ) {
+        runs.retain_mut(|run| {
+            let Some(verdict) =
+                run.first().and_then(|f| out_of_unfinished_calls(&context.handlers, &self.config, &f.record))
+            else {
+                return true;
+            };
+            let attempts = run[0].record.attempts;
+            self.outcomes.push(outcome(run.swap_remove(0), verdict, attempts));
+            false
+        });
+        if runs.is_empty() {
+            return;
+        }
+        let counts = careful::counts(&runs);
+        let permits = per_run.saturating_mul(u32::try_from(runs.len()).unwrap_or(u32::MAX));
+        let (turns, outbox, db) = (self.turns.clone(), outbox.clone(), db.clone());
+        self.counting.push(Box::pin(async move {
+            let turn = turns.acquire_many_owned(permits).await.ok();
+            let count = db.count_calls(outbox.statements(), &counts);
+            let written = answered_within(outbox.config().query_timeout, "counting calls", count).await;
+            Counted { runs, turn, per_run, written }
+        }));
+    }
+
+    /// Dispatches the runs whose counts were written, each with its turns; the others are fetched again.
+    fn on_counted(&mut self, counted: Counted, current: &Assignment, context: &Arc<Context>) {
+        let Counted { runs, mut turn, per_run, written } = counted;
+        let written = match written {
+            Ok(written) => written,
+            Err(e) => {
+                let first = runs
+                    .first()
+                    .and_then(|r| r.first())
+                    .map(|f| (f.record.id, f.record.key.clone(), f.record.partition));
+                warn!(error = %e, runs = runs.len(), ?first, "counting calls before they are made failed; their records will be fetched again (first: record, key, partition)");
+                Written::default()
+            }
+        };
+        for run in runs {
+            let Some(head) = run.first() else { continue };
+            let (partition, instance, epoch) = (head.record.partition, head.instance, head.record.epoch);
+            if written.ids.contains(&head.record.id) && current.grants(instance, partition, epoch) {
+                let own = turn.as_mut().and_then(|t| t.split(per_run as usize));
+                self.dispatch(run, own, context);
+            } else {
+                self.in_flight.remove(&head.record.key);
+                self.wanted.insert(partition);
+            }
         }
     }
 
@@ -373,6 +485,7 @@ impl State {
                 self.tasks.remove(&task);
                 if outcomes.is_empty() {
                     self.in_flight.remove(&key);
+                    self.turns_held.remove(&key);
                 } else {
                     self.outcomes.extend(outcomes);
                 }
@@ -381,6 +494,7 @@ impl State {
                 // Deliveries catch their handlers' panics; this is a bug in the processor or an abort.
                 let key = self.tasks.remove(&e.id()).unwrap_or_default();
                 let partition = self.in_flight.remove(&key);
+                self.turns_held.remove(&key);
                 error!(error = %e, key, ?partition,
                     "delivery task ended without an outcome; its records will be delivered again");
             }
@@ -395,6 +509,7 @@ impl State {
         for outcome in settled {
             if !unsettled.contains(outcome.key.as_str()) {
                 self.in_flight.remove(&outcome.key);
+                self.turns_held.remove(&outcome.key);
                 // The key's next records, if any, are fetchable now.
                 self.wanted.insert(outcome.partition);
             }
@@ -495,6 +610,15 @@ impl State {
             self.config.poll_interval
         }
     }
+}
+
+/// Runs whose calls were being counted, with the turns taken for them (`per_run` each) and what the
+/// count wrote.
+struct Counted {
+    runs: Vec<Vec<Fetched>>,
+    turn: Option<OwnedSemaphorePermit>,
+    per_run: u32,
+    written: Result<Written>,
 }
 
 /// Hears other processes' wake-ups (see `wake.rs`) until `stop`, connecting again a second after the

@@ -43,6 +43,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "delivered counts",
         sql: include_str!("../../../../../migrations/postgres/0005_delivered_counts.sql"),
     },
+    Migration {
+        version: 6,
+        name: "takeovers",
+        sql: include_str!("../../../../../migrations/postgres/0006_takeovers.sql"),
+    },
 ];
 
 /// Arbitrary constant namespacing the migrators' advisory lock (ASCII "outbox").
@@ -247,6 +252,32 @@ impl Driver<'_, PgPool, PgStatements> {
     pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
         let (done, failures): (Vec<&Outcome>, Vec<&Outcome>) = outcomes.iter().partition(|o| o.verdict.completes());
         super::finishing(self.pool, async |conn| self.write_outcomes(conn, &done, &failures).await).await
+    }
+
+    /// Counts calls about to be made in one fenced statement, with the error of the first (the same for
+    /// all).
+    pub(crate) async fn count_calls(&self, calls: &[Outcome]) -> Result<Written> {
+        let error = match calls.first().map(|o| &o.verdict) {
+            Some(Verdict::Retry { error, .. }) => error.as_str(),
+            _ => return Ok(Written::default()),
+        };
+        let calls: Vec<&Outcome> = calls.iter().collect();
+        let (partitions, instances, epochs) = fence_arguments(&calls);
+        let ids: Vec<Uuid> = calls.iter().map(|o| o.id).collect();
+        super::finishing(self.pool, async |conn| {
+            let mut tx = begin(conn, self.statements).await?;
+            let rows: Vec<FencedRow> = sqlx::query_as(statement(&self.statements.count_calls))
+                .bind(&partitions)
+                .bind(&instances)
+                .bind(&epochs)
+                .bind(&ids)
+                .bind(error)
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(FencedRow::collect(rows))
+        })
+        .await
     }
 
     async fn write_outcomes(

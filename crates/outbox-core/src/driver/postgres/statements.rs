@@ -182,6 +182,17 @@ const FAIL: &str = "WITH {fence}, written AS (
 )
 {written_and_held}";
 
+/// Counts calls about to be made (fenced; see `processor/careful.rs`): each record's attempts grow by one,
+/// its error `$5` says the call did not finish, and it stays due, until the call's own outcome is
+/// written. `$4` ids. Found by `id = ANY($4)` alone: joined to per-row values through `unnest`, as in
+/// [`FAIL`], a generic plan compared every row with every value, a second for 2,500 records.
+const COUNT_CALLS: &str = "WITH {fence}, written AS (
+    UPDATE {s}.records r SET attempts = r.attempts + 1, last_error = $5, next_attempt_at = now()
+    WHERE r.id = ANY($4::uuid[]) AND r.failed_at IS NULL AND {fenced}
+    RETURNING r.id
+)
+{written_and_held}";
+
 const FAILED_COLUMNS: &str =
     "id, partition, key, seq, event_type, attempts, requeues, last_error, created_at, failed_at";
 
@@ -273,6 +284,7 @@ pub struct PgStatements {
     pub(crate) fetch: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) fail: Arc<str>,
+    pub(crate) count_calls: Arc<str>,
     pub(crate) list_failed: Arc<str>,
     pub(crate) requeue: Arc<str>,
     pub(crate) requeue_all: Arc<str>,
@@ -322,6 +334,7 @@ impl PgStatements {
             fetch: build(&fetch),
             complete: build(if keep_completed { COMPLETE_KEEP } else { COMPLETE_DELETE }),
             fail: build(FAIL),
+            count_calls: build(COUNT_CALLS),
             list_failed: build(LIST_FAILED),
             requeue: build(REQUEUE),
             requeue_all: build(REQUEUE_ALL),

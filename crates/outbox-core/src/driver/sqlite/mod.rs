@@ -56,6 +56,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "numbered_by_rowid",
         sql: include_str!("../../../../../migrations/sqlite/0007_numbered_by_rowid.sql"),
     },
+    Migration {
+        version: 8,
+        name: "takeovers",
+        sql: include_str!("../../../../../migrations/sqlite/0008_takeovers.sql"),
+    },
 ];
 
 /// How long a connection waits for the write lock before a statement fails with "busy". Writers hold
@@ -231,6 +236,11 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
 
     /// One write transaction: the grants checked in one statement, then the completions of those that
     /// hold in two set statements (copy, delete), then their failures one statement each.
+    /// Counts calls about to be made: written as the retries, due at once, that `calls` already are.
+    pub(crate) async fn count_calls(&self, calls: &[Outcome]) -> Result<Written> {
+        self.complete(calls).await
+    }
+
     pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
         let s = self.statements;
         let mut tx = write(self.pool).await?;
