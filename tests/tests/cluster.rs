@@ -436,23 +436,13 @@ async fn calls_of_records_older_than_a_takeover_are_counted_before_they_are_made
             }
         })))
     };
-    let a = Node::start(
-        outbox.clone(),
-        &db,
-        handlers("a"),
-        outbox_cluster::ClusterConfig { name: "a".into(), ..fast_cluster() },
-    )
-    .await
-    .unwrap();
+    let start = |name: &str| {
+        let config = outbox_cluster::ClusterConfig { name: name.into(), ..fast_cluster() };
+        Node::start(outbox.clone(), &db, handlers(name), config)
+    };
+    let a = start("a").await.unwrap();
     wait_for("a took every partition over", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
-    let b = Node::start(
-        outbox.clone(),
-        &db,
-        handlers("b"),
-        outbox_cluster::ClusterConfig { name: "b".into(), ..fast_cluster() },
-    )
-    .await
-    .unwrap();
+    let b = start("b").await.unwrap();
     wait_for("half handed on to b", LONG, || async { owners(&db).await.get(&b.id()) == Some(&128) }).await;
     drained(&db, LONG).await;
     commit(&outbox, &db, keys.iter().map(|k| NewRecord::new(k, "after", "")).collect()).await;
