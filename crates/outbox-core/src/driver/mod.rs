@@ -355,13 +355,6 @@ impl Db {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).complete(outcomes).await)
     }
 
-    /// Counts calls about to be made, fenced as a completion is: `calls` are retries due at once, with
-    /// the grown attempts and one error for all, written as such, or (PostgreSQL) as attempts grown by
-    /// one in a statement that needs no per-row values. Says which were written.
-    pub(crate) async fn count_calls(&self, statements: &Statements, calls: &[Outcome]) -> Result<Written> {
-        dispatch!(self, statements, |pool, s| pool_of(pool, s).count_calls(calls).await)
-    }
-
     /// FAILED records matching `filter`, in (partition, key, seq) order.
     pub(crate) async fn failed(&self, statements: &Statements, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).failed(filter).await)

@@ -56,7 +56,7 @@ use tracing::{Instrument, debug, error, info, instrument, warn};
 pub use deliver::MAX_ERROR_BYTES;
 
 use self::careful::{Calls, TakenOver};
-use self::complete::{Completed, complete};
+use self::complete::{Completed, complete, write};
 use self::deliver::{Context, deliver_run, out_of_unfinished_calls, outcome};
 use self::fetch::Fetches;
 use crate::Outbox;
@@ -446,8 +446,7 @@ impl State {
         let (turns, outbox, db) = (self.turns.clone(), outbox.clone(), db.clone());
         self.counting.push(Box::pin(async move {
             let turn = turns.acquire_many_owned(permits).await.ok();
-            let count = db.count_calls(outbox.statements(), &counts);
-            let written = answered_within(outbox.config().query_timeout, "counting calls", count).await;
+            let written = write(&outbox, &db, &counts).await;
             Counted { runs, turn, per_run, written }
         }));
     }

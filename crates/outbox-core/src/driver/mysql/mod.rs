@@ -350,11 +350,6 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 
     /// One transaction: the grants checked and locked, then the completions of those that hold in three
     /// set statements, then their failures in two.
-    /// Counts calls about to be made: written as the retries, due at once, that `calls` already are.
-    pub(crate) async fn count_calls(&self, calls: &[Outcome]) -> Result<Written> {
-        self.complete(calls).await
-    }
-
     pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
         super::finishing(self.pool, async |conn| self.write_outcomes(conn, outcomes).await).await
     }

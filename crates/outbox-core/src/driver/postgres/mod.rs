@@ -254,32 +254,6 @@ impl Driver<'_, PgPool, PgStatements> {
         super::finishing(self.pool, async |conn| self.write_outcomes(conn, &done, &failures).await).await
     }
 
-    /// Counts calls about to be made in one fenced statement, with the error of the first (the same for
-    /// all).
-    pub(crate) async fn count_calls(&self, calls: &[Outcome]) -> Result<Written> {
-        let error = match calls.first().map(|o| &o.verdict) {
-            Some(Verdict::Retry { error, .. }) => error.as_str(),
-            _ => return Ok(Written::default()),
-        };
-        let calls: Vec<&Outcome> = calls.iter().collect();
-        let (partitions, instances, epochs) = fence_arguments(&calls);
-        let ids: Vec<Uuid> = calls.iter().map(|o| o.id).collect();
-        super::finishing(self.pool, async |conn| {
-            let mut tx = begin(conn, self.statements).await?;
-            let rows: Vec<FencedRow> = sqlx::query_as(statement(&self.statements.count_calls))
-                .bind(&partitions)
-                .bind(&instances)
-                .bind(&epochs)
-                .bind(&ids)
-                .bind(error)
-                .fetch_all(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            Ok(FencedRow::collect(rows))
-        })
-        .await
-    }
-
     async fn write_outcomes(
         &self,
         conn: &mut PgConnection,
@@ -306,8 +280,8 @@ impl Driver<'_, PgPool, PgStatements> {
         }
         if !failures.is_empty() {
             let (partitions, instances, epochs) = fence_arguments(failures);
-            let (mut ids, mut attempts, mut requeues, mut errors, mut delays, mut is_failed) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut ids = Vec::with_capacity(failures.len());
+            let mut values = serde_json::Map::with_capacity(failures.len());
             for o in failures {
                 let (error, delay, failed) = match &o.verdict {
                     Verdict::Retry { delay, error } => (error.as_str(), *delay, false),
@@ -315,22 +289,15 @@ impl Driver<'_, PgPool, PgStatements> {
                     Verdict::Delivered | Verdict::Fallback => continue,
                 };
                 ids.push(o.id);
-                attempts.push(o.attempts);
-                requeues.push(o.requeues);
-                errors.push(error);
-                delays.push(millis(delay));
-                is_failed.push(failed);
+                let row = serde_json::json!([o.attempts, o.requeues, error, millis(delay), failed]);
+                values.insert(o.id.to_string(), row);
             }
             let rows: Vec<FencedRow> = sqlx::query_as(statement(&self.statements.fail))
                 .bind(&partitions)
                 .bind(&instances)
                 .bind(&epochs)
                 .bind(&ids)
-                .bind(&attempts)
-                .bind(&requeues)
-                .bind(&errors)
-                .bind(&delays)
-                .bind(&is_failed)
+                .bind(sqlx::types::Json(values))
                 .fetch_all(&mut *tx)
                 .await?;
             written.merge(FencedRow::collect(rows));

@@ -236,11 +236,6 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
 
     /// One write transaction: the grants checked in one statement, then the completions of those that
     /// hold in two set statements (copy, delete), then their failures one statement each.
-    /// Counts calls about to be made: written as the retries, due at once, that `calls` already are.
-    pub(crate) async fn count_calls(&self, calls: &[Outcome]) -> Result<Written> {
-        self.complete(calls).await
-    }
-
     pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
         let s = self.statements;
         let mut tx = write(self.pool).await?;
