@@ -26,6 +26,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tracing::debug;
 
+use super::deliver::outcome;
 use crate::assignment::{Assignment, Epoch, InstanceId};
 use crate::config::Config;
 use crate::partition::Partition;
@@ -125,21 +126,7 @@ pub(super) fn turns(config: &Config) -> u32 {
 
 /// The write that counts the marked calls of `runs`: each a failed attempt that did not finish.
 pub(super) fn counts<'a>(runs: impl IntoIterator<Item = &'a Vec<Fetched>>) -> Vec<Outcome> {
+    let unfinished = || Verdict::Retry { delay: Duration::ZERO, error: UNFINISHED.to_string() };
     let careful = runs.into_iter().flatten().filter(|f| f.careful);
-    careful
-        .map(|fetched| {
-            let record = &fetched.record;
-            Outcome {
-                id: record.id,
-                partition: record.partition,
-                instance: fetched.instance,
-                epoch: record.epoch,
-                key: record.key.clone(),
-                attempts: record.attempts.saturating_add(1),
-                requeues: fetched.requeues,
-                due_since: record.deliver_at.unwrap_or(record.created_at),
-                verdict: Verdict::Retry { delay: Duration::ZERO, error: UNFINISHED.to_string() },
-            }
-        })
-        .collect()
+    careful.map(|f| outcome(f.clone(), unfinished(), f.record.attempts.saturating_add(1))).collect()
 }

@@ -239,7 +239,7 @@ struct State {
     /// Partitions once taken over from an owner that did not give them up (`careful.rs`).
     taken_over: TakenOver,
     /// Runs whose calls are being counted before they start, with their turns (`careful.rs`).
-    counting: FuturesUnordered<Pin<Box<dyn Future<Output = Counted> + Send>>>,
+    counting: FuturesUnordered<Pin<Box<dyn Future<Output = CountWritten> + Send>>>,
     /// Turns of the counted calls, one permit each and all for a suspect.
     turns: Arc<Semaphore>,
     /// The turns held by keys whose counted calls' outcomes are still to be written.
@@ -447,13 +447,13 @@ impl State {
         self.counting.push(Box::pin(async move {
             let turn = turns.acquire_many_owned(permits).await.ok();
             let written = write(&outbox, &db, &counts).await;
-            Counted { runs, turn, per_run, written }
+            CountWritten { runs, turn, per_run, written }
         }));
     }
 
     /// Dispatches the runs whose counts were written, each with its turns; the others are fetched again.
-    fn on_counted(&mut self, counted: Counted, current: &Assignment, context: &Arc<Context>) {
-        let Counted { runs, mut turn, per_run, written } = counted;
+    fn on_counted(&mut self, counted: CountWritten, current: &Assignment, context: &Arc<Context>) {
+        let CountWritten { runs, mut turn, per_run, written } = counted;
         let written = match written {
             Ok(written) => written,
             Err(e) => {
@@ -613,7 +613,7 @@ impl State {
 
 /// Runs whose calls were being counted, with the turns taken for them (`per_run` each) and what the
 /// count wrote.
-struct Counted {
+struct CountWritten {
     runs: Vec<Vec<Fetched>>,
     turn: Option<OwnedSemaphorePermit>,
     per_run: u32,
