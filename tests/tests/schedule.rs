@@ -13,6 +13,7 @@ use sqlx::types::Json;
 
 every_backend!(
     committed_records_exist_and_rolled_back_ones_do_not,
+    a_transaction_begun_by_the_applications_own_begin_holds_its_records,
     batch_numbers_each_keys_records_in_order,
     concurrent_writers_of_one_key_commit_in_sequence_order,
     bad_input_is_rejected_before_writing_and_the_transaction_stays_usable,
@@ -52,6 +53,38 @@ async fn committed_records_exist_and_rolled_back_ones_do_not(db: TestDb) {
     let next = outbox.schedule(&mut tx, NewRecord::new("k", "t", "")).await.unwrap();
     tx.commit().await.unwrap();
     assert!(next.seq > kept.seq);
+}
+
+/// A transaction the application began with its own `BEGIN`, which sqlx does not know of, holds the
+/// records scheduled in it as a sqlx transaction does: rolled back, neither the business row nor a
+/// record stays; committed, both do. (MySQL: the outbox's own `BEGIN` committed the application's
+/// transaction, and the rest ran in autocommit. SQLite refused to begin inside it.)
+async fn a_transaction_begun_by_the_applications_own_begin_holds_its_records(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    db.exec("CREATE TABLE business_rows (id INT)", &[]).await;
+    let (one, two) =
+        (&[NewRecord::new("a", "t", "")][..], &[NewRecord::new("a", "t", ""), NewRecord::new("b", "t", "")][..]);
+    for records in [one, two] {
+        let insert = "INSERT INTO business_rows VALUES (1)";
+        let rolled_back = db.schedule_in_own_transaction(&outbox, insert, records, "ROLLBACK").await.unwrap();
+        assert_eq!(rolled_back.len(), records.len());
+        let rows = (
+            count(&db, "SELECT COUNT(*) FROM business_rows").await,
+            count(&db, "SELECT COUNT(*) FROM {s}records").await,
+        );
+        assert_eq!(rows, (0, 0), "{} record(s) rolled back: (business rows, records) left", records.len());
+
+        let committed = db.schedule_in_own_transaction(&outbox, insert, records, "COMMIT").await.unwrap();
+        let rows = (
+            count(&db, "SELECT COUNT(*) FROM business_rows").await,
+            count(&db, "SELECT COUNT(*) FROM {s}records").await,
+        );
+        assert_eq!(rows, (1, i64::try_from(records.len()).unwrap()), "{} record(s) committed", records.len());
+        let seqs = rows!(db, (uuid::Uuid, i64), "SELECT id, seq FROM {s}records");
+        assert!(committed.iter().all(|s| seqs.contains(&(s.id, s.seq))), "{committed:?} against {seqs:?}");
+        db.exec("DELETE FROM business_rows", &[]).await;
+        db.exec("DELETE FROM {s}records", &[]).await;
+    }
 }
 
 /// A batch numbers each key's records in the order given, after the key's earlier records.

@@ -15,9 +15,11 @@ use crate::stored::NewRow;
 impl Outbox {
     /// Schedules one record in the caller's transaction.
     ///
-    /// Pass the transaction (`&mut *tx` or `&mut tx`, PostgreSQL or SQLite): there is no conversion from a
-    /// pool, so scheduling outside the transaction cannot happen by mistake. Bad input is rejected before
-    /// anything is sent, leaving the transaction usable.
+    /// Pass the transaction (`&mut *tx` or `&mut tx`, on every database): there is no conversion from a
+    /// pool, so scheduling outside the transaction cannot happen by mistake. A connection inside a
+    /// transaction begun with the application's own SQL (`BEGIN`) schedules in that transaction too; on a
+    /// connection outside any, the records commit on their own. Bad input is rejected before anything is
+    /// sent, leaving the transaction usable.
     ///
     /// Holds the key's lock row until the caller commits (SQLite: the database write lock): concurrent
     /// writers of the same key wait, which is what makes per-key order equal commit order. Keep such

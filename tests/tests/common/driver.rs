@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use outbox_core::{Db, NewRecord, Outbox, Scheduled};
 use outbox_tests::proxy::DelayProxy;
-use sqlx::PgPool;
+use sqlx::{AssertSqlSafe, PgPool};
 
 use super::TestDb;
 
@@ -277,6 +277,35 @@ impl TestDb {
     pub async fn allow_deleting_instances(&self) {
         let on = if self.is_sqlite() || self.is_mysql() { "" } else { " ON outbox.instances" };
         self.exec(&format!("DROP TRIGGER refuse_delete{on}"), &[]).await;
+    }
+
+    /// On a pooled connection, begins a transaction with the application's own `BEGIN` (which sqlx does
+    /// not know of), runs `business` in it, schedules `records`, and ends it with `end` (`COMMIT` or
+    /// `ROLLBACK`) whatever the schedule returned.
+    pub async fn schedule_in_own_transaction(
+        &self,
+        outbox: &Outbox,
+        business: &str,
+        records: &[NewRecord],
+        end: &str,
+    ) -> outbox_core::Result<Vec<Scheduled>> {
+        let business = AssertSqlSafe(self.sql(business));
+        macro_rules! run {
+            ($pool:expr) => {{
+                let mut conn = $pool.acquire().await.unwrap();
+                sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+                sqlx::raw_sql(business).execute(&mut *conn).await.unwrap();
+                let scheduled = outbox.schedule_batch(&mut *conn, records).await;
+                sqlx::raw_sql(AssertSqlSafe(end.to_string())).execute(&mut *conn).await.unwrap();
+                scheduled
+            }};
+        }
+        match &self.db {
+            Db::Postgres(pool) => run!(pool),
+            Db::Sqlite(pool) => run!(pool),
+            Db::MySql(pool) => run!(pool),
+            _ => unreachable!("the tests build every backend"),
+        }
     }
 
     /// Schedules `records` on a pooled connection outside any transaction.

@@ -167,6 +167,9 @@ async fn is_mariadb(conn: &mut MySqlConnection) -> Result<bool> {
 /// Inserts records on the caller's connection (see `Conn::schedule`): their keys' lock rows first, then
 /// the records, then the numbers they were given, in a transaction of sqlx's own (a savepoint inside the
 /// caller's transaction), which sqlx rolls back if this future is dropped half way.
+///
+/// A transaction sqlx does not know of (the application's own `BEGIN`, or `autocommit` off) is joined
+/// with a savepoint instead: sqlx's `BEGIN` there would commit it, and leave the rest of it to autocommit.
 pub(super) async fn schedule(
     conn: &mut MySqlConnection,
     s: &MySqlStatements,
@@ -184,14 +187,26 @@ pub(super) async fn schedule(
         })
         .collect::<Result<Vec<String>>>()?;
     fits_a_packet(conn, rows, &records).await?;
-    let ids: Vec<String> = rows.iter().map(|r| hex(r.id)).collect();
-    let mut tx = conn.begin().await?;
-    sqlx::query(statement(&s.lock_keys)).bind(json(&keys)?).execute(&mut *tx).await?;
-    for chunk in json_arrays(&records, INSERT_BYTES) {
-        sqlx::query(statement(&s.insert)).bind(chunk).execute(&mut *tx).await?;
-    }
-    let numbers: Vec<(Uuid, i64)> = sqlx::query_as(statement(&s.numbers)).bind(json(&ids)?).fetch_all(&mut *tx).await?;
-    tx.commit().await?;
+    let ids = json(&rows.iter().map(|r| hex(r.id)).collect::<Vec<String>>())?;
+    let (keys, records) = (json(&keys)?, json_arrays(&records, INSERT_BYTES));
+    let numbers = if !conn.is_in_transaction() && savepoint_in_applications_transaction(conn).await? {
+        match insert(conn, s, &keys, &records, &ids).await {
+            Ok(numbers) => {
+                sqlx::raw_sql("RELEASE SAVEPOINT outbox_schedule").execute(&mut *conn).await?;
+                numbers
+            }
+            Err(e) => {
+                // After a deadlock the whole transaction is gone, and with it the savepoint.
+                let _ = sqlx::raw_sql("ROLLBACK TO SAVEPOINT outbox_schedule").execute(&mut *conn).await;
+                return Err(e);
+            }
+        }
+    } else {
+        let mut tx = conn.begin().await?;
+        let numbers = insert(&mut tx, s, &keys, &records, &ids).await?;
+        tx.commit().await?;
+        numbers
+    };
     let numbers: std::collections::HashMap<Uuid, i64> = numbers.into_iter().collect();
     rows.iter()
         .map(|r| {
@@ -200,6 +215,37 @@ pub(super) async fn schedule(
             })
         })
         .collect()
+}
+
+/// The statements of [`schedule`], in a transaction begun by the caller.
+async fn insert(
+    conn: &mut MySqlConnection,
+    s: &MySqlStatements,
+    keys: &str,
+    records: &[String],
+    ids: &str,
+) -> Result<Vec<(Uuid, i64)>> {
+    sqlx::query(statement(&s.lock_keys)).bind(keys).execute(&mut *conn).await?;
+    for chunk in records {
+        sqlx::query(statement(&s.insert)).bind(chunk).execute(&mut *conn).await?;
+    }
+    Ok(sqlx::query_as(statement(&s.numbers)).bind(ids).fetch_all(conn).await?)
+}
+
+/// Whether `conn`, outside every transaction sqlx began, is inside one the application began itself;
+/// if so, a savepoint `outbox_schedule` is now set in it. MySQL has no question for it, but a savepoint
+/// set outside a transaction is gone at once, so releasing it fails (1305).
+async fn savepoint_in_applications_transaction(conn: &mut MySqlConnection) -> Result<bool> {
+    const PROBE: &str = "SAVEPOINT outbox_schedule; RELEASE SAVEPOINT outbox_schedule; SAVEPOINT outbox_schedule";
+    match sqlx::raw_sql(PROBE).execute(conn).await {
+        Ok(_) => Ok(true),
+        Err(sqlx::Error::Database(e))
+            if e.try_downcast_ref::<MySqlDatabaseError>().is_some_and(|e| e.number() == 1305) =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Records' JSON per insert statement. MySQL answers a statement over `max_allowed_packet` (16 MiB by

@@ -126,19 +126,25 @@ pub(super) fn is_not_migrated(db: &dyn sqlx::error::DatabaseError) -> Option<boo
 /// order, so the first is `n - 1` below it. One record binds its values, more go as one JSON list. On a
 /// bare connection the statement runs in a `BEGIN IMMEDIATE` transaction of sqlx's own, which sqlx rolls
 /// back if this future is dropped half way (say, by a timeout while waiting for the write lock), where a
-/// lone statement would still write once the lock came free.
+/// lone statement would still write once the lock came free. A transaction the application began with
+/// its own SQL, which sqlx does not know of, refuses that `BEGIN`; the statement joins it instead.
 pub(super) async fn schedule(
     conn: &mut SqliteConnection,
     s: &SqliteStatements,
     rows: &[NewRow<'_>],
 ) -> Result<Vec<(Uuid, i64)>> {
-    if conn.is_in_transaction() {
-        return insert(conn, s, rows).await;
+    if !conn.is_in_transaction() {
+        match conn.begin_with("BEGIN IMMEDIATE").await {
+            Ok(mut tx) => {
+                let numbered = insert(&mut tx, s, rows).await?;
+                tx.commit().await?;
+                return Ok(numbered);
+            }
+            Err(sqlx::Error::Database(e)) if e.message() == "cannot start a transaction within a transaction" => {}
+            Err(e) => return Err(e.into()),
+        }
     }
-    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-    let numbered = insert(&mut tx, s, rows).await?;
-    tx.commit().await?;
-    Ok(numbered)
+    insert(conn, s, rows).await
 }
 
 async fn insert(conn: &mut SqliteConnection, s: &SqliteStatements, rows: &[NewRow<'_>]) -> Result<Vec<(Uuid, i64)>> {
