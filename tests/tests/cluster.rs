@@ -27,6 +27,7 @@ every_backend!(
     a_failing_reap_holds_no_round_up,
     an_acquisition_whose_host_vanished_kills_no_other_instance,
     calls_of_records_older_than_a_takeover_are_counted_before_they_are_made,
+    counts_of_calls_a_failure_kept_from_being_made_are_taken_back,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -462,6 +463,38 @@ async fn calls_of_records_older_than_a_takeover_are_counted_before_they_are_made
     assert!(after.iter().all(|&(_, attempts, unfinished)| attempts == 0 && !unfinished), "{seen:?}");
     let traces = count(&db, "SELECT count(*) FROM {s}completed WHERE attempts <> 0").await;
     assert_eq!(traces, 0, "a counted call that succeeded leaves its record as if uncounted");
+}
+
+/// A key's run is counted whole before its first call, but a failure stops the run: the counts of the
+/// records it did not reach are taken back, so they keep their retries. Here each key's first record
+/// fails once after a takeover; its two followers are delivered with no attempt spent. Before, each
+/// follower carried one attempt it never made, and came back as a suspect, called alone.
+async fn counts_of_calls_a_failure_kept_from_being_made_are_taken_back(db: TestDb) {
+    let outbox = outbox(&db, |c| c.retry = outbox_core::RetryPolicy::fixed(Duration::from_millis(100), 5)).await;
+    let dead = register_instance(&db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 100 WHERE id = $1", dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    let records =
+        (0..10).flat_map(|k| ["first", "second", "third"].map(|event| NewRecord::new(format!("k-{k}"), event, "")));
+    commit(&outbox, &db, records.collect()).await;
+
+    let failed_once = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r| {
+        let first_call = r.event_type == "first" && failed_once.lock().unwrap().insert(r.id);
+        async move { if first_call { Err(HandlerError::retryable("fails once")) } else { Ok(()) } }
+    })));
+    let config = outbox_cluster::ClusterConfig { name: "a".into(), ..fast_cluster() };
+    let a = Node::start(outbox.clone(), &db, handlers, config).await.unwrap();
+    drained(&db, LONG).await;
+    a.shutdown().await.unwrap();
+
+    let spent = rows!(db, (String, i32), "SELECT event_type, attempts FROM {s}completed ORDER BY event_type, attempts");
+    let spent: BTreeMap<(String, i32), usize> = spent.into_iter().fold(BTreeMap::new(), |mut m, row| {
+        *m.entry(row).or_default() += 1;
+        m
+    });
+    let expected = BTreeMap::from([(("first".into(), 1), 10), (("second".into(), 0), 10), (("third".into(), 0), 10)]);
+    assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
 }
 
 /// The leader's housekeeping, deleting the rows of instances dead long since, fails (here refused; on

@@ -228,9 +228,32 @@ pub(crate) enum Verdict {
     Failed {
         error: String,
     },
+    /// Not called, though its call was counted before (`careful.rs`): the count is taken back, and the
+    /// record is due, with the attempts it was fetched with and no error.
+    NotCalled,
+}
+
+/// What a record that stays in the queue is written with.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Unfinished<'a> {
+    pub(crate) error: Option<&'a str>,
+    /// Until it is due again.
+    pub(crate) delay: Duration,
+    pub(crate) failed: bool,
 }
 
 impl Verdict {
+    /// What the record is written with if it stays in the queue; `None` if it leaves.
+    pub(crate) fn unfinished(&self) -> Option<Unfinished<'_>> {
+        let (error, delay, failed) = match self {
+            Verdict::Delivered | Verdict::Fallback => return None,
+            Verdict::Retry { delay, error } => (Some(error.as_str()), *delay, false),
+            Verdict::Failed { error } => (Some(error.as_str()), Duration::ZERO, true),
+            Verdict::NotCalled => (None, Duration::ZERO, false),
+        };
+        Some(Unfinished { error, delay, failed })
+    }
+
     /// Delivered or handled by the fallback: the record leaves the queue.
     pub(crate) fn completes(&self) -> bool {
         matches!(self, Verdict::Delivered | Verdict::Fallback)

@@ -171,6 +171,42 @@ async fn complete_says_what_it_wrote_and_what_the_fence_held(pool: PgPool) {
     }
 }
 
+/// A call counted before it was made (an attempt due in an hour, "did not finish") and then not made
+/// puts its record back as it was fetched: its attempts, no error, due at once.
+#[sqlx::test(migrations = false)]
+async fn a_call_not_made_takes_its_count_back(pool: PgPool) {
+    for db in backends(pool).await {
+        let outbox = migrated(&db, Config::default()).await;
+        let instance = hold_all(&db).await;
+        let scheduled = commit(&outbox, &db, &[NewRecord::new("k", "t", "")]).await.remove(0);
+        let counted = Outcome {
+            id: scheduled.id,
+            partition: scheduled.partition,
+            instance,
+            epoch: Epoch(1),
+            key: "k".into(),
+            attempts: 1,
+            requeues: 0,
+            due_since: chrono::Utc::now(),
+            verdict: Verdict::Retry { delay: std::time::Duration::from_secs(3600), error: "did not finish".into() },
+        };
+        db.complete(outbox.statements(), std::slice::from_ref(&counted)).await.unwrap();
+        let fetch = async || db.fetch(outbox.statements(), &request(instance, 10, 0, usize::MAX)).await.unwrap().runs;
+        assert!(fetch().await.is_empty(), "{}: counted, the record backs off", db.backend());
+
+        let not_called = Outcome { attempts: 0, verdict: Verdict::NotCalled, ..counted };
+        let written = db.complete(outbox.statements(), std::slice::from_ref(&not_called)).await.unwrap();
+        assert!(written.ids.contains(&scheduled.id), "{}", db.backend());
+        let runs = fetch().await;
+        let attempts: Vec<i32> = runs.iter().flatten().map(|f| f.record.attempts).collect();
+        assert_eq!(attempts, [0], "{}: due again, with its attempts as fetched", db.backend());
+        let table = db.table("outbox", "records");
+        let error: (Option<String>,) =
+            db.fetch_one(sqlx::AssertSqlSafe(format!("SELECT last_error FROM {table}")), &[]).await.unwrap();
+        assert_eq!(error, (None,), "{}", db.backend());
+    }
+}
+
 /// A record's state in the fetch model.
 #[derive(Debug, Clone, Copy)]
 enum State {

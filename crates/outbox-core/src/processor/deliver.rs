@@ -37,7 +37,8 @@ pub(super) struct Context {
 /// record it checks that the partition is still granted to this instance at the run's epoch and the
 /// lease has not run out. Stops after a record that is not completed (a retry or FAILED: the rest must
 /// wait), on shutdown (after the first record), and at once when `fenced` is cancelled, dropping the
-/// handler call in progress. Returns the key and the outcomes of the records it delivered.
+/// handler call in progress. Returns the key and the outcomes of the records it delivered, and, after
+/// a stop it can still write, of those whose calls were counted but not made (`careful.rs`).
 pub(super) async fn deliver_run(
     ctx: Arc<Context>,
     run: Vec<Fetched>,
@@ -45,20 +46,18 @@ pub(super) async fn deliver_run(
 ) -> (String, Vec<Outcome>) {
     let key = run.first().map(|f| f.record.key.clone()).unwrap_or_default();
     let mut outcomes = Vec::with_capacity(run.len());
-    for (i, fetched) in run.into_iter().enumerate() {
+    let mut run = run.into_iter().peekable();
+    while let Some(fetched) = run.next_if(|_| outcomes.is_empty() || !ctx.shutdown.is_cancelled()) {
         let record = &fetched.record;
-        if i > 0 && ctx.shutdown.is_cancelled() {
-            break;
-        }
         if !ctx.assignment.borrow().grants(fetched.instance, record.partition, record.epoch) {
-            break;
+            return (key, outcomes);
         }
         let (verdict, attempts) = tokio::select! {
             biased;
             () = fenced.cancelled() => {
                 info!(record = %record.id, key = %record.key, partition = record.partition, instance = %fetched.instance,
                     epoch = %record.epoch, "handler call cancelled: the partition was fenced or the lease ran out; the record will be delivered again");
-                break;
+                return (key, outcomes);
             }
             delivered = deliver(&ctx.handlers, &ctx.config, &fetched) => delivered,
         };
@@ -68,6 +67,11 @@ pub(super) async fn deliver_run(
             break;
         }
     }
+    let not_called = run.filter(|f| f.careful).map(|f| {
+        let attempts = f.record.attempts;
+        outcome(f, Verdict::NotCalled, attempts)
+    });
+    outcomes.extend(not_called);
     (key, outcomes)
 }
 

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
     FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, Runs, StatsRow,
-    Verdict, Written, grants_list,
+    Written, grants_list,
 };
 
 /// The migrations of the MySQL schema, in order (`{s}` is the table prefix, `{bin}` the key collation).
@@ -417,16 +417,19 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
                 sqlx::query(statement(&s.delete)).bind(&done).execute(&mut *tx).await?;
                 written.ids.extend(found.into_iter().map(|(id,)| id));
             }
-            let failures: Vec<(String, i32, i32, &str, i32, i64)> = written
+            let failures: Vec<_> = written
                 .failures(outcomes)
                 .into_iter()
                 .filter_map(|o| {
-                    let (error, delay, failed) = match &o.verdict {
-                        Verdict::Retry { delay, error } => (error.as_str(), *delay, 0),
-                        Verdict::Failed { error } => (error.as_str(), Duration::ZERO, 1),
-                        Verdict::Delivered | Verdict::Fallback => return None,
-                    };
-                    Some((o.id.simple().to_string(), o.requeues, o.attempts, error, failed, millis(delay)))
+                    let u = o.verdict.unfinished()?;
+                    Some((
+                        o.id.simple().to_string(),
+                        o.requeues,
+                        o.attempts,
+                        u.error,
+                        i32::from(u.failed),
+                        millis(u.delay),
+                    ))
                 })
                 .collect();
             if !failures.is_empty() {

@@ -21,7 +21,7 @@ use crate::migrate::{Migration, checksum, pending};
 use crate::notice::{Channel, Wakeups};
 use crate::stored::{
     FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, Runs, StatsRow,
-    Verdict, Written,
+    Written,
 };
 
 /// The migrations of the PostgreSQL schema, in order.
@@ -283,13 +283,9 @@ impl Driver<'_, PgPool, PgStatements> {
             let mut ids = Vec::with_capacity(failures.len());
             let mut values = serde_json::Map::with_capacity(failures.len());
             for o in failures {
-                let (error, delay, failed) = match &o.verdict {
-                    Verdict::Retry { delay, error } => (error.as_str(), *delay, false),
-                    Verdict::Failed { error } => (error.as_str(), Duration::ZERO, true),
-                    Verdict::Delivered | Verdict::Fallback => continue,
-                };
+                let Some(u) = o.verdict.unfinished() else { continue };
                 ids.push(o.id);
-                let row = serde_json::json!([o.attempts, o.requeues, error, millis(delay), failed]);
+                let row = serde_json::json!([o.attempts, o.requeues, u.error, millis(u.delay), u.failed]);
                 values.insert(o.id.to_string(), row);
             }
             let rows: Vec<FencedRow> = sqlx::query_as(statement(&self.statements.fail))

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
     FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, Runs, StatsRow,
-    Verdict, Written, grants_list,
+    Written, grants_list,
 };
 
 /// The migrations of the SQLite schema, in order (`{s}` is the table prefix).
@@ -258,31 +258,16 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             written.ids.extend(deleted.into_iter().map(|(id,)| id));
         }
         for o in written.failures(outcomes) {
-            let row = match &o.verdict {
-                Verdict::Delivered | Verdict::Fallback => continue,
-                Verdict::Retry { delay, error } => {
-                    sqlx::query(statement(&s.fail))
-                        .bind(o.id)
-                        .bind(o.attempts)
-                        .bind(error)
-                        .bind(false)
-                        .bind(millis(*delay))
-                        .bind(o.requeues)
-                        .fetch_optional(&mut *tx)
-                        .await?
-                }
-                Verdict::Failed { error } => {
-                    sqlx::query(statement(&s.fail))
-                        .bind(o.id)
-                        .bind(o.attempts)
-                        .bind(error)
-                        .bind(true)
-                        .bind(0_i64)
-                        .bind(o.requeues)
-                        .fetch_optional(&mut *tx)
-                        .await?
-                }
-            };
+            let Some(u) = o.verdict.unfinished() else { continue };
+            let row = sqlx::query(statement(&s.fail))
+                .bind(o.id)
+                .bind(o.attempts)
+                .bind(u.error)
+                .bind(u.failed)
+                .bind(millis(u.delay))
+                .bind(o.requeues)
+                .fetch_optional(&mut *tx)
+                .await?;
             if row.is_some() {
                 written.ids.insert(o.id);
             }
