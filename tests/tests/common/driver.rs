@@ -159,7 +159,7 @@ impl TestDb {
             // A locking read of the owners runs for microseconds unless it waits.
             "mysql" => {
                 "SELECT count(*) FROM information_schema.processlist
-                 WHERE db = DATABASE() AND info LIKE 'SELECT i.id FROM %instances i%LOCK IN SHARE MODE'"
+                 WHERE db = DATABASE() AND info LIKE 'SELECT i.id FROM %instances i%FOR UPDATE'"
             }
             _ => {
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'

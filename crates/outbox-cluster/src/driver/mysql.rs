@@ -3,6 +3,7 @@
 //! steps (acquire, release, targets) lock the rows they check `FOR UPDATE` and change them in the same
 //! transaction; lists travel as one JSON argument each.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,14 +20,14 @@ use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, Taken, View, ViewR
 const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbeat_ms)
 VALUES (?, ?, {now} + INTERVAL (? * 1000) MICROSECOND, ?)";
 
-/// Renews a lease that has not expired (see the PostgreSQL statement). Binds: lease ms, delivered, id. No
-/// row matched: the lease had expired. Expiry is judged by the clock when the row is checked, after any
-/// wait for its lock: `{now}` (`UTC_TIMESTAMP(6)`) is fixed at the statement's start, so the time since
-/// then (`SYSDATE(6)` runs on) is added.
+/// Renews a lease that has not expired and whose partitions were not taken (see the PostgreSQL
+/// statement). Binds: lease ms, delivered, id. No row matched: the lease had ended. A renewal that
+/// waited for the row's lock reads the row as committed then, so it finds a takeover that happened
+/// meanwhile (`taken_over_at`, set by [`MARK_TAKEN_OVER`]), though `{now}` is the statement's start.
 const HEARTBEAT: &str =
     "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + INTERVAL (? * 1000) MICROSECOND,
     delivered = ?
-WHERE id = ? AND expires_at > {now} + INTERVAL TIMESTAMPDIFF(MICROSECOND, NOW(6), SYSDATE(6)) MICROSECOND";
+WHERE id = ? AND taken_over_at IS NULL AND expires_at > {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
 
@@ -35,10 +36,11 @@ const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - INTERVA
 /// Locks the rows of the instances owning partitions targeted at `?` (bound twice) elsewhere, before
 /// [`ACQUIRABLE`] judges their leases: a renewal written but not yet committed is waited for, and the
 /// next statement's snapshot sees it, where it would otherwise find the lease expired and take the
-/// partitions of an instance that goes on delivering them.
+/// partitions of an instance that goes on delivering them. Locked for update, as [`MARK_TAKEN_OVER`]
+/// writes them: two acquisitions from one owner then queue rather than deadlock.
 const LOCK_OWNERS: &str = "SELECT i.id FROM {s}_instances i
 WHERE i.id IN (SELECT p.owner FROM {s}_partitions p WHERE p.target_owner = ? AND NOT (p.owner <=> ?))
-LOCK IN SHARE MODE";
+FOR UPDATE";
 
 /// Partitions targeted at `?` (bound twice) that are free or whose owner has no live lease, with that
 /// owner and its heartbeat interval (if its row is still there), and the takeover time they will have;
@@ -58,6 +60,12 @@ FOR UPDATE SKIP LOCKED";
 const TAKE: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$[0]', stolen INT PATH '$[1]')) t
 STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.x
 SET p.owner = ?, p.epoch = p.epoch + 1, p.changed_at = {now}, p.taken_over_at = IF(t.stolen = 1, ?, p.taken_over_at)";
+
+/// Stamps the owners of `?` (JSON array of hex ids) whose partitions [`TAKE`] took at `?`: their leases
+/// end for good (see [`HEARTBEAT`]).
+const MARK_TAKEN_OVER: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (owner CHAR(32) PATH '$')) t
+STRAIGHT_JOIN {s}_instances i FORCE INDEX (PRIMARY) ON i.id = UNHEX(t.owner)
+SET i.taken_over_at = IFNULL(i.taken_over_at, ?)";
 
 /// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
 /// part in the assignment (lease live by database time, not draining), each id in `owner`.
@@ -110,6 +118,7 @@ pub(super) struct MySqlStatements {
     lock_owners: Arc<str>,
     acquirable: Arc<str>,
     take: Arc<str>,
+    mark_taken_over: Arc<str>,
     view: Arc<str>,
     changed_targets: Arc<str>,
     set_targets: Arc<str>,
@@ -133,6 +142,7 @@ impl MySqlStatements {
             lock_owners: build(LOCK_OWNERS),
             acquirable: build(ACQUIRABLE),
             take: build(TAKE),
+            mark_taken_over: build(MARK_TAKEN_OVER),
             view: build(VIEW),
             changed_targets: build(CHANGED_TARGETS),
             set_targets: build(SET_TARGETS),
@@ -205,6 +215,12 @@ impl MySqlStatements {
                 let at = taken.iter().find(|t| t.previous.is_some()).and_then(|t| t.taken_over_at);
                 let take = sqlx::query(statement(&self.take)).bind(json(&partitions)?).bind(me).bind(at);
                 take.execute(&mut *tx).await?;
+                let owners: BTreeSet<String> =
+                    taken.iter().filter_map(|t| Some(t.previous?.0.simple().to_string())).collect();
+                if !owners.is_empty() {
+                    let mark = sqlx::query(statement(&self.mark_taken_over)).bind(json(&owners)?).bind(at);
+                    mark.execute(&mut *tx).await?;
+                }
             }
             Ok(taken)
         })

@@ -24,13 +24,13 @@ RETURNING {remaining}";
 
 /// Renews a lease that has not expired by database time, for `$2` ms; returns its remaining time. No
 /// row: the lease had expired (or the instance was reaped), so the instance was declared dead and may
-/// have lost its partitions: it must stop and register again. Expiry is judged by the clock when the
-/// row is checked (`clock_timestamp()`), not when the statement began (`now()`): a renewal that began
-/// before the expiry and reached the row after it, past an acquisition that found the lease expired
-/// and took the partitions, would otherwise revive the lease.
+/// have lost its partitions: it must stop and register again. A lease whose partitions were taken
+/// (`taken_over_at`, set by [`ACQUIRE`]) is not renewed either: a renewal that began before the expiry
+/// and waited for the row behind that acquisition is checked again against the row it wrote (a row
+/// merely locked is not checked again, nor would the clock's time then tell).
 const HEARTBEAT: &str = "UPDATE {s}.instances
 SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond', delivered = $3
-WHERE id = $1 AND expires_at > clock_timestamp()
+WHERE id = $1 AND taken_over_at IS NULL AND expires_at > now()
 RETURNING {remaining}";
 
 const DEREGISTER: &str = "DELETE FROM {s}.instances WHERE id = $1";
@@ -41,22 +41,27 @@ const REAP: &str = "DELETE FROM {s}.instances WHERE expires_at < now() - $1 * in
 /// Acquires the partitions targeted at this instance that are free or whose owner has no live lease by
 /// database time. Each acquisition bumps the epoch, fencing out whatever the previous owner still tries
 /// to write. Rows being written under a fence are skipped and retried next round. The owners' rows are
-/// read locked (`FOR SHARE`): a renewal written but not yet committed is waited for and its new expiry
-/// read, where the statement's snapshot would still show the lease expired and take the partitions of
-/// an instance that goes on delivering them.
-/// A partition taken from an owner is stamped `taken_over_at` (see `Taken`).
+/// locked: a renewal written but not yet committed is waited for and its new expiry read, where the
+/// statement's snapshot would still show the lease expired and take the partitions of an instance that
+/// goes on delivering them. An owner whose partitions are taken is stamped `taken_over_at`, which ends
+/// its lease for good (see [`HEARTBEAT`]); the lock is the update's own, so two acquisitions from one
+/// owner queue rather than deadlock.
+/// A partition taken from an owner is stamped `taken_over_at` too (see `Taken`).
 /// Returns (partition, epoch, previous owner, the previous owner's heartbeat interval in ms if its row
 /// is still there, the partition's last takeover time).
 const ACQUIRE: &str = "WITH owners AS MATERIALIZED (
     SELECT i.id, i.expires_at, i.heartbeat_ms FROM {s}.instances i
     WHERE i.id IN (SELECT p.owner FROM {s}.partitions p WHERE p.target_owner = $1 AND p.owner <> $1)
-    FOR SHARE
+    FOR NO KEY UPDATE
 ), taken AS (
     SELECT p.partition, p.owner, o.heartbeat_ms
     FROM {s}.partitions p LEFT JOIN owners o ON o.id = p.owner
     WHERE p.target_owner = $1 AND p.owner IS DISTINCT FROM $1
       AND (p.owner IS NULL OR o.id IS NULL OR o.expires_at <= now())
     FOR UPDATE OF p SKIP LOCKED
+), ended AS (
+    UPDATE {s}.instances i SET taken_over_at = coalesce(i.taken_over_at, now())
+    FROM taken WHERE i.id = taken.owner
 )
 UPDATE {s}.partitions p SET owner = $1, epoch = p.epoch + 1, changed_at = now(),
     taken_over_at = CASE WHEN taken.owner IS NULL THEN p.taken_over_at ELSE now() END

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use outbox_core::{Config, Db, Epoch, Epochs, InstanceId, Outbox, Partition};
-use sqlx::PgPool;
+use sqlx::{Connection, PgPool};
 
 use super::Store;
 use crate::stored::Lease;
@@ -202,6 +202,118 @@ async fn an_acquisition_waits_for_a_renewal_in_flight(pool: PgPool) {
         renewal.await.unwrap();
         let taken: Vec<Partition> = acquiring.await.unwrap().iter().map(|t| t.partition).collect();
         assert!(taken.is_empty(), "{backend}: took {taken:?} from an owner whose renewal was in flight");
+    }
+}
+
+/// A renewal that waits for its row behind an acquisition, while the lease runs out, and an acquisition
+/// that then finds the lease expired never both succeed: the partitions are not taken from an owner
+/// whose lease is renewed, which would go on delivering them beside the new owner. Here the acquisition
+/// has locked the owner's row and waits for another owner's row (held by the test) when the renewal
+/// comes. Also on a MariaDB started with `--sysdate-is-now` (a setting of some replication setups),
+/// where `SYSDATE()` answers the statement's start as `NOW()` does. SQLite has one writer at a time:
+/// a renewal never waits inside an acquisition there.
+#[sqlx::test(migrations = false)]
+async fn a_renewal_that_waited_out_its_lease_behind_a_takeover_revives_nothing(pool: PgPool) {
+    let server = OwnMariaDb::start(&["--sysdate-is-now"]).await;
+    let mut stores: Vec<(&str, Store)> = stores(pool).await.into_iter().map(|s| (s.db().backend(), s)).collect();
+    stores.push(("mysql --sysdate-is-now", server.store().await));
+    for (backend, store) in stores {
+        let hold = match store.db() {
+            Db::Postgres(_) => "SELECT id FROM outbox.instances WHERE id = $1 FOR UPDATE",
+            Db::MySql(_) => "SELECT id FROM outbox_instances WHERE id = $1 FOR UPDATE",
+            _ => continue,
+        };
+        let short = Lease { live: Duration::from_millis(500), heartbeat: Duration::from_millis(100) };
+        // Ids grow with time: the acquisition meets the owner's row before the other's.
+        let (owner, other, taker) =
+            (registered(&store, short).await, registered(&store, DAY).await, registered(&store, DAY).await);
+        target(&store, [7], owner).await;
+        target(&store, [8], other).await;
+        assert_eq!(store.acquire(owner).await.unwrap().len(), 1, "{backend}");
+        assert_eq!(store.acquire(other).await.unwrap().len(), 1, "{backend}");
+        target(&store, [7, 8], taker).await;
+        let mut holder = store.db().begin().await.unwrap();
+        holder.execute(hold, &[other.into()]).await.unwrap();
+        let acquisition = tokio::spawn({
+            let store = store.clone();
+            async move { store.acquire(taker).await.unwrap() }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let renewal = tokio::spawn({
+            let store = store.clone();
+            async move { super::HeartbeatConnection::default().renew(&store, owner, short, 0).await.unwrap() }
+        });
+        // The owner's lease runs out while the acquisition waits.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        holder.commit().await.unwrap();
+        let taken: Vec<Partition> = acquisition.await.unwrap().iter().map(|t| t.partition).collect();
+        let renewed = renewal.await.unwrap();
+        assert!(
+            !(taken.contains(&7) && renewed.is_some()),
+            "{backend}: partition 7 was taken from an owner whose lease was renewed ({renewed:?})"
+        );
+    }
+}
+
+/// A MariaDB server of the test's own, with `args`, on a free loopback port, in a directory of its own;
+/// stopped when dropped.
+struct OwnMariaDb {
+    server: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl OwnMariaDb {
+    async fn start(args: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let data = format!("--datadir={}", dir.path().join("data").display());
+        let installed = std::process::Command::new("mariadb-install-db")
+            .args(["--no-defaults", &data, "--user=root", "--auth-root-authentication-method=normal", "--skip-test-db"])
+            .output()
+            .expect("mariadb-install-db (package mariadb-server; ./scripts/test.sh installs it)");
+        assert!(installed.status.success(), "mariadb-install-db: {}", String::from_utf8_lossy(&installed.stderr));
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let socket = format!("--socket={}", dir.path().join("sock").display());
+        // Debian puts it in /usr/sbin, which an unprivileged PATH may lack.
+        let mariadbd =
+            ["/usr/sbin/mariadbd", "/usr/local/sbin/mariadbd"].into_iter().find(|p| std::path::Path::new(p).exists());
+        let server = std::process::Command::new(mariadbd.unwrap_or("mariadbd"))
+            .args(["--no-defaults", &data, &format!("--port={port}"), "--bind-address=127.0.0.1", &socket])
+            .args(["--user=root", "--skip-grant-tables", "--innodb-buffer-pool-size=32M"])
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("mariadbd");
+        let own = Self { server, port, _dir: dir };
+        for _ in 0..300 {
+            if sqlx::MySqlConnection::connect(&own.url()).await.is_ok() {
+                return own;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("MariaDB on port {port} did not answer within 15 s");
+    }
+
+    fn url(&self) -> String {
+        format!("mysql://root@127.0.0.1:{}", self.port)
+    }
+
+    /// A migrated outbox in a new database of this server.
+    async fn store(&self) -> Store {
+        let mut admin = sqlx::MySqlConnection::connect(&self.url()).await.unwrap();
+        sqlx::raw_sql("CREATE DATABASE outbox_test").execute(&mut admin).await.unwrap();
+        let pool = sqlx::mysql::MySqlPoolOptions::new().connect(&format!("{}/outbox_test", self.url())).await.unwrap();
+        let (db, outbox) = (Db::from(pool), Outbox::new(Config::default()).unwrap());
+        outbox.migrate(&db).await.unwrap();
+        Store::new(db, &outbox)
+    }
+}
+
+impl Drop for OwnMariaDb {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
     }
 }
 

@@ -45,6 +45,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "takeovers",
         sql: include_str!("../../../../../migrations/mysql/0005_takeovers.sql"),
     },
+    Migration {
+        version: 6,
+        name: "ended leases",
+        sql: include_str!("../../../../../migrations/mysql/0006_ended_leases.sql"),
+    },
 ];
 
 /// How long a migrator waits for another one of the same schema (`GET_LOCK`).

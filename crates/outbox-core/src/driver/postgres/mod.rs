@@ -48,6 +48,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "takeovers",
         sql: include_str!("../../../../../migrations/postgres/0006_takeovers.sql"),
     },
+    Migration {
+        version: 7,
+        name: "ended leases",
+        sql: include_str!("../../../../../migrations/postgres/0007_ended_leases.sql"),
+    },
 ];
 
 /// Arbitrary constant namespacing the migrators' advisory lock (ASCII "outbox").
