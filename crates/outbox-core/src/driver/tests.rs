@@ -134,6 +134,21 @@ async fn fetch_returns_nothing_without_a_live_lease_or_at_another_epoch(pool: Pg
     }
 }
 
+/// The outcome of the first attempt at `scheduled` (key "k", epoch 1) held by `instance`.
+fn first_attempt(scheduled: &crate::Scheduled, instance: InstanceId, verdict: Verdict) -> Outcome {
+    Outcome {
+        id: scheduled.id,
+        partition: scheduled.partition,
+        instance,
+        epoch: Epoch(1),
+        key: "k".into(),
+        attempts: 1,
+        requeues: 0,
+        due_since: chrono::Utc::now(),
+        verdict,
+    }
+}
+
 /// A FAILED outcome written again after an operator requeued its record (as a completion retried after
 /// an ambiguous commit would) leaves the requeue in place, and is reported held but not written: settled.
 /// An outcome under an epoch that moved on is neither written nor held: fenced.
@@ -143,17 +158,7 @@ async fn complete_says_what_it_wrote_and_what_the_fence_held(pool: PgPool) {
         let outbox = migrated(&db, Config::default()).await;
         let instance = hold_all(&db).await;
         let scheduled = commit(&outbox, &db, &[NewRecord::new("k", "t", "")]).await.remove(0);
-        let outcome = Outcome {
-            id: scheduled.id,
-            partition: scheduled.partition,
-            instance,
-            epoch: Epoch(1),
-            key: "k".into(),
-            attempts: 1,
-            requeues: 0,
-            due_since: chrono::Utc::now(),
-            verdict: Verdict::Failed { error: "permanent: no".into() },
-        };
+        let outcome = first_attempt(&scheduled, instance, Verdict::Failed { error: "permanent: no".into() });
         let first = db.complete(outbox.statements(), std::slice::from_ref(&outcome)).await.unwrap();
         assert!(first.ids.contains(&scheduled.id), "{}", db.backend());
         outbox.requeue(&db, scheduled.id).await.unwrap();
@@ -179,17 +184,8 @@ async fn a_call_not_made_takes_its_count_back(pool: PgPool) {
         let outbox = migrated(&db, Config::default()).await;
         let instance = hold_all(&db).await;
         let scheduled = commit(&outbox, &db, &[NewRecord::new("k", "t", "")]).await.remove(0);
-        let counted = Outcome {
-            id: scheduled.id,
-            partition: scheduled.partition,
-            instance,
-            epoch: Epoch(1),
-            key: "k".into(),
-            attempts: 1,
-            requeues: 0,
-            due_since: chrono::Utc::now(),
-            verdict: Verdict::Retry { delay: std::time::Duration::from_secs(3600), error: "did not finish".into() },
-        };
+        let unfinished = Verdict::Retry { delay: std::time::Duration::from_secs(3600), error: "did not finish".into() };
+        let counted = first_attempt(&scheduled, instance, unfinished);
         db.complete(outbox.statements(), std::slice::from_ref(&counted)).await.unwrap();
         let fetch = async || db.fetch(outbox.statements(), &request(instance, 10, 0, usize::MAX)).await.unwrap().runs;
         assert!(fetch().await.is_empty(), "{}: counted, the record backs off", db.backend());
