@@ -157,6 +157,13 @@ impl Context {
     }
 }
 
+/// jemalloc, as a service embedding the outbox would choose its allocator: with glibc's, a fifth of the
+/// worker's CPU went to malloc and free and to waits for the arenas' locks (a task frees on one runtime
+/// thread what it allocated on the other). BENCHMARKS.md has the figures of both.
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
