@@ -311,7 +311,8 @@ pub(super) async fn accept(
 }
 
 /// Accepts a key's event in order on the caller's connection (see `Conn::accept_in_order`): the key's
-/// row inserted if it is new, else moved on if the event is later.
+/// row locked (inserted just before the event if it is new), then moved on if the event is later. The
+/// first event of a key at `i64::MIN`, which has nothing before it, is not accepted.
 pub(super) async fn accept_in_order(
     conn: &mut MySqlConnection,
     s: &MySqlStatements,
@@ -319,10 +320,8 @@ pub(super) async fn accept_in_order(
     key: &str,
     seq: i64,
 ) -> Result<bool> {
-    let first = sqlx::query(statement(&s.accept_first_of_key)).bind(source).bind(key).bind(seq);
-    if first.execute(&mut *conn).await?.rows_affected() == 1 {
-        return Ok(true);
-    }
+    let lock = sqlx::query(statement(&s.lock_inbox_key)).bind(source).bind(key).bind(seq.saturating_sub(1));
+    lock.execute(&mut *conn).await?;
     let later = sqlx::query(statement(&s.accept_later_of_key)).bind(seq).bind(source).bind(key).bind(seq);
     Ok(later.execute(conn).await?.rows_affected() == 1)
 }

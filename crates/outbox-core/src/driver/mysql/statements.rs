@@ -205,11 +205,15 @@ ORDER BY completed_at LIMIT ?";
 /// `IGNORE` passes over only the duplicate here: the lengths are checked before.
 const ACCEPT: &str = "INSERT IGNORE INTO {s}_inbox (source, message_id) VALUES (?, ?)";
 
-/// A key's first event of a source (`?` source, key, seq); a duplicate key changes nothing.
-const ACCEPT_FIRST_OF_KEY: &str = "INSERT IGNORE INTO {s}_inbox_keys (source, `key`, last_seq) VALUES (?, ?, ?)";
+/// The key's row of a source (`?` source, key, and a seq just before the event's), inserted if it is
+/// new, and locked for the update below either way: `INSERT IGNORE` locked an existing row shared, so two
+/// consumers of one key each held it and waited for the other to write (a deadlock).
+const LOCK_INBOX_KEY: &str = "INSERT INTO {s}_inbox_keys (source, `key`, last_seq) VALUES (?, ?, ?)
+ON DUPLICATE KEY UPDATE last_seq = last_seq";
 
-/// A key's later event: `?` seq, source, key, seq again. The server counts matched rows (sqlx asks for
-/// found rows), so this matches only if the event is later than the last applied.
+/// Moves the key on to the event (`?` seq, source, key, seq again) if it is later than the last
+/// applied, or than the one before it that [`LOCK_INBOX_KEY`] gave a new key. The server counts matched rows
+/// (sqlx asks for found rows), so this matches only then.
 const ACCEPT_LATER_OF_KEY: &str =
     "UPDATE {s}_inbox_keys SET last_seq = ? WHERE source = ? AND `key` = ? AND last_seq < ?";
 
@@ -276,7 +280,7 @@ pub struct MySqlStatements {
     pub(super) stats: Arc<str>,
     pub(super) purge: Arc<str>,
     pub(super) accept: Arc<str>,
-    pub(super) accept_first_of_key: Arc<str>,
+    pub(super) lock_inbox_key: Arc<str>,
     pub(super) accept_later_of_key: Arc<str>,
     pub(super) purge_inbox: Arc<str>,
     pub(super) prunable_keys: Arc<str>,
@@ -326,7 +330,7 @@ impl MySqlStatements {
             stats: build(STATS),
             purge: build(PURGE),
             accept: build(ACCEPT),
-            accept_first_of_key: build(ACCEPT_FIRST_OF_KEY),
+            lock_inbox_key: build(LOCK_INBOX_KEY),
             accept_later_of_key: build(ACCEPT_LATER_OF_KEY),
             purge_inbox: build(PURGE_INBOX),
             prunable_keys: build(PRUNABLE_KEYS),
