@@ -64,7 +64,9 @@ impl Inbox {
     /// later than the last; `true` if so (apply it), `false` if the same or a later event of the key
     /// was applied already. For a consumer that keeps only each key's latest state: an older event
     /// that arrives after a newer one (a redelivery overtaken by the next event) is skipped rather than
-    /// applied over the newer state. Its rows are one per key and are not purged.
+    /// applied over the newer state. Its rows are one per key and are not purged. Consumers of one key
+    /// in concurrent transactions queue on its row. On MySQL a new key's row starts one below the
+    /// event, so a first event numbered `i64::MIN` is not accepted there (outbox numbers start at 1).
     #[instrument(skip(self, conn))]
     pub async fn accept_in_order<'c>(
         &self,
