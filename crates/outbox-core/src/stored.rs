@@ -235,7 +235,7 @@ pub(crate) enum Verdict {
 
 /// What a record that stays in the queue is written with.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Unfinished<'a> {
+pub(crate) struct StillQueued<'a> {
     pub(crate) error: Option<&'a str>,
     /// Until it is due again.
     pub(crate) delay: Duration,
@@ -244,14 +244,14 @@ pub(crate) struct Unfinished<'a> {
 
 impl Verdict {
     /// What the record is written with if it stays in the queue; `None` if it leaves.
-    pub(crate) fn unfinished(&self) -> Option<Unfinished<'_>> {
+    pub(crate) fn still_queued(&self) -> Option<StillQueued<'_>> {
         let (error, delay, failed) = match self {
             Verdict::Delivered | Verdict::Fallback => return None,
             Verdict::Retry { delay, error } => (Some(error.as_str()), *delay, false),
             Verdict::Failed { error } => (Some(error.as_str()), Duration::ZERO, true),
             Verdict::NotCalled => (None, Duration::ZERO, false),
         };
-        Some(Unfinished { error, delay, failed })
+        Some(StillQueued { error, delay, failed })
     }
 
     /// Delivered or handled by the fallback: the record leaves the queue.

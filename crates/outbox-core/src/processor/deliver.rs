@@ -47,6 +47,7 @@ pub(super) async fn deliver_run(
     let key = run.first().map(|f| f.record.key.clone()).unwrap_or_default();
     let mut outcomes = Vec::with_capacity(run.len());
     let mut run = run.into_iter().peekable();
+    // Once shutting down, no record is started after the first.
     while let Some(fetched) = run.next_if(|_| outcomes.is_empty() || !ctx.shutdown.is_cancelled()) {
         let record = &fetched.record;
         if !ctx.assignment.borrow().grants(fetched.instance, record.partition, record.epoch) {

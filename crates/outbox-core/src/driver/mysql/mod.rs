@@ -425,7 +425,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
                 .failures(outcomes)
                 .into_iter()
                 .filter_map(|o| {
-                    let u = o.verdict.unfinished()?;
+                    let u = o.verdict.still_queued()?;
                     Some((
                         o.id.simple().to_string(),
                         o.requeues,

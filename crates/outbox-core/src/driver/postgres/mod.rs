@@ -288,7 +288,7 @@ impl Driver<'_, PgPool, PgStatements> {
             let mut ids = Vec::with_capacity(failures.len());
             let mut values = serde_json::Map::with_capacity(failures.len());
             for o in failures {
-                let Some(u) = o.verdict.unfinished() else { continue };
+                let Some(u) = o.verdict.still_queued() else { continue };
                 ids.push(o.id);
                 let row = serde_json::json!([o.attempts, o.requeues, u.error, millis(u.delay), u.failed]);
                 values.insert(o.id.to_string(), row);

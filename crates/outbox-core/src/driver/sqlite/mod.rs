@@ -258,7 +258,7 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             written.ids.extend(deleted.into_iter().map(|(id,)| id));
         }
         for o in written.failures(outcomes) {
-            let Some(u) = o.verdict.unfinished() else { continue };
+            let Some(u) = o.verdict.still_queued() else { continue };
             let row = sqlx::query(statement(&s.fail))
                 .bind(o.id)
                 .bind(o.attempts)
