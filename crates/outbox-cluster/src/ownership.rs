@@ -266,6 +266,7 @@ impl Ownership {
                     let quiet = 2 * theirs.max(self.config.heartbeat_interval);
                     info!(partition, %epoch, instance = %me, %previous, reason = "owner lease expired", ?quiet,
                         "partition stolen; delivering it after the quiet period");
+                    metrics::counter!("outbox_partitions_taken_over_total").increment(1);
                     quiet
                 });
                 if quiet.is_none() {

@@ -1,0 +1,135 @@
+//! The metrics the README lists, as an operator's alerts read them: each record counted once by how
+//! it ended, and a partition counted as taken over only when its owner did not hand it over.
+//!
+//! Each test records into a recorder of its own, set for its thread: the tests' runtimes run on one
+//! thread, so every task of the nodes they start records there, and tests running at once do not mix.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[macro_use]
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use outbox_cluster::{ClusterConfig, Node};
+use outbox_core::{HandlerError, Handlers, InstanceId, NewRecord, RetryPolicy, Route, Value, fallback_fn, handler_fn};
+
+every_backend!(
+    each_record_is_counted_once_by_how_it_ended,
+    only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over
+);
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// What was recorded since the last snapshot (taking one sets counters back to 0).
+struct Recorded(Vec<(metrics::Key, DebugValue)>);
+
+impl Recorded {
+    fn take(snapshotter: &Snapshotter) -> Self {
+        Self(snapshotter.snapshot().into_vec().into_iter().map(|(key, .., value)| (key.key().clone(), value)).collect())
+    }
+
+    fn of<'a>(&'a self, name: &'a str, labels: &'a [(&str, &str)]) -> impl Iterator<Item = &'a DebugValue> {
+        let matches = move |key: &metrics::Key| {
+            key.name() == name && labels.iter().all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
+        };
+        self.0.iter().filter(move |(key, _)| matches(key)).map(|(_, value)| value)
+    }
+
+    /// A counter's value (0 if never incremented), with the labels given.
+    fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        self.of(name, labels)
+            .map(|value| match value {
+                DebugValue::Counter(n) => *n,
+                other => panic!("{name} is not a counter: {other:?}"),
+            })
+            .sum()
+    }
+
+    /// How many values a histogram took.
+    fn histogram_len(&self, name: &str) -> usize {
+        self.of(name, &[])
+            .map(|value| match value {
+                DebugValue::Histogram(values) => values.len(),
+                other => panic!("{name} is not a histogram: {other:?}"),
+            })
+            .sum()
+    }
+}
+
+/// Six records delivered (one of them after a retry), one handled by its fallback, one FAILED.
+async fn each_record_is_counted_once_by_how_it_ended(db: TestDb) {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+
+    let outbox = outbox(&db, |c| c.retry = RetryPolicy::fixed(Duration::from_millis(20), 3)).await;
+    let mut records: Vec<NewRecord> = (0..5).map(|k| NewRecord::new(format!("ok-{k}"), "ok", "")).collect();
+    records.extend([
+        NewRecord::new("flaky", "flaky", ""),
+        NewRecord::new("rescued", "rescued", ""),
+        NewRecord::new("broken", "broken", ""),
+    ]);
+    commit(&outbox, &db, records).await;
+    assert_eq!(Recorded::take(&snapshotter).counter("outbox_records_scheduled_total", &[]), 8);
+
+    let failed_once = Arc::new(Mutex::new(false));
+    let flaky = handler_fn(move |_| {
+        let first = !std::mem::replace(&mut *failed_once.lock().unwrap(), true);
+        async move { if first { Err(HandlerError::retryable("fails once")) } else { Ok(()) } }
+    });
+    let refuse = || handler_fn(|_| async { Err(HandlerError::permanent("malformed")) });
+    let handlers = Handlers::new()
+        .route("ok", Route::new(handler_fn(|_| async { Ok(()) })))
+        .route("flaky", Route::new(flaky))
+        .route("rescued", Route::new(refuse()).fallback(fallback_fn(|_, _| async { Ok(()) })))
+        .route("broken", Route::new(refuse()));
+    let node = start(&outbox, &db, handlers).await;
+    wait_failed(&db, 1).await;
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+
+    let recorded = Recorded::take(&snapshotter);
+    let completed = |outcome| recorded.counter("outbox_records_completed_total", &[("outcome", outcome)]);
+    assert_eq!(completed("delivered"), 6);
+    assert_eq!(completed("fallback"), 1);
+    assert_eq!(recorded.counter("outbox_records_retried_total", &[]), 1);
+    assert_eq!(recorded.counter("outbox_records_failed_total", &[]), 1);
+    assert_eq!(recorded.histogram_len("outbox_delivery_latency_seconds"), 7, "one latency per completed record");
+    assert_eq!(recorded.counter("outbox_partitions_taken_over_total", &[]), 0, "no partition had an owner");
+    assert_eq!(recorded.counter("outbox_records_scheduled_total", &[]), 0, "nothing scheduled since");
+}
+
+/// An instance whose lease ran out owns every partition: the first node takes all 256 over. A second
+/// node then gets its share handed over, which is not a takeover, and neither is the share the second
+/// takes back when the first leaves.
+async fn only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over(db: TestDb) {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+
+    let outbox = outbox(&db, |_| {}).await;
+    let dead = register_instance(&db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 100 WHERE id = $1", dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    let owns = "SELECT count(*) FROM {s}partitions WHERE owner = $1";
+    let owned_by = |id: InstanceId| {
+        let db = db.clone();
+        async move { db.scalar::<i64>(owns, &[Value::from(id)]).await }
+    };
+
+    let ok = || Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok(()) })));
+    // Leases long enough that no stall of a loaded machine lets one node take from the other.
+    let config = || ClusterConfig { stale_timeout: Duration::from_secs(10), ..fast_cluster() };
+    let a = Node::start(outbox.clone(), &db, ok(), config()).await.unwrap();
+    wait_for("every partition taken from the dead instance", LONG, || async { owned_by(dead).await == 0 }).await;
+    let b = Node::start(outbox.clone(), &db, ok(), config()).await.unwrap();
+    wait_for("the partitions shared by both", LONG, || async { owned_by(b.id()).await == 128 }).await;
+    a.shutdown().await.unwrap();
+    wait_for("every partition with the second node", LONG, || async { owned_by(b.id()).await == 256 }).await;
+    b.shutdown().await.unwrap();
+
+    assert_eq!(Recorded::take(&snapshotter).counter("outbox_partitions_taken_over_total", &[]), 256);
+}
