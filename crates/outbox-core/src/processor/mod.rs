@@ -161,7 +161,9 @@ impl Processor {
                 }
                 () = sleep_until_opt(state.stop_deadline) => {
                     warn!(in_flight = state.in_flight.len(), "graceful stop timed out; unfinished records will be redelivered");
-                    state.deliveries.abort_all();
+                    // Waits for the aborted calls to be dropped: one in the middle of a poll on another
+                    // thread runs on until it yields, and the node releases the partitions next.
+                    state.deliveries.shutdown().await;
                     return Err(Error::ShutdownTimeout(state.config.shutdown_timeout));
                 }
                 Some(joined) = state.deliveries.join_next_with_id() => {
