@@ -21,6 +21,7 @@ every_backend!(
     a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition,
     a_partition_handed_on_during_its_quiet_period_stays_quiet,
     a_partition_acquired_by_a_lost_reply_stays_quiet,
+    a_partition_still_quiet_when_its_owner_stops_stays_quiet,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
     a_node_declared_dead_while_leaving_still_leaves,
@@ -185,6 +186,35 @@ async fn a_handover_between_processes_does_not_wait_for_the_rounds(pool: sqlx::P
     let db = TestDb::postgres(pool);
     let (first, second) = (outbox(&db, |_| {}).await, outbox(&db, |_| {}).await);
     hands_over_without_rounds(&db, &first, &second).await;
+}
+
+/// A graceful stop runs out of time (`shutdown_timeout`) while a handler is in the middle of a poll on
+/// the other runtime thread: the stop waits until the call is dropped before it releases the
+/// partition, so no next owner delivers while the call runs on. Before, the stop returned, the
+/// partition released, with the call still running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_out_of_time_releases_nothing_while_a_call_runs() {
+    let db = TestDb::sqlite().await;
+    let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_millis(100)).await;
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    let running = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let call = running.clone();
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |_| {
+        let call = call.clone();
+        async move {
+            call.store(true, std::sync::atomic::Ordering::SeqCst);
+            // Work that does not yield (as a handler computing, or blocking on a lock, may do).
+            std::thread::sleep(Duration::from_secs(1));
+            call.store(false, std::sync::atomic::Ordering::SeqCst);
+            Ok::<(), HandlerError>(())
+        }
+    })));
+    let node = start(&outbox, &db, handlers).await;
+    wait_for("the call running", LONG, || async { running.load(std::sync::atomic::Ordering::SeqCst) }).await;
+    let stopped = node.shutdown().await;
+    assert!(!running.load(std::sync::atomic::Ordering::SeqCst), "the stop returned while the call still ran");
+    let error = stopped.expect_err("the stop ran out of time");
+    assert!(matches!(error, outbox_cluster::Error::Core(outbox_core::Error::ShutdownTimeout(_))), "{error}");
 }
 
 async fn hands_over_without_rounds(db: &TestDb, first: &Outbox, second: &Outbox) {
@@ -402,6 +432,38 @@ async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
     b.shutdown().await.unwrap();
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
     assert_first_deliveries_in_order(&sink, 60, 100);
+}
+
+/// An instance takes every partition from an owner whose lease ran out and that heartbeated every
+/// 1.5 s (a 3 s quiet period), and stops before the period is over (its `shutdown_timeout` is shorter):
+/// the next instance delivers nothing before the period ends, then everything. Before, the stopping
+/// instance released the partitions, the next took them as free and delivered at once, while the owner
+/// they were taken from might still be delivering.
+async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
+    let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_millis(100)).await;
+    let dead = register_instance(&db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 1500 WHERE id = $1", dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
+    let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
+
+    let before_the_takeover = Instant::now();
+    let a = start_named(&outbox, &db, "a", &sink, &exclusive).await;
+    wait_for("a took every partition", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    a.shutdown().await.unwrap();
+    let b = start_named(&outbox, &db, "b", &sink, &exclusive).await;
+    drained(&db, LONG).await;
+    b.shutdown().await.unwrap();
+
+    let deliveries = sink.all();
+    assert_eq!(deliveries.len(), 64, "each record delivered once");
+    let first = deliveries.iter().map(|d| d.at).min().unwrap();
+    assert!(
+        first >= before_the_takeover + Duration::from_secs(3),
+        "the first delivery came {:?} after the takeover began, within its 3 s quiet period",
+        first - before_the_takeover
+    );
+    assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
 }
 
 /// A partition taken from an owner whose lease ran out is stamped with the time in the database, so

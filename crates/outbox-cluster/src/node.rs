@@ -56,7 +56,7 @@ use tracing::{info, warn};
 use crate::config::ClusterConfig;
 use crate::driver::Store;
 use crate::error::{Error, Result};
-use crate::ownership::{self, Ownership};
+use crate::ownership::{self, Ownership, Quiet};
 use crate::registry::{self, Heartbeat};
 
 /// A running node. Dropping it without [`Node::shutdown`] stops nothing; call `shutdown` (or
@@ -67,6 +67,7 @@ pub struct Node {
     assignment: watch::Receiver<Assignment>,
     leaving: CancellationToken,
     holds_none: watch::Receiver<bool>,
+    quiet: watch::Receiver<Quiet>,
     stop_processor: CancellationToken,
     stop_background: CancellationToken,
     background: TaskTracker,
@@ -95,6 +96,7 @@ impl Node {
         background.spawn(heartbeat.run(stop_background.clone()));
         let leaving = CancellationToken::new();
         let holds_none = Arc::new(watch::Sender::new(false));
+        let quiet = Arc::new(watch::Sender::new(Quiet::new()));
         let ownership = Ownership {
             outbox: outbox.clone(),
             store: store.clone(),
@@ -103,6 +105,7 @@ impl Node {
             busy,
             leaving: leaving.clone(),
             holds_none: holds_none.clone(),
+            quiet: quiet.clone(),
         };
         background.spawn(ownership.run(stop_background.clone()));
         background.spawn(outbox.clone().run_purge(store.db().clone(), stop_background.clone()));
@@ -113,6 +116,7 @@ impl Node {
             assignment,
             leaving,
             holds_none: holds_none.subscribe(),
+            quiet: quiet.subscribe(),
             stop_processor,
             stop_background,
             background,
@@ -131,7 +135,9 @@ impl Node {
     }
 
     /// Graceful stop: hand each partition over as soon as its records in flight are completed, then
-    /// stop, release whatever is left and deregister (all bounded by the outbox `shutdown_timeout`).
+    /// stop, release whatever is left and deregister (all bounded by the outbox `shutdown_timeout`). A
+    /// partition taken from a dead owner and still in its quiet period is left to its next owner to
+    /// take as from a dead owner, after the rest of the period.
     /// Every task is stopped whatever a step returns; the first error is returned.
     pub async fn shutdown(mut self) -> Result<()> {
         let id = self.id();
@@ -153,7 +159,8 @@ impl Node {
         self.stop_background.cancel();
         self.background.wait().await;
         let id = self.assignment.borrow().instance;
-        let handed_over = ownership::hand_over(&self.outbox, &self.store, id).await;
+        let quiet = self.quiet.borrow().clone();
+        let handed_over = ownership::hand_over(&self.outbox, &self.store, id, &quiet).await;
         if handed_over.is_ok() {
             info!(instance = %id, "instance stopped and deregistered");
         }

@@ -38,7 +38,13 @@ pub(crate) struct Ownership {
     pub(crate) leaving: CancellationToken,
     /// Whether this instance owns nothing, as of its last round or release.
     pub(crate) holds_none: Arc<watch::Sender<bool>>,
+    /// The partitions held back in their quiet period, as of its last round or release (see
+    /// [`hand_over`]).
+    pub(crate) quiet: Arc<watch::Sender<Quiet>>,
 }
+
+/// Partitions taken from a dead owner, each at its epoch with the end of its quiet period.
+pub(crate) type Quiet = BTreeMap<Partition, (Epoch, Instant)>;
 
 /// What the ownership task carries from one round to the next, for one instance id.
 struct Rounds {
@@ -47,7 +53,7 @@ struct Rounds {
     /// flight: each at its epoch, with the instance it is targeted at.
     giving_up: BTreeMap<Partition, (Epoch, Option<InstanceId>)>,
     /// Partitions taken from a dead owner, held back from the processor until their quiet period ends.
-    quiet: BTreeMap<Partition, (Epoch, Instant)>,
+    quiet: Quiet,
     /// When this instance, as the leader, last reaped expired instance rows.
     reaped: Option<Instant>,
     /// Whether a round has run under this id (after its first, a new instance nudges the leader).
@@ -246,6 +252,13 @@ impl Ownership {
         // Nothing handed to the processor, held back or being given up.
         let none = rounds.giving_up.is_empty() && rounds.quiet.is_empty() && self.assign.borrow().epochs.is_empty();
         self.holds_none.send_replace(none);
+        self.quiet.send_if_modified(|quiet| {
+            let changed = *quiet != rounds.quiet;
+            if changed {
+                quiet.clone_from(&rounds.quiet);
+            }
+            changed
+        });
         Ok(())
     }
 
@@ -344,15 +357,36 @@ async fn release_partitions(
 }
 
 /// A graceful exit: points the targets at the remaining instances, releases the partitions `me` owns,
-/// nudges their new targets (so they take them now, not at their next round) and deregisters `me`.
-pub(crate) async fn hand_over(outbox: &Outbox, store: &Store, me: InstanceId) -> Result<()> {
+/// deregisters `me` and nudges the partitions' new targets (so they take them now, not at their next
+/// round). A partition still in its quiet period (`quiet`: the exit did not wait for it) is not
+/// released: its next owner would take it as free and deliver at once, while the owner it was taken
+/// from may still be delivering. It stays with `me`, whose lease ends now with a declared heartbeat
+/// of half what is left of the period: the next owner takes it as from a dead owner, quiet as long.
+pub(crate) async fn hand_over(outbox: &Outbox, store: &Store, me: InstanceId, quiet: &Quiet) -> Result<()> {
     let View { live, partitions: rows } = store.view().await?;
     let targets =
         if live.is_empty() { Targets::new() } else { rebalance_targets(outbox, store, me, &live, &rows).await? };
-    let owned = store.owned(me).await?;
+    let mut owned = store.owned(me).await?;
+    let now = Instant::now();
+    let quiet_left = |p: &Partition, epoch: &Epoch| {
+        quiet.get(p).filter(|(e, until)| e == epoch && *until > now).map(|&(_, until)| until - now)
+    };
+    let kept: BTreeMap<Partition, Duration> = owned.iter().filter_map(|(p, e)| Some((*p, quiet_left(p, e)?))).collect();
+    owned.retain(|p, _| !kept.contains_key(p));
     // Usually empty: the leaving rounds handed everything over already.
     let freed =
         if owned.is_empty() { Vec::new() } else { release_partitions(store, me, &owned, "graceful shutdown").await? };
-    nudge(outbox, store, freed.iter().filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
-    store.deregister(me).await
+    match kept.values().max() {
+        None => store.deregister(me).await?,
+        Some(&left) => {
+            for (partition, left) in &kept {
+                info!(partition, instance = %me, quiet_left = ?left,
+                    "partition kept at shutdown: in its quiet period; its next owner waits out the rest");
+            }
+            store.end_lease(me, left / 2 + Duration::from_millis(1)).await?;
+        }
+    }
+    let moved = freed.iter().chain(kept.keys());
+    nudge(outbox, store, moved.filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
+    Ok(())
 }

@@ -103,6 +103,13 @@ impl Store {
         dispatch!(self, "deregistering the instance", |conn, s| s.deregister(conn, id).await)
     }
 
+    /// Ends `id`'s lease now, keeping its row with a heartbeat interval of at least `heartbeat`: the
+    /// next owner of each partition it still owns takes it as from a dead owner, quiet for at least
+    /// twice that.
+    pub(crate) async fn end_lease(&self, id: InstanceId, heartbeat: Duration) -> Result<()> {
+        dispatch!(self, "ending the instance's lease", |conn, s| s.end_lease(conn, id, heartbeat).await)
+    }
+
     /// Deletes the instances whose lease expired more than `grace` ago; returns how many.
     pub(crate) async fn reap(&self, grace: Duration) -> Result<u64> {
         dispatch!(self, "reaping expired instances", |conn, s| s.reap(conn, grace).await)

@@ -31,6 +31,11 @@ WHERE id = ? AND taken_over_at IS NULL AND expires_at > {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
 
+/// Ends the instance `?`'s lease now and keeps its row, declaring a heartbeat interval of at least `?` ms: the
+/// partitions it still owns are taken by their next owner as from a dead owner, quiet for twice that.
+const END_LEASE: &str =
+    "UPDATE {s}_instances SET expires_at = {now}, heartbeat_ms = GREATEST(heartbeat_ms, ?) WHERE id = ?";
+
 const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - INTERVAL (? * 1000) MICROSECOND";
 
 /// Locks the rows of the instances owning partitions targeted at `?` (bound twice) elsewhere, before
@@ -114,6 +119,7 @@ pub(super) struct MySqlStatements {
     register: Arc<str>,
     heartbeat: Arc<str>,
     deregister: Arc<str>,
+    end_lease: Arc<str>,
     reap: Arc<str>,
     lock_owners: Arc<str>,
     acquirable: Arc<str>,
@@ -138,6 +144,7 @@ impl MySqlStatements {
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),
             deregister: build(DEREGISTER),
+            end_lease: build(END_LEASE),
             reap: build(REAP),
             lock_owners: build(LOCK_OWNERS),
             acquirable: build(ACQUIRABLE),
@@ -197,6 +204,16 @@ impl MySqlStatements {
 
     pub(super) async fn deregister(&self, conn: &mut MySqlConnection, id: InstanceId) -> Result<()> {
         sqlx::query(statement(&self.deregister)).bind(id).execute(conn).await?;
+        Ok(())
+    }
+
+    pub(super) async fn end_lease(
+        &self,
+        conn: &mut MySqlConnection,
+        id: InstanceId,
+        heartbeat: Duration,
+    ) -> Result<()> {
+        sqlx::query(statement(&self.end_lease)).bind(millis(heartbeat)).bind(id).execute(conn).await?;
         Ok(())
     }
 

@@ -35,6 +35,11 @@ RETURNING {remaining}";
 
 const DEREGISTER: &str = "DELETE FROM {s}.instances WHERE id = $1";
 
+/// Ends `$1`'s lease now and keeps its row, declaring a heartbeat interval of at least `$2` ms: the
+/// partitions it still owns are taken by their next owner as from a dead owner, quiet for twice that.
+const END_LEASE: &str =
+    "UPDATE {s}.instances SET expires_at = now(), heartbeat_ms = greatest(heartbeat_ms, $2) WHERE id = $1";
+
 /// Removes instances whose lease expired more than `$1` ms ago.
 const REAP: &str = "DELETE FROM {s}.instances WHERE expires_at < now() - $1 * interval '1 millisecond'";
 
@@ -105,6 +110,7 @@ pub(super) struct PgStatements {
     register: Arc<str>,
     heartbeat: Arc<str>,
     deregister: Arc<str>,
+    end_lease: Arc<str>,
     reap: Arc<str>,
     acquire: Arc<str>,
     owned: Arc<str>,
@@ -124,6 +130,7 @@ impl PgStatements {
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),
             deregister: build(DEREGISTER),
+            end_lease: build(END_LEASE),
             reap: build(REAP),
             acquire: build(ACQUIRE),
             owned: build(OWNED),
@@ -176,6 +183,11 @@ impl PgStatements {
 
     pub(super) async fn deregister(&self, conn: &mut PgConnection, id: InstanceId) -> Result<()> {
         sqlx::query(statement(&self.deregister)).bind(id).execute(conn).await?;
+        Ok(())
+    }
+
+    pub(super) async fn end_lease(&self, conn: &mut PgConnection, id: InstanceId, heartbeat: Duration) -> Result<()> {
+        sqlx::query(statement(&self.end_lease)).bind(id).bind(millis(heartbeat)).execute(conn).await?;
         Ok(())
     }
 

@@ -27,6 +27,11 @@ WHERE id = $1 AND expires_at > {now} RETURNING expires_at - {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = $1";
 
+/// Ends `$1`'s lease now and keeps its row, declaring a heartbeat interval of at least `$2` ms: the
+/// partitions it still owns are taken by their next owner as from a dead owner, quiet for twice that.
+const END_LEASE: &str =
+    "UPDATE {s}_instances SET expires_at = {now}, heartbeat_ms = max(heartbeat_ms, $2) WHERE id = $1";
+
 const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - $1";
 
 /// Partitions targeted at `$1` that are free or whose owner has no live lease, with that owner and its
@@ -72,6 +77,7 @@ pub(super) struct SqliteStatements {
     register: Arc<str>,
     heartbeat: Arc<str>,
     deregister: Arc<str>,
+    end_lease: Arc<str>,
     reap: Arc<str>,
     acquirable: Arc<str>,
     take: Arc<str>,
@@ -100,6 +106,7 @@ impl SqliteStatements {
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),
             deregister: build(DEREGISTER),
+            end_lease: build(END_LEASE),
             reap: build(REAP),
             acquirable: build(ACQUIRABLE),
             take: build(TAKE),
@@ -158,6 +165,12 @@ impl SqliteStatements {
     pub(super) async fn deregister(&self, pool: &SqlitePool, id: InstanceId) -> Result<()> {
         let mut tx = write(pool).await?;
         sqlx::query(statement(&self.deregister)).bind(id).execute(&mut *tx).await?;
+        Ok(tx.commit().await?)
+    }
+
+    pub(super) async fn end_lease(&self, pool: &SqlitePool, id: InstanceId, heartbeat: Duration) -> Result<()> {
+        let mut tx = write(pool).await?;
+        sqlx::query(statement(&self.end_lease)).bind(id).bind(millis(heartbeat)).execute(&mut *tx).await?;
         Ok(tx.commit().await?)
     }
 
