@@ -126,7 +126,8 @@ pub struct Config {
     pub purge_interval: Duration,
     /// Rows per purge statement.
     pub purge_batch_size: usize,
-    /// How long a graceful stop waits for in-flight deliveries.
+    /// How long a graceful stop waits for in-flight deliveries; then their calls are cancelled, and
+    /// the stop returns once each has yielded (a call that never yields holds the partition with it).
     #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
 }
