@@ -29,6 +29,7 @@ every_backend!(
     an_acquisition_whose_host_vanished_kills_no_other_instance,
     calls_of_records_older_than_a_takeover_are_counted_before_they_are_made,
     counts_of_calls_a_failure_kept_from_being_made_are_taken_back,
+    counts_of_calls_a_handover_kept_from_being_made_are_taken_back,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -556,6 +557,59 @@ async fn counts_of_calls_a_failure_kept_from_being_made_are_taken_back(db: TestD
         m
     });
     let expected = BTreeMap::from([(("first".into(), 1), 10), (("second".into(), 0), 10), (("third".into(), 0), 10)]);
+    assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
+}
+
+/// The same when the run is stopped by a graceful handover: after a takeover, each key's first call
+/// waits until a second instance has joined and the first has given up its share; the records of the
+/// runs in that share not reached are handed on with their counts taken back. Before, each kept an
+/// attempt never made, its next owner took it for a suspect (a call that did not finish), called it
+/// alone and counted it again: it completed with 1 attempt spent.
+async fn counts_of_calls_a_handover_kept_from_being_made_are_taken_back(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let dead = register_instance(&db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 100 WHERE id = $1", dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    let keys = 40;
+    let records =
+        (0..keys).flat_map(|k| ["first", "second", "third"].map(|event| NewRecord::new(format!("k-{k}"), event, "")));
+    commit(&outbox, &db, records.collect()).await;
+
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let waiting = entered.clone();
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r| {
+        let (mut gate, entered, first) = (gate.clone(), entered.clone(), r.event_type == "first");
+        async move {
+            if first {
+                entered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                gate.wait_for(|&open| open).await.unwrap();
+            }
+            Ok::<(), HandlerError>(())
+        }
+    })));
+    let named = |name: &str| outbox_cluster::ClusterConfig { name: name.into(), ..fast_cluster() };
+    let a = Node::start(outbox.clone(), &db, handlers, named("a")).await.unwrap();
+    wait_for("every key's first call made", LONG, || async {
+        waiting.load(std::sync::atomic::Ordering::SeqCst) == keys
+    })
+    .await;
+    let ok = Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) })));
+    let b = Node::start(outbox.clone(), &db, ok, named("b")).await.unwrap();
+    let assignment = a.assignment();
+    wait_for("a's share given up", LONG, || async { assignment.borrow().epochs.len() == 128 }).await;
+    open.send_replace(true);
+    drained(&db, LONG).await;
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+
+    let spent = rows!(db, (String, i32), "SELECT event_type, attempts FROM {s}completed");
+    let spent: BTreeMap<(String, i32), usize> = spent.into_iter().fold(BTreeMap::new(), |mut m, row| {
+        *m.entry(row).or_default() += 1;
+        m
+    });
+    let expected =
+        BTreeMap::from([(("first".into(), 0), keys), (("second".into(), 0), keys), (("third".into(), 0), keys)]);
     assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
 }
 

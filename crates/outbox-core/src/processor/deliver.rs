@@ -36,9 +36,10 @@ pub(super) struct Context {
 /// Delivers a key's run one record at a time, each finished before the next starts. Before each
 /// record it checks that the partition is still granted to this instance at the run's epoch and the
 /// lease has not run out. Stops after a record that is not completed (a retry or FAILED: the rest must
-/// wait), on shutdown (after the first record), and at once when `fenced` is cancelled, dropping the
-/// handler call in progress. Returns the key and the outcomes of the records it delivered, and, after
-/// a stop it can still write, of those whose calls were counted but not made (`careful.rs`).
+/// wait), on shutdown (after the first record), when the grant is gone, and at once when `fenced` is
+/// cancelled, dropping the handler call in progress. Returns the key and the outcomes of the records
+/// it delivered and of those not reached whose calls were counted (`careful.rs`): their counts are
+/// taken back, unless the partition has moved on (then the write is fenced out).
 pub(super) async fn deliver_run(
     ctx: Arc<Context>,
     run: Vec<Fetched>,
@@ -47,18 +48,16 @@ pub(super) async fn deliver_run(
     let key = run.first().map(|f| f.record.key.clone()).unwrap_or_default();
     let mut outcomes = Vec::with_capacity(run.len());
     let mut run = run.into_iter().peekable();
+    let granted = |f: &Fetched| ctx.assignment.borrow().grants(f.instance, f.record.partition, f.record.epoch);
     // Once shutting down, no record is started after the first.
-    while let Some(fetched) = run.next_if(|_| outcomes.is_empty() || !ctx.shutdown.is_cancelled()) {
+    while let Some(fetched) = run.next_if(|f| (outcomes.is_empty() || !ctx.shutdown.is_cancelled()) && granted(f)) {
         let record = &fetched.record;
-        if !ctx.assignment.borrow().grants(fetched.instance, record.partition, record.epoch) {
-            return (key, outcomes);
-        }
         let (verdict, attempts) = tokio::select! {
             biased;
             () = fenced.cancelled() => {
                 info!(record = %record.id, key = %record.key, partition = record.partition, instance = %fetched.instance,
                     epoch = %record.epoch, "handler call cancelled: the partition was fenced or the lease ran out; the record will be delivered again");
-                return (key, outcomes);
+                break;
             }
             delivered = deliver(&ctx.handlers, &ctx.config, &fetched) => delivered,
         };
