@@ -21,9 +21,11 @@ use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, Taken, View, ViewR
 const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbeat_ms)
 VALUES ($1, $2, {now} + $3, $4) RETURNING expires_at - {now}";
 
-/// Renews a lease that has not expired (see the PostgreSQL statement); returns its remaining ms.
+/// Renews a lease that has not expired and whose partitions were not taken (see the PostgreSQL
+/// statement); returns its remaining ms. One writer at a time: a renewal never waits inside a takeover
+/// here, but the stamp keeps the lease ended if the host's clock steps back.
 const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2, delivered = $3
-WHERE id = $1 AND expires_at > {now} RETURNING expires_at - {now}";
+WHERE id = $1 AND taken_over_at IS NULL AND expires_at > {now} RETURNING expires_at - {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = $1";
 
@@ -42,6 +44,9 @@ FROM {s}_partitions p
 WHERE p.target_owner = $1 AND p.owner IS NOT $1
   AND (p.owner IS NULL OR NOT EXISTS (
       SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))";
+
+/// Ends for good the lease of the owner `$1` whose partitions are being taken (see [`HEARTBEAT`]).
+const MARK_TAKEN_OVER: &str = "UPDATE {s}_instances SET taken_over_at = coalesce(taken_over_at, {now}) WHERE id = $1";
 
 /// Takes a partition; one taken from an owner is stamped `taken_over_at` (see `Taken`).
 const TAKE: &str = "UPDATE {s}_partitions SET owner = $1, epoch = epoch + 1, changed_at = {now},
@@ -81,6 +86,7 @@ pub(super) struct SqliteStatements {
     reap: Arc<str>,
     acquirable: Arc<str>,
     take: Arc<str>,
+    mark_taken_over: Arc<str>,
     view: Arc<str>,
     set_target: Arc<str>,
     drain: Arc<str>,
@@ -110,6 +116,7 @@ impl SqliteStatements {
             reap: build(REAP),
             acquirable: build(ACQUIRABLE),
             take: build(TAKE),
+            mark_taken_over: build(MARK_TAKEN_OVER),
             view: build(VIEW),
             set_target: build(SET_TARGET),
             drain: build(DRAIN),
@@ -186,6 +193,10 @@ impl SqliteStatements {
         let mut tx = write(pool).await?;
         let candidates: Vec<Acquirable> =
             sqlx::query_as(statement(&self.acquirable)).bind(me).fetch_all(&mut *tx).await?;
+        let owners: std::collections::BTreeSet<InstanceId> = candidates.iter().filter_map(|c| c.owner).collect();
+        for owner in owners {
+            sqlx::query(statement(&self.mark_taken_over)).bind(owner).execute(&mut *tx).await?;
+        }
         let mut taken = Vec::with_capacity(candidates.len());
         for candidate in candidates {
             let (epoch, taken_over_at) = sqlx::query_as(statement(&self.take))

@@ -255,6 +255,32 @@ async fn a_renewal_that_waited_out_its_lease_behind_a_takeover_revives_nothing(p
     }
 }
 
+/// An owner whose partitions were taken because its lease ran out is never renewed again, even when
+/// its expiry reads live once more (the database's clock stepped back; on SQLite, the host's): it
+/// would go on delivering them beside their new owner.
+#[sqlx::test(migrations = false)]
+async fn a_lease_whose_partitions_were_taken_stays_ended(pool: PgPool) {
+    for store in stores(pool).await {
+        let backend = store.db().backend();
+        let short = Lease { live: Duration::from_millis(300), heartbeat: Duration::from_millis(100) };
+        let (owner, taker) = (registered(&store, short).await, registered(&store, DAY).await);
+        target(&store, [7], owner).await;
+        assert_eq!(store.acquire(owner).await.unwrap().len(), 1, "{backend}");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        target(&store, [7], taker).await;
+        let taken = store.acquire(taker).await.unwrap();
+        assert_eq!(taken.iter().map(|t| t.previous).collect::<Vec<_>>(), [Some(owner)], "{backend}");
+        let clock_back = match store.db() {
+            Db::Postgres(_) => "UPDATE outbox.instances SET expires_at = now() + interval '1 hour' WHERE id = $1",
+            Db::MySql(_) => "UPDATE outbox_instances SET expires_at = UTC_TIMESTAMP(6) + INTERVAL 1 HOUR WHERE id = $1",
+            _ => "UPDATE outbox_instances SET expires_at = expires_at + 3600000 WHERE id = $1",
+        };
+        assert_eq!(store.db().execute(clock_back, &[owner.into()]).await.unwrap(), 1, "{backend}");
+        let renewed = super::HeartbeatConnection::default().renew(&store, owner, short, 0).await.unwrap();
+        assert_eq!(renewed, None, "{backend}: the lease of an owner whose partitions were taken was renewed");
+    }
+}
+
 /// A MariaDB server of the test's own, with `args`, on a free loopback port, in a directory of its own;
 /// stopped when dropped.
 struct OwnMariaDb {

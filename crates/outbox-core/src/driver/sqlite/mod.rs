@@ -61,6 +61,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "takeovers",
         sql: include_str!("../../../../../migrations/sqlite/0008_takeovers.sql"),
     },
+    Migration {
+        version: 9,
+        name: "ended_leases",
+        sql: include_str!("../../../../../migrations/sqlite/0009_ended_leases.sql"),
+    },
 ];
 
 /// How long a connection waits for the write lock before a statement fails with "busy". Writers hold
