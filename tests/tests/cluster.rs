@@ -30,6 +30,7 @@ every_backend!(
     calls_of_records_older_than_a_takeover_are_counted_before_they_are_made,
     counts_of_calls_a_failure_kept_from_being_made_are_taken_back,
     counts_of_calls_a_handover_kept_from_being_made_are_taken_back,
+    counts_written_while_the_partition_was_handed_on_are_taken_back,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -610,6 +611,60 @@ async fn counts_of_calls_a_handover_kept_from_being_made_are_taken_back(db: Test
     });
     let expected =
         BTreeMap::from([(("first".into(), 0), keys), (("second".into(), 0), keys), (("third".into(), 0), keys)]);
+    assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
+}
+
+/// Counts wait for their turns: after a takeover, a suspect (a record counted before) is called alone
+/// while the other keys' counts wait, and here its call waits until a second instance has joined and
+/// the first has given up its share. The counts of that share's runs are written once the suspect is
+/// done, to partitions no longer granted: the runs are not started, and their counts are taken back.
+/// Before, they stayed, and the next owner called each of those records as a suspect, counted again.
+async fn counts_written_while_the_partition_was_handed_on_are_taken_back(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let dead = register_instance(&db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 100 WHERE id = $1", dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    let keys = 40;
+    let mut records: Vec<NewRecord> =
+        (0..keys).flat_map(|k| ["first", "second"].map(|event| NewRecord::new(format!("k-{k}"), event, ""))).collect();
+    records.push(NewRecord::new("suspect", "suspect", ""));
+    commit(&outbox, &db, records).await;
+    exec!(db, "UPDATE {s}records SET attempts = 1, last_error = 'did not finish' WHERE key = 'suspect'");
+
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let called = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let suspect_called = called.clone();
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r| {
+        let (mut gate, called, suspect) = (gate.clone(), called.clone(), r.event_type == "suspect");
+        async move {
+            if suspect {
+                called.store(true, std::sync::atomic::Ordering::SeqCst);
+                gate.wait_for(|&open| open).await.unwrap();
+            }
+            Ok::<(), HandlerError>(())
+        }
+    })));
+    let named = |name: &str| outbox_cluster::ClusterConfig { name: name.into(), ..fast_cluster() };
+    let a = Node::start(outbox.clone(), &db, handlers, named("a")).await.unwrap();
+    wait_for("the suspect called", LONG, || async { suspect_called.load(std::sync::atomic::Ordering::SeqCst) }).await;
+    let before = count(&db, "SELECT count(*) FROM {s}completed").await;
+    assert_eq!(before, 0, "the other keys wait for the suspect's turn");
+    let ok = Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) })));
+    let b = Node::start(outbox.clone(), &db, ok, named("b")).await.unwrap();
+    let assignment = a.assignment();
+    wait_for("a's share given up", LONG, || async { assignment.borrow().epochs.len() == 128 }).await;
+    open.send_replace(true);
+    drained(&db, LONG).await;
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+
+    let spent = rows!(db, (String, i32), "SELECT event_type, attempts FROM {s}completed");
+    let spent: BTreeMap<(String, i32), usize> = spent.into_iter().fold(BTreeMap::new(), |mut m, row| {
+        *m.entry(row).or_default() += 1;
+        m
+    });
+    let expected =
+        BTreeMap::from([(("first".into(), 0), keys), (("second".into(), 0), keys), (("suspect".into(), 1), 1)]);
     assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
 }
 

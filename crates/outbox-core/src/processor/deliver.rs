@@ -67,12 +67,17 @@ pub(super) async fn deliver_run(
             break;
         }
     }
-    let not_called = run.filter(|f| f.careful).map(|f| {
+    outcomes.extend(not_called(run));
+    (key, outcomes)
+}
+
+/// The outcomes of the records of `run` whose calls were counted but will not be made: their counts
+/// taken back (`careful.rs`).
+pub(super) fn not_called(run: impl IntoIterator<Item = Fetched>) -> impl Iterator<Item = Outcome> {
+    run.into_iter().filter(|f| f.careful).map(|f| {
         let attempts = f.record.attempts;
         outcome(f, Verdict::NotCalled, attempts)
-    });
-    outcomes.extend(not_called);
-    (key, outcomes)
+    })
 }
 
 /// Delivers one record: handler (with timeout), then retry decision, then fallback; returns the verdict

@@ -57,7 +57,7 @@ pub use deliver::MAX_ERROR_BYTES;
 
 use self::careful::{Calls, TakenOver};
 use self::complete::{Completed, complete, write};
-use self::deliver::{Context, deliver_run, out_of_unfinished_calls, outcome};
+use self::deliver::{Context, deliver_run, not_called, out_of_unfinished_calls, outcome};
 use self::fetch::Fetches;
 use crate::Outbox;
 use crate::assignment::{Assignment, Epoch, InstanceId};
@@ -453,7 +453,8 @@ impl State {
         }));
     }
 
-    /// Dispatches the runs whose counts were written, each with its turns; the others are fetched again.
+    /// Dispatches the runs whose counts were written, each with its turns; takes the counts back of
+    /// those whose partition left the assignment meanwhile; the others are fetched again.
     fn on_counted(&mut self, counted: CountWritten, current: &Assignment, context: &Arc<Context>) {
         let CountWritten { runs, mut turn, per_run, written } = counted;
         let written = match written {
@@ -470,9 +471,14 @@ impl State {
         for run in runs {
             let Some(head) = run.first() else { continue };
             let (partition, instance, epoch) = (head.record.partition, head.instance, head.record.epoch);
-            if written.ids.contains(&head.record.id) && current.grants(instance, partition, epoch) {
-                let own = turn.as_mut().and_then(|t| t.split(per_run as usize));
-                self.dispatch(run, own, context);
+            if written.ids.contains(&head.record.id) {
+                if current.grants(instance, partition, epoch) {
+                    let own = turn.as_mut().and_then(|t| t.split(per_run as usize));
+                    self.dispatch(run, own, context);
+                } else {
+                    // The key stays in flight until they are written (or fenced out).
+                    self.outcomes.extend(not_called(run));
+                }
             } else {
                 self.in_flight.remove(&head.record.key);
                 self.wanted.insert(partition);
