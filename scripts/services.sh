@@ -75,11 +75,18 @@ ensure_mariadb() {
   export MYSQL_URL="mysql://root@127.0.0.1:$MYSQL_PORT"
 }
 
-# Drops the MySQL databases named like $1 (a LIKE pattern): the test databases of earlier runs.
-drop_mysql_databases() {
-  local db
-  for db in $(mariadb -h 127.0.0.1 -P "$MYSQL_PORT" -u root -N -e "SHOW DATABASES LIKE '$1'"); do
-    mariadb -h 127.0.0.1 -P "$MYSQL_PORT" -u root -e "DROP DATABASE \`$db\`"
+# Drops the MySQL test databases (`outbox_t_` and a UUIDv7) of runs that began over three hours ago. A
+# run still going (another checkout's suite, CI beside a developer's run) keeps its own: its tests'
+# databases would vanish under them.
+drop_old_mysql_test_databases() {
+  local db now_ms created_ms
+  now_ms=$(date +%s%3N)
+  for db in $(mariadb -h 127.0.0.1 -P "$MYSQL_PORT" -u root -N -e "SHOW DATABASES LIKE 'outbox\_t\_%'"); do
+    # A UUIDv7's first 48 bits are its creation time in ms since the epoch.
+    created_ms=$((16#${db:9:12})) 2>/dev/null || created_ms=0
+    if (( now_ms - created_ms > 3 * 3600 * 1000 )); then
+      mariadb -h 127.0.0.1 -P "$MYSQL_PORT" -u root -e "DROP DATABASE \`$db\`"
+    fi
   done
 }
 

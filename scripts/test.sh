@@ -11,6 +11,6 @@ ensure_mariadb
 ensure_nats
 ensure_chromium
 ensure_database outbox_test
-drop_mysql_databases 'outbox\_t\_%'
+drop_old_mysql_test_databases
 export DATABASE_URL="$DATABASE_URL_BASE/outbox_test"
 cargo test --workspace "$@"
