@@ -400,7 +400,12 @@ impl State {
             match self.taken_over.mark(&mut run) {
                 Calls::Plain => self.dispatch(run, None, context),
                 Calls::Counted => counted.push(run),
-                Calls::Suspect => self.count(vec![run], careful::turns(&self.config), context, (outbox, db)),
+                Calls::Suspect => {
+                    let r = &run[0].record;
+                    warn!(record = %r.id, key = %r.key, partition = r.partition, instance = %request.instance, attempts = r.attempts,
+                        "a call of this record did not finish (the process may have ended during it): calling it alone, the other counted calls wait for it");
+                    self.count(vec![run], careful::turns(&self.config), context, (outbox, db));
+                }
             }
         }
         if !counted.is_empty() {
