@@ -162,7 +162,7 @@ impl Node {
         let quiet = self.quiet.borrow().clone();
         let handed_over = ownership::hand_over(&self.outbox, &self.store, id, &quiet).await;
         if handed_over.is_ok() {
-            info!(instance = %id, "instance stopped and deregistered");
+            info!(instance = %id, "instance stopped and deregistered (or, holding partitions in a quiet period, its lease ended)");
         }
         drained.and(processed).and(handed_over)
     }
