@@ -552,11 +552,7 @@ async fn counts_of_calls_a_failure_kept_from_being_made_are_taken_back(db: TestD
     drained(&db, LONG).await;
     a.shutdown().await.unwrap();
 
-    let spent = rows!(db, (String, i32), "SELECT event_type, attempts FROM {s}completed ORDER BY event_type, attempts");
-    let spent: BTreeMap<(String, i32), usize> = spent.into_iter().fold(BTreeMap::new(), |mut m, row| {
-        *m.entry(row).or_default() += 1;
-        m
-    });
+    let spent = spent(&db).await;
     let expected = BTreeMap::from([(("first".into(), 1), 10), (("second".into(), 0), 10), (("third".into(), 0), 10)]);
     assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
 }
@@ -589,26 +585,14 @@ async fn counts_of_calls_a_handover_kept_from_being_made_are_taken_back(db: Test
             Ok::<(), HandlerError>(())
         }
     })));
-    let named = |name: &str| outbox_cluster::ClusterConfig { name: name.into(), ..fast_cluster() };
-    let a = Node::start(outbox.clone(), &db, handlers, named("a")).await.unwrap();
+    let a = Node::start(outbox.clone(), &db, handlers, fast_cluster()).await.unwrap();
     wait_for("every key's first call made", LONG, || async {
         waiting.load(std::sync::atomic::Ordering::SeqCst) == keys
     })
     .await;
-    let ok = Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) })));
-    let b = Node::start(outbox.clone(), &db, ok, named("b")).await.unwrap();
-    let assignment = a.assignment();
-    wait_for("a's share given up", LONG, || async { assignment.borrow().epochs.len() == 128 }).await;
-    open.send_replace(true);
-    drained(&db, LONG).await;
-    a.shutdown().await.unwrap();
-    b.shutdown().await.unwrap();
+    hand_half_on_then_open(&outbox, &db, a, &open).await;
 
-    let spent = rows!(db, (String, i32), "SELECT event_type, attempts FROM {s}completed");
-    let spent: BTreeMap<(String, i32), usize> = spent.into_iter().fold(BTreeMap::new(), |mut m, row| {
-        *m.entry(row).or_default() += 1;
-        m
-    });
+    let spent = spent(&db).await;
     let expected =
         BTreeMap::from([(("first".into(), 0), keys), (("second".into(), 0), keys), (("third".into(), 0), keys)]);
     assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
@@ -644,28 +628,38 @@ async fn counts_written_while_the_partition_was_handed_on_are_taken_back(db: Tes
             Ok::<(), HandlerError>(())
         }
     })));
-    let named = |name: &str| outbox_cluster::ClusterConfig { name: name.into(), ..fast_cluster() };
-    let a = Node::start(outbox.clone(), &db, handlers, named("a")).await.unwrap();
+    let a = Node::start(outbox.clone(), &db, handlers, fast_cluster()).await.unwrap();
     wait_for("the suspect called", LONG, || async { suspect_called.load(std::sync::atomic::Ordering::SeqCst) }).await;
     let before = count(&db, "SELECT count(*) FROM {s}completed").await;
     assert_eq!(before, 0, "the other keys wait for the suspect's turn");
-    let ok = Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) })));
-    let b = Node::start(outbox.clone(), &db, ok, named("b")).await.unwrap();
-    let assignment = a.assignment();
-    wait_for("a's share given up", LONG, || async { assignment.borrow().epochs.len() == 128 }).await;
-    open.send_replace(true);
-    drained(&db, LONG).await;
-    a.shutdown().await.unwrap();
-    b.shutdown().await.unwrap();
+    hand_half_on_then_open(&outbox, &db, a, &open).await;
 
-    let spent = rows!(db, (String, i32), "SELECT event_type, attempts FROM {s}completed");
-    let spent: BTreeMap<(String, i32), usize> = spent.into_iter().fold(BTreeMap::new(), |mut m, row| {
-        *m.entry(row).or_default() += 1;
-        m
-    });
+    let spent = spent(&db).await;
     let expected =
         BTreeMap::from([(("first".into(), 0), keys), (("second".into(), 0), keys), (("suspect".into(), 1), 1)]);
     assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
+}
+
+/// How many delivered records spent how many attempts, by event type.
+async fn spent(db: &TestDb) -> BTreeMap<(String, i32), usize> {
+    let rows = rows!(db, (String, i32), "SELECT event_type, attempts FROM {s}completed");
+    rows.into_iter().fold(BTreeMap::new(), |mut m, row| {
+        *m.entry(row).or_default() += 1;
+        m
+    })
+}
+
+/// Starts a second instance beside `a`, waits until `a` has given up its share, opens `a`'s handlers'
+/// gate and waits until everything is delivered; then stops both.
+async fn hand_half_on_then_open(outbox: &Outbox, db: &TestDb, a: Node, open: &tokio::sync::watch::Sender<bool>) {
+    let ok = Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok::<(), HandlerError>(()) })));
+    let b = Node::start(outbox.clone(), db, ok, fast_cluster()).await.unwrap();
+    let assignment = a.assignment();
+    wait_for("a's share given up", LONG, || async { assignment.borrow().epochs.len() == 128 }).await;
+    open.send_replace(true);
+    drained(db, LONG).await;
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
 }
 
 /// The leader's housekeeping, deleting the rows of instances dead long since, fails (here refused; on
