@@ -31,8 +31,9 @@ WHERE id = ? AND taken_over_at IS NULL AND expires_at > {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
 
-/// Ends the instance `?`'s lease now and keeps its row, declaring a heartbeat interval of at least `?` ms: the
-/// partitions it still owns are taken by their next owner as from a dead owner, quiet for twice that.
+/// Ends the lease of the instance `?` (bound last) now and keeps its row, declaring a heartbeat interval
+/// of at least `?` ms: the partitions it still owns are taken by their next owner as from a dead owner,
+/// quiet for twice that.
 const END_LEASE: &str =
     "UPDATE {s}_instances SET expires_at = {now}, heartbeat_ms = GREATEST(heartbeat_ms, ?) WHERE id = ?";
 
