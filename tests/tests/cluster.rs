@@ -7,6 +7,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
@@ -199,22 +200,22 @@ async fn a_stop_out_of_time_releases_nothing_while_a_call_runs() {
     let db = TestDb::sqlite().await;
     let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_millis(100)).await;
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
-    let running = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let running = Arc::new(AtomicBool::new(false));
     let call = running.clone();
     let handlers = Handlers::new().default_route(Route::new(handler_fn(move |_| {
         let call = call.clone();
         async move {
-            call.store(true, std::sync::atomic::Ordering::SeqCst);
+            call.store(true, Ordering::SeqCst);
             // Work that does not yield (as a handler computing, or blocking on a lock, may do).
             std::thread::sleep(Duration::from_secs(1));
-            call.store(false, std::sync::atomic::Ordering::SeqCst);
+            call.store(false, Ordering::SeqCst);
             Ok::<(), HandlerError>(())
         }
     })));
     let node = start(&outbox, &db, handlers).await;
-    wait_for("the call running", LONG, || async { running.load(std::sync::atomic::Ordering::SeqCst) }).await;
+    wait_for("the call running", LONG, || async { running.load(Ordering::SeqCst) }).await;
     let stopped = node.shutdown().await;
-    assert!(!running.load(std::sync::atomic::Ordering::SeqCst), "the stop returned while the call still ran");
+    assert!(!running.load(Ordering::SeqCst), "the stop returned while the call still ran");
     let error = stopped.expect_err("the stop ran out of time");
     assert!(matches!(error, outbox_cluster::Error::Core(outbox_core::Error::ShutdownTimeout(_))), "{error}");
 }
@@ -573,23 +574,20 @@ async fn counts_of_calls_a_handover_kept_from_being_made_are_taken_back(db: Test
     commit(&outbox, &db, records.collect()).await;
 
     let (open, gate) = tokio::sync::watch::channel(false);
-    let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let entered = Arc::new(AtomicUsize::new(0));
     let waiting = entered.clone();
     let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r| {
         let (mut gate, entered, first) = (gate.clone(), entered.clone(), r.event_type == "first");
         async move {
             if first {
-                entered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                entered.fetch_add(1, Ordering::SeqCst);
                 gate.wait_for(|&open| open).await.unwrap();
             }
             Ok::<(), HandlerError>(())
         }
     })));
     let a = Node::start(outbox.clone(), &db, handlers, fast_cluster()).await.unwrap();
-    wait_for("every key's first call made", LONG, || async {
-        waiting.load(std::sync::atomic::Ordering::SeqCst) == keys
-    })
-    .await;
+    wait_for("every key's first call made", LONG, || async { waiting.load(Ordering::SeqCst) == keys }).await;
     hand_half_on_then_open(&outbox, &db, a, &open).await;
 
     let spent = spent(&db).await;
@@ -616,20 +614,20 @@ async fn counts_written_while_the_partition_was_handed_on_are_taken_back(db: Tes
     exec!(db, "UPDATE {s}records SET attempts = 1, last_error = 'did not finish' WHERE key = 'suspect'");
 
     let (open, gate) = tokio::sync::watch::channel(false);
-    let called = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let called = Arc::new(AtomicBool::new(false));
     let suspect_called = called.clone();
     let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r| {
         let (mut gate, called, suspect) = (gate.clone(), called.clone(), r.event_type == "suspect");
         async move {
             if suspect {
-                called.store(true, std::sync::atomic::Ordering::SeqCst);
+                called.store(true, Ordering::SeqCst);
                 gate.wait_for(|&open| open).await.unwrap();
             }
             Ok::<(), HandlerError>(())
         }
     })));
     let a = Node::start(outbox.clone(), &db, handlers, fast_cluster()).await.unwrap();
-    wait_for("the suspect called", LONG, || async { suspect_called.load(std::sync::atomic::Ordering::SeqCst) }).await;
+    wait_for("the suspect called", LONG, || async { suspect_called.load(Ordering::SeqCst) }).await;
     let before = count(&db, "SELECT count(*) FROM {s}completed").await;
     assert_eq!(before, 0, "the other keys wait for the suspect's turn");
     hand_half_on_then_open(&outbox, &db, a, &open).await;

@@ -11,8 +11,9 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::recorded::Recorded;
 use common::*;
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use metrics_util::debugging::DebuggingRecorder;
 use outbox_cluster::{ClusterConfig, Node};
 use outbox_core::{HandlerError, Handlers, InstanceId, NewRecord, RetryPolicy, Route, Value, fallback_fn, handler_fn};
 
@@ -22,42 +23,6 @@ every_backend!(
 );
 
 const LONG: Duration = Duration::from_secs(60);
-
-/// What was recorded since the last snapshot (taking one sets counters back to 0).
-struct Recorded(Vec<(metrics::Key, DebugValue)>);
-
-impl Recorded {
-    fn take(snapshotter: &Snapshotter) -> Self {
-        Self(snapshotter.snapshot().into_vec().into_iter().map(|(key, .., value)| (key.key().clone(), value)).collect())
-    }
-
-    fn of<'a>(&'a self, name: &'a str, labels: &'a [(&str, &str)]) -> impl Iterator<Item = &'a DebugValue> {
-        let matches = move |key: &metrics::Key| {
-            key.name() == name && labels.iter().all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
-        };
-        self.0.iter().filter(move |(key, _)| matches(key)).map(|(_, value)| value)
-    }
-
-    /// A counter's value (0 if never incremented), with the labels given.
-    fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
-        self.of(name, labels)
-            .map(|value| match value {
-                DebugValue::Counter(n) => *n,
-                other => panic!("{name} is not a counter: {other:?}"),
-            })
-            .sum()
-    }
-
-    /// How many values a histogram took.
-    fn histogram_len(&self, name: &str) -> usize {
-        self.of(name, &[])
-            .map(|value| match value {
-                DebugValue::Histogram(values) => values.len(),
-                other => panic!("{name} is not a histogram: {other:?}"),
-            })
-            .sum()
-    }
-}
 
 /// Six records delivered (one of them after a retry), one handled by its fallback, one FAILED.
 async fn each_record_is_counted_once_by_how_it_ended(db: TestDb) {
@@ -97,7 +62,7 @@ async fn each_record_is_counted_once_by_how_it_ended(db: TestDb) {
     assert_eq!(completed("fallback"), 1);
     assert_eq!(recorded.counter("outbox_records_retried_total", &[]), 1);
     assert_eq!(recorded.counter("outbox_records_failed_total", &[]), 1);
-    assert_eq!(recorded.histogram_len("outbox_delivery_latency_seconds"), 7, "one latency per completed record");
+    assert_eq!(recorded.histogram("outbox_delivery_latency_seconds", &[]).len(), 7, "one latency per completed record");
     assert_eq!(recorded.counter("outbox_partitions_taken_over_total", &[]), 0, "no partition had an owner");
     assert_eq!(recorded.counter("outbox_records_scheduled_total", &[]), 0, "nothing scheduled since");
 }

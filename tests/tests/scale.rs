@@ -26,8 +26,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::recorded::Recorded;
 use common::{Exclusive, Sink, wait_for};
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use metrics_util::debugging::{DebuggingRecorder, Snapshotter};
 use outbox_cluster::{ClusterConfig, Node};
 use outbox_core::{
     ConnectOptions, Db, HandlerError, Handlers, InstanceId, NewRecord, Outbox, Record, Route, handler_fn,
@@ -228,29 +229,6 @@ async fn load(admin: &PgPool, n: usize, secs: u64) -> Load {
     }
 }
 
-/// The values the library's histograms recorded since the last snapshot (which a snapshot clears).
-struct Recorded(Vec<(metrics::Key, Vec<f64>)>);
-
-impl Recorded {
-    fn take(snapshotter: &Snapshotter) -> Self {
-        let histograms = snapshotter.snapshot().into_vec().into_iter().filter_map(|(key, _, _, value)| match value {
-            DebugValue::Histogram(v) => Some((key.key().clone(), v.into_iter().map(|x| x.into_inner()).collect())),
-            _ => None,
-        });
-        Self(histograms.collect())
-    }
-
-    /// The values of histogram `name` (with the label `label`, if given), sorted.
-    fn of(&self, name: &str, label: Option<(&str, &str)>) -> Vec<f64> {
-        let labelled =
-            |key: &metrics::Key| label.is_none_or(|(k, v)| key.labels().any(|l| l.key() == k && l.value() == v));
-        let mut values: Vec<f64> =
-            self.0.iter().filter(|(key, _)| key.name() == name && labelled(key)).flat_map(|(_, v)| v.clone()).collect();
-        values.sort_by(f64::total_cmp);
-        values
-    }
-}
-
 /// "p50 / p99 / max" in milliseconds, or "–" when nothing was recorded.
 fn quantiles(values: &[f64]) -> String {
     let at = |q: f64| values[((values.len() - 1) as f64 * q).round() as usize] * 1000.0;
@@ -448,9 +426,9 @@ async fn measure(cluster: &PgCluster, snapshotter: &Snapshotter, latency_ms: u64
     let _ = snapshotter.snapshot();
     let idle = load(&admin, n, idle_secs()).await;
     let idle_metrics = Recorded::take(snapshotter);
-    let heartbeats = idle_metrics.of("outbox_heartbeat_seconds", None);
-    let leader_rounds = idle_metrics.of("outbox_ownership_round_seconds", Some(("leader", "true")));
-    let other_rounds = idle_metrics.of("outbox_ownership_round_seconds", Some(("leader", "false")));
+    let heartbeats = idle_metrics.histogram("outbox_heartbeat_seconds", &[]);
+    let leader_rounds = idle_metrics.histogram("outbox_ownership_round_seconds", &[("leader", "true")]);
+    let other_rounds = idle_metrics.histogram("outbox_ownership_round_seconds", &[("leader", "false")]);
     let connections: (i64,) =
         sqlx::query_as("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
             .fetch_one(&admin)
@@ -462,7 +440,7 @@ async fn measure(cluster: &PgCluster, snapshotter: &Snapshotter, latency_ms: u64
     tokio::time::sleep(Duration::from_secs(3)).await;
     let _ = snapshotter.snapshot();
     let loaded = load(&admin, n, idle_secs()).await;
-    let loaded_heartbeats = Recorded::take(snapshotter).of("outbox_heartbeat_seconds", None);
+    let loaded_heartbeats = Recorded::take(snapshotter).histogram("outbox_heartbeat_seconds", &[]);
     stop.cancel();
     let committed = producer.await.unwrap();
     seen.delivered("the loaded window's records", &committed).await;
@@ -502,7 +480,7 @@ async fn measure(cluster: &PgCluster, snapshotter: &Snapshotter, latency_ms: u64
     .await;
     let _ = snapshotter.snapshot();
     let (records, duplicates, waits, shutdowns) = rolling_restart(&url, &admin, &mut nodes, &mut numbers, &seen).await;
-    let restart_heartbeats = Recorded::take(snapshotter).of("outbox_heartbeat_seconds", None);
+    let restart_heartbeats = Recorded::take(snapshotter).histogram("outbox_heartbeat_seconds", &[]);
     println!(
         "\n## {n} nodes, {latency_ms} ms each way\n\
          - balanced after: start {start:.1} s, one joining {join:.1} s, one leaving {leave:.1} s, a quarter killed {crash}\n\

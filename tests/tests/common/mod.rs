@@ -5,6 +5,7 @@
 
 pub mod conformance;
 mod driver;
+pub mod recorded;
 #[allow(unused_imports)]
 pub use outbox_tests::nats;
 

@@ -6,6 +6,7 @@
 //! single writer makes the check and the epoch bump one atomic step, as `FOR UPDATE` does on PostgreSQL.
 //! Liveness compares against SQLite's clock (the host's; all instances of a database file share it).
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -193,7 +194,7 @@ impl SqliteStatements {
         let mut tx = write(pool).await?;
         let candidates: Vec<Acquirable> =
             sqlx::query_as(statement(&self.acquirable)).bind(me).fetch_all(&mut *tx).await?;
-        let owners: std::collections::BTreeSet<InstanceId> = candidates.iter().filter_map(|c| c.owner).collect();
+        let owners: BTreeSet<InstanceId> = candidates.iter().filter_map(|c| c.owner).collect();
         for owner in owners {
             sqlx::query(statement(&self.mark_taken_over)).bind(owner).execute(&mut *tx).await?;
         }

@@ -7,8 +7,8 @@
 //! owner writes each call of a record scheduled before then as a failed attempt ("did not finish")
 //! before making it; the call's own outcome then overwrites that, and a call the run does not make
 //! after all (an earlier record failed, the processor is stopping, or the partition is being handed
-//! on) takes it back (`Verdict::NotCalled`). A record whose unfinished calls used up its retries is FAILED without
-//! another call.
+//! on) takes it back (`Verdict::NotCalled`). A record whose unfinished calls used up its retries is
+//! FAILED without another call.
 //!
 //! Only a key's first run can hold the record the previous owner was calling (a key is fetched again
 //! only once its run is completed), so only the records up to the end of that run are counted, and

@@ -476,14 +476,13 @@ impl State {
         for run in runs {
             let Some(head) = run.first() else { continue };
             let (partition, instance, epoch) = (head.record.partition, head.instance, head.record.epoch);
-            if written.ids.contains(&head.record.id) {
-                if current.grants(instance, partition, epoch) {
-                    let own = turn.as_mut().and_then(|t| t.split(per_run as usize));
-                    self.dispatch(run, own, context);
-                } else {
-                    // The key stays in flight until they are written (or fenced out).
-                    self.outcomes.extend(not_called(run));
-                }
+            let counted = written.ids.contains(&head.record.id);
+            if counted && current.grants(instance, partition, epoch) {
+                let own = turn.as_mut().and_then(|t| t.split(per_run as usize));
+                self.dispatch(run, own, context);
+            } else if counted {
+                // The key stays in flight until they are written (or fenced out).
+                self.outcomes.extend(not_called(run));
             } else {
                 self.in_flight.remove(&head.record.key);
                 self.wanted.insert(partition);
