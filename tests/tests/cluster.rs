@@ -191,6 +191,47 @@ async fn a_handover_between_processes_does_not_wait_for_the_rounds(pool: sqlx::P
     hands_over_without_rounds(&db, &first, &second).await;
 }
 
+/// A node declared dead registers again, and that registration is written but its answer lost (a
+/// trigger holds it past the query timeout, which gives it up): the retry goes under the same id, so
+/// the node is the one live instance and takes every partition. A new id per retry left the first
+/// counted as live, never heartbeating, for its whole lease: the rebalancer targeted half the
+/// partitions at it, and their records waited for that lease to end.
+#[sqlx::test(migrations = false)]
+async fn a_registration_whose_answer_was_lost_leaves_no_second_instance(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_millis(300)).await;
+    let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
+    // Leases far longer than the test: a stray registration would keep its share throughout.
+    let config =
+        outbox_cluster::ClusterConfig { name: "a".into(), stale_timeout: Duration::from_secs(600), ..fast_cluster() };
+    let a = start_calls(&outbox, &db, config, &sink, &exclusive, 3).await;
+    let first = a.id();
+    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&first) == Some(&256) }).await;
+
+    exec!(
+        db,
+        "CREATE FUNCTION {s}slowly() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(0.6); RETURN NEW; END $$ LANGUAGE plpgsql"
+    );
+    exec!(db, "CREATE TRIGGER slowly BEFORE INSERT ON {s}instances FOR EACH ROW EXECUTE FUNCTION {s}slowly()");
+    end_lease(&db, first).await;
+    wait_for("a registration written, its answer given up", LONG, || async {
+        count(&db, "SELECT count(*) FROM {s}instances").await >= 2
+    })
+    .await;
+    exec!(db, "DROP TRIGGER slowly ON {s}instances");
+    wait_for("a registered again", LONG, || async { a.id() != first }).await;
+    let live = rows!(db, (InstanceId,), "SELECT id FROM {s}instances WHERE expires_at > now()");
+    assert_eq!(live, [(a.id(),)], "one live instance: the node under its new id");
+    wait_for("a owns everything again", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+
+    let records = (0..256).map(|k| NewRecord::new(format!("key-{k}"), "t", "")).collect();
+    commit(&outbox, &db, records).await;
+    drained(&db, LONG).await;
+    a.shutdown().await.unwrap();
+    assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
+}
+
 /// A graceful stop runs out of time (`shutdown_timeout`) while a handler is in the middle of a poll on
 /// the other runtime thread: the stop waits until the call is dropped before it releases the
 /// partition, so no next owner delivers while the call runs on. Before, the stop returned, the

@@ -79,7 +79,8 @@ impl Node {
     pub async fn start(outbox: Outbox, db: impl Into<Db>, handlers: Handlers, config: ClusterConfig) -> Result<Node> {
         config.validate()?;
         let store = Store::new(db.into(), &outbox);
-        let first = registry::register(&store, &config).await.map_err(|e| e.not_migrated(&outbox))?;
+        let first =
+            registry::register(&store, &config, InstanceId::new()).await.map_err(|e| e.not_migrated(&outbox))?;
         info!(instance = %first.instance, name = %config.name, "instance registered");
 
         let (assign, assignment) = watch::channel(first);

@@ -25,10 +25,9 @@ fn lease(config: &ClusterConfig) -> Lease {
     Lease { live: config.lease(), heartbeat: config.heartbeat_interval }
 }
 
-/// Registers a new instance id; returns the assignment it starts with: no partitions, and the lease's
+/// Registers instance `id`; returns the assignment it starts with: no partitions, and the lease's
 /// deadline counted from before the registration was sent.
-pub(crate) async fn register(store: &Store, config: &ClusterConfig) -> Result<Assignment> {
-    let id = InstanceId::new();
+pub(crate) async fn register(store: &Store, config: &ClusterConfig, id: InstanceId) -> Result<Assignment> {
     let sent = Deadline::now();
     let remaining = store.register(id, &config.name, lease(config)).await?;
     Ok(Assignment { lease: Some(sent.after(remaining)), ..Assignment::new(id, Epochs::new()) })
@@ -54,6 +53,8 @@ impl Heartbeat {
         // Each instance id reports what was delivered since it registered: an id registered again
         // starts from the processor's count at that moment, not from the process's total.
         let mut counted_from = 0;
+        // The id the next registration after a declared death goes under, kept until one succeeds.
+        let mut next_id = None;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -68,7 +69,7 @@ impl Heartbeat {
                     self.extend_lease(id, sent.after(remaining));
                 }
                 Ok(Ok(None)) => {
-                    if self.declared_dead(id).await {
+                    if self.declared_dead(id, &mut next_id).await {
                         counted_from = self.delivered.load(Ordering::Relaxed);
                     }
                 }
@@ -124,8 +125,11 @@ impl Heartbeat {
     }
 
     /// The lease of `id` had expired: others may take (or have taken) its partitions. Fence at once,
-    /// then register again under a new id, with no partitions; `true` once registered again.
-    async fn declared_dead(&self, id: InstanceId) -> bool {
+    /// then register again under a new id, with no partitions; `true` once registered again. A failed
+    /// registration may have been written all the same (only its answer lost), so the retry at the next
+    /// heartbeat goes under the same new id, `next_id`: a fresh one each time would leave a row the
+    /// rebalancer counts as live, whose share of the partitions nobody takes until its lease ends.
+    async fn declared_dead(&self, id: InstanceId, next_id: &mut Option<InstanceId>) -> bool {
         let fenced = self.assign.send_if_modified(|current| {
             if current.instance != id {
                 return false;
@@ -138,8 +142,9 @@ impl Heartbeat {
         if fenced {
             warn!(instance = %id, "lease expired: the instance was declared dead; processing stopped, running handler calls cancelled");
         }
-        match register(&self.store, &self.config).await {
+        match register(&self.store, &self.config, *next_id.get_or_insert_with(InstanceId::new)).await {
             Ok(fresh) => {
+                *next_id = None;
                 let new = fresh.instance;
                 self.assign.send_modify(|current| *current = fresh);
                 info!(instance = %new, previous = %id, name = %self.config.name, "instance registered again under a new id");

@@ -93,7 +93,10 @@ impl Store {
     }
 
     /// Registers instance `id` with a lease of `lease.live` from database time; returns the lease's
-    /// remaining time as the database answered it.
+    /// remaining time as the database answered it. An `id` already registered is registered afresh
+    /// (lease, name, counts, takeover stamp), so a registration whose answer was lost is retried under
+    /// the same id and leaves no second row, live but never heartbeating, for the rebalancer to target.
+    /// Only an id that never owned a partition may be registered again.
     pub(crate) async fn register(&self, id: InstanceId, name: &str, lease: Lease) -> Result<Duration> {
         dispatch!(self, "registering the instance", |conn, s| s.register(conn, id, name, lease).await)
     }

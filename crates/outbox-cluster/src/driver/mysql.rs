@@ -16,9 +16,13 @@ use crate::error::Result;
 use crate::rebalance::Targets;
 use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, Taken, View, ViewRow};
 
-/// Binds: id, name, lease ms, heartbeat ms.
+/// Registers an instance, afresh if its id is there (see the PostgreSQL statement). Binds: id, name,
+/// lease ms, heartbeat ms.
 const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbeat_ms)
-VALUES (?, ?, {now} + INTERVAL (? * 1000) MICROSECOND, ?)";
+VALUES (?, ?, {now} + INTERVAL (? * 1000) MICROSECOND, ?)
+ON DUPLICATE KEY UPDATE name = VALUES(name), started_at = {now}, heartbeat_at = {now},
+    expires_at = VALUES(expires_at), heartbeat_ms = VALUES(heartbeat_ms), draining = FALSE, delivered = 0,
+    taken_over_at = NULL";
 
 /// Renews a lease that has not expired and whose partitions were not taken (see the PostgreSQL
 /// statement). Binds: lease ms, delivered, id. No row matched: the lease had ended. A renewal that

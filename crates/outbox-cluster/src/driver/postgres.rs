@@ -17,9 +17,13 @@ use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, Taken, View, ViewR
 const REMAINING: &str = "(extract(epoch FROM expires_at - now()) * 1000)::bigint";
 
 /// Registers an instance, live for `$3` ms, heartbeating every `$4` ms. Returns the lease's remaining
-/// time.
+/// time. An id already there is registered afresh: it is a registration retried after its answer was
+/// lost, which never owned a partition (see `Store::register`).
 const REGISTER: &str = "INSERT INTO {s}.instances (id, name, expires_at, heartbeat_ms)
 VALUES ($1, $2, now() + $3 * interval '1 millisecond', $4)
+ON CONFLICT (id) DO UPDATE SET name = excluded.name, started_at = now(), heartbeat_at = now(),
+    expires_at = excluded.expires_at, heartbeat_ms = excluded.heartbeat_ms, draining = false, delivered = 0,
+    taken_over_at = NULL
 RETURNING {remaining}";
 
 /// Renews a lease that has not expired by database time, for `$2` ms; returns its remaining time. No

@@ -19,8 +19,13 @@ use crate::error::Result;
 use crate::rebalance::Targets;
 use crate::stored::{Held, InstanceInfo, Lease, PartitionOnly, Taken, View, ViewRow, remaining};
 
+/// Registers an instance, afresh if its id is there (see the PostgreSQL statement).
 const REGISTER: &str = "INSERT INTO {s}_instances (id, name, expires_at, heartbeat_ms)
-VALUES ($1, $2, {now} + $3, $4) RETURNING expires_at - {now}";
+VALUES ($1, $2, {now} + $3, $4)
+ON CONFLICT (id) DO UPDATE SET name = excluded.name, started_at = {now}, heartbeat_at = {now},
+    expires_at = excluded.expires_at, heartbeat_ms = excluded.heartbeat_ms, draining = 0, delivered = 0,
+    taken_over_at = NULL
+RETURNING expires_at - {now}";
 
 /// Renews a lease that has not expired and whose partitions were not taken (see the PostgreSQL
 /// statement); returns its remaining ms. One writer at a time: a renewal never waits inside a takeover

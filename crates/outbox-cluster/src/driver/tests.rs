@@ -86,6 +86,31 @@ async fn a_lease_is_renewed_only_until_it_expires(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = false)]
+async fn an_id_registered_again_is_registered_afresh(pool: PgPool) {
+    for store in stores(pool).await {
+        let backend = store.db().backend();
+        // A registration written whose answer was lost, then drained and expired: the retry under the
+        // same id must not fail on the row, nor leave a second one.
+        let id = registered(&store, DAY).await;
+        let mut conn = super::HeartbeatConnection::default();
+        conn.renew(&store, id, GONE, 42).await.unwrap();
+        store.drain(id).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+
+        let remaining = store.register(id, "again", DAY).await.unwrap();
+        assert!(remaining > Duration::from_secs(86_000), "{backend}: {remaining:?}");
+        let instances = store.instances().await.unwrap();
+        assert_eq!(
+            instances.iter().map(|i| (i.id, i.name.as_str(), i.live, i.draining, i.delivered)).collect::<Vec<_>>(),
+            [(id, "again", true, false, 0)],
+            "{backend}"
+        );
+        assert_eq!(store.view().await.unwrap().live, [id], "{backend}");
+        assert!(conn.renew(&store, id, DAY, 0).await.unwrap().is_some(), "{backend}: renewable again");
+    }
+}
+
+#[sqlx::test(migrations = false)]
 async fn acquire_takes_free_and_dead_owners_partitions_only_and_bumps_epochs(pool: PgPool) {
     for store in stores(pool).await {
         let backend = store.db().backend();
