@@ -39,6 +39,7 @@ every_backend!(
     a_busy_partition_does_not_hold_back_the_poll,
     a_full_batch_is_followed_by_the_partitions_it_did_not_finish,
     calls_of_an_instance_declared_dead_are_cancelled_under_its_new_id,
+    a_call_being_handed_over_is_cancelled_when_its_instance_is_declared_dead,
     a_panic_in_the_decision_ends_failed_once_retries_run_out,
     a_skip_that_meets_a_requeue_leaves_the_record_to_it,
 );
@@ -726,6 +727,31 @@ async fn calls_of_an_instance_declared_dead_are_cancelled_under_its_new_id(db: T
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
     let lease = Deadline::now().after(LONG);
     let InCall { assignment: tx, mut busy, stop, processor, .. } = in_call(&outbox, &db, me, partition, lease).await;
+    let again = register_instance(&db).await;
+    tx.send_replace(Assignment { lease: Some(lease), ..Assignment::new(again, Default::default()) });
+    tokio::time::timeout(Duration::from_secs(10), busy.wait_for(|b| b.is_empty()))
+        .await
+        .expect("the call under the old id was not cancelled")
+        .unwrap();
+    assert_eq!(pending(&db).await, 1, "the cancelled record was not completed");
+    stop.cancel();
+    processor.await.unwrap().unwrap();
+}
+
+/// The same for a call of a partition being handed over: the handover lets it finish, forgetting its
+/// handle, but the instance is then declared dead (its lease ended early by database time) and the
+/// processor sees only its new id: the next owner may take the partition once it is quiet, so the call
+/// is cancelled all the same. Before, it ran on until it ended or timed out.
+async fn a_call_being_handed_over_is_cancelled_when_its_instance_is_declared_dead(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let (me, partition) = own_partition_of(&db, "k", Epoch(3)).await;
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    let lease = Deadline::now().after(LONG);
+    let InCall { assignment: tx, mut busy, stop, processor, .. } = in_call(&outbox, &db, me, partition, lease).await;
+    tx.send_replace(Assignment { lease: Some(lease), ..Assignment::new(me, Default::default()) });
+    // Time for the processor to take in the handover on its own, not with the new id.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!busy.borrow().is_empty(), "a handover lets the call finish");
     let again = register_instance(&db).await;
     tx.send_replace(Assignment { lease: Some(lease), ..Assignment::new(again, Default::default()) });
     tokio::time::timeout(Duration::from_secs(10), busy.wait_for(|b| b.is_empty()))

@@ -558,16 +558,11 @@ impl State {
 
     fn on_assignment(&mut self, current: &Assignment) {
         self.fenced.retain(|p, held| current.epochs.get(p) == Some(&held.1) && current.instance == held.0);
-        // Calls of partitions that left the assignment finish (a graceful handover); only their
-        // cancellation handles are forgotten. Calls of an earlier instance id are cancelled: that
-        // instance was declared dead and its partitions may already be delivered elsewhere (the lease
-        // may not have run out here, nor the processor have seen the assignment in between).
-        self.cancels.grants.retain(|(p, instance, epoch), token| {
-            if current.instance != *instance {
-                token.cancel();
-            }
-            current.instance == *instance && current.epochs.get(p) == Some(epoch)
-        });
+        // Calls of an earlier instance id are cancelled, all of them (the lease may not have run out
+        // here, nor the processor have seen the assignment in between). Calls of partitions that left
+        // the assignment finish (a graceful handover); only their handles are forgotten.
+        self.cancels.instance_is(current.instance);
+        self.cancels.grants.retain(|(p, _, epoch), _| current.epochs.get(p) == Some(epoch));
         self.fetches.retain(|p| current.epochs.contains_key(&p));
         self.wanted = Partitions::ALL;
     }
@@ -656,22 +651,36 @@ async fn listen(outbox: Outbox, db: Db, listening: watch::Sender<bool>, stop: Ca
 }
 
 /// Cancellation of running handler calls: one token per (partition, instance, epoch) that runs are
-/// delivering under, all children of the lease's token.
+/// delivering under, all children of the token of the lease of the instance id they run under.
 #[derive(Debug, Default)]
 struct Cancels {
     lease: CancellationToken,
+    /// The instance id `lease` belongs to.
+    leased_to: Option<InstanceId>,
     grants: HashMap<(Partition, InstanceId, Epoch), CancellationToken>,
 }
 
 impl Cancels {
     /// The token a run under this grant watches.
     fn token(&mut self, partition: Partition, instance: InstanceId, epoch: Epoch) -> CancellationToken {
+        self.instance_is(instance);
         if self.lease.is_cancelled() {
             self.lease = CancellationToken::new();
             self.grants.clear();
         }
         let lease = &self.lease;
         self.grants.entry((partition, instance, epoch)).or_insert_with(|| lease.child_token()).clone()
+    }
+
+    /// The processor runs under `instance`. Under a new id, every call of the earlier one is cancelled,
+    /// those whose handles a handover let go of too: that id was declared dead, and its partitions may
+    /// be delivered elsewhere.
+    fn instance_is(&mut self, instance: InstanceId) {
+        if self.leased_to.replace(instance).is_some_and(|earlier| earlier != instance) {
+            self.lease.cancel();
+            self.lease = CancellationToken::new();
+            self.grants.clear();
+        }
     }
 
     /// The lease ran out: cancels every running call (once).
