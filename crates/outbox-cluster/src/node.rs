@@ -56,7 +56,7 @@ use tracing::{info, warn};
 use crate::config::ClusterConfig;
 use crate::driver::Store;
 use crate::error::{Error, Result};
-use crate::ownership::{self, Ownership, Quiet};
+use crate::ownership::{self, Held, Ownership};
 use crate::registry::{self, Heartbeat};
 
 /// A running node. Dropping it without [`Node::shutdown`] stops nothing; call `shutdown` (or
@@ -67,7 +67,8 @@ pub struct Node {
     assignment: watch::Receiver<Assignment>,
     leaving: CancellationToken,
     holds_none: watch::Receiver<bool>,
-    quiet: watch::Receiver<Quiet>,
+    held: watch::Receiver<Held>,
+    config: ClusterConfig,
     stop_processor: CancellationToken,
     stop_background: CancellationToken,
     background: TaskTracker,
@@ -97,16 +98,16 @@ impl Node {
         background.spawn(heartbeat.run(stop_background.clone()));
         let leaving = CancellationToken::new();
         let holds_none = Arc::new(watch::Sender::new(false));
-        let quiet = Arc::new(watch::Sender::new(Quiet::new()));
+        let held = Arc::new(watch::Sender::new(Held::new()));
         let ownership = Ownership {
             outbox: outbox.clone(),
             store: store.clone(),
-            config,
+            config: config.clone(),
             assign,
             busy,
             leaving: leaving.clone(),
             holds_none: holds_none.clone(),
-            quiet: quiet.clone(),
+            held: held.clone(),
         };
         background.spawn(ownership.run(stop_background.clone()));
         background.spawn(outbox.clone().run_purge(store.db().clone(), stop_background.clone()));
@@ -117,7 +118,8 @@ impl Node {
             assignment,
             leaving,
             holds_none: holds_none.subscribe(),
-            quiet: quiet.subscribe(),
+            held: held.subscribe(),
+            config,
             stop_processor,
             stop_background,
             background,
@@ -160,8 +162,8 @@ impl Node {
         self.stop_background.cancel();
         self.background.wait().await;
         let id = self.assignment.borrow().instance;
-        let quiet = self.quiet.borrow().clone();
-        let handed_over = ownership::hand_over(&self.outbox, &self.store, id, &quiet).await;
+        let held = self.held.borrow().clone();
+        let handed_over = ownership::hand_over(&self.outbox, &self.store, id, &held, &self.config).await;
         if handed_over.is_ok() {
             info!(instance = %id, "instance stopped and deregistered (or, holding partitions in a quiet period, its lease ended)");
         }

@@ -38,13 +38,16 @@ pub(crate) struct Ownership {
     pub(crate) leaving: CancellationToken,
     /// Whether this instance owns nothing, as of its last round or release.
     pub(crate) holds_none: Arc<watch::Sender<bool>>,
-    /// The partitions held back in their quiet period, as of its last round or release (see
-    /// [`hand_over`]).
-    pub(crate) quiet: Arc<watch::Sender<Quiet>>,
+    /// What the rounds know this instance owns, as of its last round or release (see [`hand_over`]).
+    pub(crate) held: Arc<watch::Sender<Held>>,
 }
 
 /// Partitions taken from a dead owner, each at its epoch with the end of its quiet period.
-pub(crate) type Quiet = BTreeMap<Partition, (Epoch, Instant)>;
+type Quiet = BTreeMap<Partition, (Epoch, Instant)>;
+
+/// The partitions an instance's rounds know it owns, each at its epoch, with the end of its quiet
+/// period if it is held back for one: those handed to the processor, being given up, or quiet.
+pub(crate) type Held = BTreeMap<Partition, (Epoch, Option<Instant>)>;
 
 /// What the ownership task carries from one round to the next, for one instance id.
 struct Rounds {
@@ -216,18 +219,24 @@ impl Ownership {
     /// whose reply was lost (committed, then the connection dropped). Their previous owner, unknown, may
     /// still be delivering, so they get the longest quiet period this instance's settings imply.
     fn hold_back_unheard(&self, rounds: &mut Rounds, owned: &Epochs) {
-        let assigned = self.assign.borrow();
-        let quiet = (2 * self.config.heartbeat_interval).max(self.config.stale_timeout);
+        let held = self.held(rounds);
+        let quiet = unheard_quiet(&self.config);
         for (&partition, &epoch) in owned {
-            let heard = assigned.epochs.get(&partition) == Some(&epoch)
-                || rounds.quiet.get(&partition).is_some_and(|&(e, _)| e == epoch)
-                || rounds.giving_up.get(&partition).is_some_and(|&(e, _)| e == epoch);
-            if !heard {
+            if held.get(&partition).is_none_or(|&(e, _)| e != epoch) {
                 warn!(partition, %epoch, instance = %rounds.instance, ?quiet,
                     "owning a partition whose acquisition was never confirmed; delivering it after a quiet period");
                 rounds.quiet.insert(partition, (epoch, Instant::now() + quiet));
             }
         }
+    }
+
+    /// What the rounds know this instance owns.
+    fn held(&self, rounds: &Rounds) -> Held {
+        let assignment = self.assign.borrow();
+        let assigned = assignment.epochs.iter().map(|(&p, &e)| (p, (e, None)));
+        let giving_up = rounds.giving_up.iter().map(|(&p, &(e, _))| (p, (e, None)));
+        let quiet = rounds.quiet.iter().map(|(&p, &(e, until))| (p, (e, Some(until))));
+        assigned.chain(giving_up).chain(quiet).collect()
     }
 
     /// Releases the partitions given up that have nothing in flight any more (read after the
@@ -252,10 +261,11 @@ impl Ownership {
         // Nothing handed to the processor, held back or being given up.
         let none = rounds.giving_up.is_empty() && rounds.quiet.is_empty() && self.assign.borrow().epochs.is_empty();
         self.holds_none.send_replace(none);
-        self.quiet.send_if_modified(|quiet| {
-            let changed = *quiet != rounds.quiet;
+        let held = self.held(rounds);
+        self.held.send_if_modified(|published| {
+            let changed = *published != held;
             if changed {
-                quiet.clone_from(&rounds.quiet);
+                *published = held;
             }
             changed
         });
@@ -289,6 +299,12 @@ impl Ownership {
             })
             .collect())
     }
+}
+
+/// The quiet period of a partition owned by an acquisition never heard of: the longest that `config`
+/// implies, its previous owner unknown.
+fn unheard_quiet(config: &ClusterConfig) -> Duration {
+    (2 * config.heartbeat_interval).max(config.stale_timeout)
 }
 
 async fn sleep_until_opt(deadline: Option<Instant>) {
@@ -358,18 +374,33 @@ async fn release_partitions(
 
 /// A graceful exit: points the targets at the remaining instances, releases the partitions `me` owns,
 /// deregisters `me` and nudges the partitions' new targets (so they take them now, not at their next
-/// round). A partition still in its quiet period (`quiet`: the exit did not wait for it) is not
-/// released: its next owner would take it as free and deliver at once, while the owner it was taken
-/// from may still be delivering. It stays with `me`, whose lease ends now with a declared heartbeat
-/// of half what is left of the period: the next owner takes it as from a dead owner, quiet as long.
-pub(crate) async fn hand_over(outbox: &Outbox, store: &Store, me: InstanceId, quiet: &Quiet) -> Result<()> {
-    let View { live, partitions: rows } = store.view().await?;
+/// round). A partition still in its quiet period (per `held`: the exit did not wait for it), or owned
+/// by an acquisition the rounds never heard of (its reply lost, and no round since), is not released:
+/// its next owner would take it as free and deliver at once, while the owner it was taken from may
+/// still be delivering. It stays with `me`, whose lease ends now with a declared heartbeat of half what
+/// is left of the period: the next owner takes it as from a dead owner, quiet as long.
+pub(crate) async fn hand_over(
+    outbox: &Outbox,
+    store: &Store,
+    me: InstanceId,
+    held: &Held,
+    config: &ClusterConfig,
+) -> Result<()> {
+    let View { mut live, partitions: rows } = store.view().await?;
+    // Still counted live if it could not be marked draining: it takes no share all the same.
+    live.retain(|&id| id != me);
     let targets =
         if live.is_empty() { Targets::new() } else { rebalance_targets(outbox, store, me, &live, &rows).await? };
     let mut owned = store.owned(me).await?;
     let now = Instant::now();
-    let quiet_left = |p: &Partition, epoch: &Epoch| {
-        quiet.get(p).filter(|(e, until)| e == epoch && *until > now).map(|&(_, until)| until - now)
+    let quiet_left = |p: &Partition, epoch: &Epoch| match held.get(p) {
+        Some((e, until)) if e == epoch => until.filter(|&until| until > now).map(|until| until - now),
+        _ => {
+            let quiet = unheard_quiet(config);
+            warn!(partition = *p, %epoch, instance = %me, ?quiet,
+                "owning a partition whose acquisition was never confirmed at shutdown; its next owner waits a quiet period");
+            Some(quiet)
+        }
     };
     let kept: BTreeMap<Partition, Duration> = owned.iter().filter_map(|(p, e)| Some((*p, quiet_left(p, e)?))).collect();
     owned.retain(|p, _| !kept.contains_key(p));
@@ -389,4 +420,52 @@ pub(crate) async fn hand_over(outbox: &Outbox, store: &Store, me: InstanceId, qu
     let moved = freed.iter().chain(kept.keys());
     nudge(outbox, store, moved.filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
     Ok(())
+}
+
+#[cfg(all(test, feature = "postgres", feature = "sqlite", feature = "mysql"))]
+mod tests {
+    use std::time::Duration;
+
+    use outbox_core::{Config, Outbox, Partition};
+    use sqlx::PgPool;
+
+    use super::{Held, hand_over};
+    use crate::config::ClusterConfig;
+    use crate::driver::tests::{DAY, registered, stores, target};
+
+    /// An instance stops owning partitions its rounds never heard it acquired (the acquisition's reply
+    /// lost, and no round since): it keeps them, its lease ended, so that the next owner takes them as
+    /// from a dead owner and waits a quiet period, while it releases the one it knew of. Released, the
+    /// next owner took them as free and delivered at once, while their previous owner might still be
+    /// delivering.
+    #[sqlx::test(migrations = false)]
+    async fn partitions_owned_unheard_at_shutdown_go_on_as_from_a_dead_owner(pool: PgPool) {
+        let outbox = Outbox::new(Config::default()).unwrap();
+        let config = ClusterConfig {
+            heartbeat_interval: Duration::from_millis(100),
+            stale_timeout: Duration::from_millis(600),
+            ..ClusterConfig::default()
+        };
+        let partitions: Vec<Partition> = (0..6).collect();
+        for store in stores(pool).await {
+            let backend = store.db().backend();
+            let me = registered(&store, DAY).await;
+            target(&store, partitions.clone(), me).await;
+            let taken = store.acquire(me).await.unwrap();
+            let known = taken.iter().find(|t| t.partition == 5).unwrap();
+            let held: Held = [(5, (known.epoch, None))].into();
+            hand_over(&outbox, &store, me, &held, &config).await.unwrap();
+
+            let next = registered(&store, DAY).await;
+            target(&store, partitions.clone(), next).await;
+            let taken = store.acquire(next).await.unwrap();
+            let mut from: Vec<(Partition, Option<_>, bool)> = taken
+                .iter()
+                .map(|t| (t.partition, t.previous, t.previous_heartbeat_ms.is_some_and(|ms| ms >= 300)))
+                .collect();
+            from.sort();
+            let expected: Vec<_> = (0..5).map(|p| (p, Some(me), true)).chain([(5, None, false)]).collect();
+            assert_eq!(from, expected, "{backend}: (partition, taken from, quiet for at least the unheard period)");
+        }
+    }
 }

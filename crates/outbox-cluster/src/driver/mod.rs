@@ -10,7 +10,7 @@ mod postgres;
 mod sqlite;
 // The conformance suite compares the backends, so it needs all of them.
 #[cfg(all(test, feature = "postgres", feature = "sqlite", feature = "mysql"))]
-mod tests;
+pub(crate) mod tests;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -13,7 +13,7 @@ use crate::stored::Lease;
 
 /// A migrated outbox on every backend: `pool`'s PostgreSQL database, an in-memory SQLite one and a new
 /// MySQL database.
-async fn stores(pool: PgPool) -> Vec<Store> {
+pub(crate) async fn stores(pool: PgPool) -> Vec<Store> {
     let options = outbox_core::driver::sqlite::options("sqlite::memory:").unwrap();
     let sqlite = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
     let outbox = Outbox::new(Config::default()).unwrap();
@@ -26,11 +26,11 @@ async fn stores(pool: PgPool) -> Vec<Store> {
     stores
 }
 
-const DAY: Lease = Lease { live: Duration::from_secs(86_400), heartbeat: Duration::from_millis(700) };
+pub(crate) const DAY: Lease = Lease { live: Duration::from_secs(86_400), heartbeat: Duration::from_millis(700) };
 /// A lease that has expired by the time the next statement runs.
 const GONE: Lease = Lease { live: Duration::from_millis(1), heartbeat: Duration::from_millis(300) };
 
-async fn registered(store: &Store, lease: Lease) -> InstanceId {
+pub(crate) async fn registered(store: &Store, lease: Lease) -> InstanceId {
     let id = InstanceId::new();
     store.register(id, "test", lease).await.unwrap();
     if lease.live == GONE.live {
@@ -39,7 +39,7 @@ async fn registered(store: &Store, lease: Lease) -> InstanceId {
     id
 }
 
-async fn target(store: &Store, partitions: impl IntoIterator<Item = Partition>, to: InstanceId) {
+pub(crate) async fn target(store: &Store, partitions: impl IntoIterator<Item = Partition>, to: InstanceId) {
     store.set_targets(&partitions.into_iter().map(|p| (p, to)).collect()).await.unwrap();
 }
 
