@@ -32,6 +32,7 @@ every_backend!(
     counts_of_calls_a_failure_kept_from_being_made_are_taken_back,
     counts_of_calls_a_handover_kept_from_being_made_are_taken_back,
     counts_written_while_the_partition_was_handed_on_are_taken_back,
+    records_whose_last_call_failed_are_no_suspects_after_a_takeover,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -652,7 +653,11 @@ async fn counts_written_while_the_partition_was_handed_on_are_taken_back(db: Tes
         (0..keys).flat_map(|k| ["first", "second"].map(|event| NewRecord::new(format!("k-{k}"), event, ""))).collect();
     records.push(NewRecord::new("suspect", "suspect", ""));
     commit(&outbox, &db, records).await;
-    exec!(db, "UPDATE {s}records SET attempts = 1, last_error = 'did not finish' WHERE key = 'suspect'");
+    exec!(
+        db,
+        "UPDATE {s}records SET attempts = 1, last_error = $1 WHERE key = 'suspect'",
+        outbox_core::UNFINISHED_CALL
+    );
 
     let (open, gate) = tokio::sync::watch::channel(false);
     let called = Arc::new(AtomicBool::new(false));
@@ -677,6 +682,40 @@ async fn counts_written_while_the_partition_was_handed_on_are_taken_back(db: Tes
     let expected =
         BTreeMap::from([(("first".into(), 0), keys), (("second".into(), 0), keys), (("suspect".into(), 1), 1)]);
     assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
+}
+
+/// After a takeover, a record whose last call finished with an error (here: ten keys' records, each
+/// failed once before the owner died, a downstream outage) is retried as usual, its calls counted side
+/// by side with the others: only a call that did not finish makes a suspect, called alone. Before,
+/// any earlier attempt did, and the ten were called one at a time, each waiting for the one before
+/// (for its handler timeout, were the downstream hanging).
+async fn records_whose_last_call_failed_are_no_suspects_after_a_takeover(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let dead = register_instance(&db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 100 WHERE id = $1", dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    let keys = 10;
+    commit(&outbox, &db, (0..keys).map(|k| NewRecord::new(format!("k-{k}"), "retried", "")).collect()).await;
+    exec!(db, "UPDATE {s}records SET attempts = 1, last_error = 'downstream unavailable'");
+
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let entered = Arc::new(AtomicUsize::new(0));
+    let running = entered.clone();
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |_| {
+        let (mut gate, entered) = (gate.clone(), entered.clone());
+        async move {
+            entered.fetch_add(1, Ordering::SeqCst);
+            gate.wait_for(|&open| open).await.unwrap();
+            Ok::<(), HandlerError>(())
+        }
+    })));
+    let a = Node::start(outbox.clone(), &db, handlers, fast_cluster()).await.unwrap();
+    wait_for("every key's call running at once", LONG, || async { running.load(Ordering::SeqCst) == keys }).await;
+    open.send_replace(true);
+    drained(&db, LONG).await;
+    a.shutdown().await.unwrap();
+    let spent = spent(&db).await;
+    assert_eq!(spent, BTreeMap::from([(("retried".into(), 1), keys)]), "(event type, attempts spent)");
 }
 
 /// How many delivered records spent how many attempts, by event type.

@@ -63,6 +63,8 @@ pub(crate) struct FetchedRow {
     pub(crate) requeues: i32,
     pub(crate) created_at: DateTime<Utc>,
     pub(crate) deliver_at: Option<DateTime<Utc>>,
+    /// Its last error is that of a counted call that did not finish ([`crate::UNFINISHED_CALL`]).
+    pub(crate) unfinished: bool,
     /// Not FAILED and not waiting for a retry.
     pub(crate) due: bool,
     /// A head's place in the walk (increasing in the order keys were served); `None` for followers.
@@ -79,6 +81,8 @@ pub(crate) struct Fetched {
     pub(crate) requeues: i32,
     /// Whether its call is counted before it is made (see `processor/careful.rs`).
     pub(crate) careful: bool,
+    /// Whether its last call was counted and did not finish (see `processor/careful.rs`).
+    pub(crate) unfinished: bool,
 }
 
 /// What a fetch found.
@@ -128,7 +132,8 @@ impl Found {
                     deliver_at: row.deliver_at,
                     epoch,
                 };
-                run.push(Fetched { record, instance: request.instance, requeues: row.requeues, careful: false });
+                let (requeues, unfinished) = (row.requeues, row.unfinished);
+                run.push(Fetched { record, instance: request.instance, requeues, careful: false, unfinished });
             }
             if !run.is_empty() {
                 found.runs.push(run);
@@ -519,6 +524,7 @@ mod tests {
             requeues: 0,
             created_at: Utc::now(),
             deliver_at: None,
+            unfinished: false,
             due: true,
             walk: Some(walk),
         }]

@@ -1041,6 +1041,12 @@ pub fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
 }
 
 /// A count or limit as the statements take it.
+/// Whether `r`'s last error is that of a counted call that did not finish ([`crate::UNFINISHED_CALL`]),
+/// in SQL every backend reads alike (the text holds no quote or backslash).
+pub(crate) fn unfinished() -> String {
+    format!("coalesce(r.last_error = '{}', false)", crate::UNFINISHED_CALL)
+}
+
 pub(crate) fn count(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }

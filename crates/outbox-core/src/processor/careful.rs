@@ -16,11 +16,13 @@
 //! before the runs start.
 //!
 //! Every call in flight when a process ends stays counted, including those of records beside the one
-//! that ended it. So a record counted before (a suspect) is called alone, in a run of its own, among
-//! the counted calls: the counted calls take turns from a fair semaphore, one permit each, a suspect
-//! all of them, and a turn lasts until the call's outcome is written. Once the suspects have taken
-//! their turns, an end of the process is counted against the record that caused it, and the records
-//! that were only in flight beside it were counted once.
+//! that ended it. So a record whose last call was counted and never finished (its last error is still
+//! [`UNFINISHED_CALL`]: a suspect) is called alone, in a run of its own, among the counted calls: the
+//! counted calls take turns from a fair semaphore, one permit each, a suspect all of them, and a turn
+//! lasts until the call's outcome is written. Once the suspects have taken their turns, an end of the
+//! process is counted against the record that caused it, and the records that were only in flight
+//! beside it were counted once. A record whose last call failed in the usual way is no suspect: any
+//! earlier attempt made one, and after a downstream outage every retrying key was called alone.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -34,8 +36,9 @@ use crate::config::Config;
 use crate::partition::Partition;
 use crate::stored::{Fetched, Outcome, Verdict};
 
-/// The error a counted call leaves behind if it never finishes.
-const UNFINISHED: &str = "the handler call did not finish: the process ended during it, or the call was cancelled \
+/// The error a counted call leaves behind if it never finishes: a record whose last error is this is a
+/// suspect.
+pub const UNFINISHED_CALL: &str = "the handler call did not finish: the process ended during it, or the call was cancelled \
                           (counted before the call, in a partition taken over from an owner that did not give it up)";
 
 /// A partition taken over, under one grant.
@@ -106,7 +109,7 @@ impl TakenOver {
         for fetched in run.iter_mut() {
             fetched.careful = fetched.record.seq <= through;
         }
-        match run.iter().position(|f| f.careful && f.record.attempts > 0) {
+        match run.iter().position(|f| f.careful && f.unfinished) {
             Some(0) => {
                 run.truncate(1);
                 Calls::Suspect
@@ -128,7 +131,7 @@ pub(super) fn turns(config: &Config) -> u32 {
 
 /// The write that counts the marked calls of `runs`: each a failed attempt that did not finish.
 pub(super) fn counts<'a>(runs: impl IntoIterator<Item = &'a Vec<Fetched>>) -> Vec<Outcome> {
-    let unfinished = || Verdict::Retry { delay: Duration::ZERO, error: UNFINISHED.to_string() };
+    let unfinished = || Verdict::Retry { delay: Duration::ZERO, error: UNFINISHED_CALL.to_string() };
     let careful = runs.into_iter().flatten().filter(|f| f.careful);
     careful.map(|f| outcome(f.clone(), unfinished(), f.record.attempts.saturating_add(1))).collect()
 }

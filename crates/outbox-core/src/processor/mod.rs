@@ -53,6 +53,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, instrument, warn};
 
+pub use careful::UNFINISHED_CALL;
 pub use deliver::MAX_ERROR_BYTES;
 
 use self::careful::{Calls, TakenOver};

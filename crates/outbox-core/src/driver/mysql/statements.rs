@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::driver::unfinished;
 use crate::partition::PARTITIONS;
 
 /// The server's clock, UTC, as the tables store times.
@@ -51,7 +52,7 @@ STRAIGHT_JOIN {s}_records r FORCE INDEX (PRIMARY) ON r.id = UNHEX(j.id)";
 
 const COLS: &str =
     "r.id, r.`partition`, r.`key`, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at,
-    r.deliver_at";
+    r.deliver_at, {unfinished} AS unfinished";
 
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= UTC_TIMESTAMP(6)))";
 
@@ -291,7 +292,11 @@ pub struct MySqlStatements {
 /// server's clock as the tables store it, `{cols}` the record columns, `{due}` the due test of `r`. For
 /// crates that add statements over the outbox tables (`outbox-cluster`).
 pub fn render(text: &str, schema: &str) -> String {
-    text.replace("{cols}", COLS).replace("{due}", DUE).replace("{now}", NOW).replace("{s}", schema)
+    text.replace("{cols}", COLS)
+        .replace("{unfinished}", &unfinished())
+        .replace("{due}", DUE)
+        .replace("{now}", NOW)
+        .replace("{s}", schema)
 }
 
 impl MySqlStatements {

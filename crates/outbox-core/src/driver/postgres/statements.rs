@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::driver::unfinished;
 use crate::notice::Channel;
 
 /// The fence: lock the partition rows this worker believes it owns, under the instance ids and at the
@@ -81,7 +82,7 @@ const PRUNE_KEYS: &str = "DELETE FROM {s}.keys WHERE key = ANY(ARRAY(
     WHERE NOT EXISTS (SELECT 1 FROM {s}.records r WHERE r.partition = k.partition AND r.key = k.key)
     LIMIT $1 FOR UPDATE SKIP LOCKED))";
 
-const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at, r.deliver_at, r.failed_at, r.next_attempt_at";
+const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at, r.deliver_at, {unfinished} AS unfinished, r.failed_at, r.next_attempt_at";
 
 const DUE: &str = "r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())";
 
@@ -97,7 +98,7 @@ const FETCH: &str = "WITH served AS MATERIALIZED (
     ORDER BY a.ord
 ), heads AS MATERIALIZED (
     SELECT h.id, h.partition, h.key, h.seq, h.event_type, h.payload, h.headers, h.attempts, h.requeues, h.created_at,
-           h.deliver_at
+           h.deliver_at, h.unfinished
     FROM served s CROSS JOIN LATERAL (
         SELECT * FROM (
             WITH RECURSIVE walk AS (
@@ -133,7 +134,7 @@ const FETCH: &str = "WITH served AS MATERIALIZED (
 SELECT numbered.*, true AS due FROM numbered
 UNION ALL
 SELECT f.id, f.partition, f.key, f.seq, f.event_type, f.payload, f.headers, f.attempts, f.requeues, f.created_at,
-       f.deliver_at, NULL, f.failed_at IS NULL AND (f.next_attempt_at IS NULL OR f.next_attempt_at <= now()) AS due
+       f.deliver_at, f.unfinished, NULL, f.failed_at IS NULL AND (f.next_attempt_at IS NULL OR f.next_attempt_at <= now()) AS due
 FROM numbered heads CROSS JOIN LATERAL (
     SELECT {cols}, sum(octet_length(r.payload)) OVER (ORDER BY r.seq) AS run_bytes FROM {s}.records r
     WHERE r.partition = heads.partition AND r.key = heads.key AND r.seq > heads.seq
@@ -304,6 +305,7 @@ impl PgStatements {
                 .replace("{fence}", FENCE)
                 .replace("{fenced}", FENCED)
                 .replace("{cols}", RECORD_COLUMNS)
+                .replace("{unfinished}", &unfinished())
                 .replace("{failed_cols}", FAILED_COLUMNS)
                 .replace("{s}", &quoted)
                 .into()

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use crate::driver::unfinished;
+
 /// SQLite's clock in milliseconds since the Unix epoch; the same value throughout one statement.
 pub const NOW_MS: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
 
@@ -35,7 +37,7 @@ const DELIVER_AT: &str = "(SELECT CASE WHEN due > {now} THEN due END
 /// a `DateTime<Utc>` as it does PostgreSQL's `timestamptz`, so both backends share their row types.
 const TEXT_TIME: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', {} / 1000.0, 'unixepoch')";
 
-const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, {time:r.created_at} AS created_at, {time:r.deliver_at} AS deliver_at";
+const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, {time:r.created_at} AS created_at, {time:r.deliver_at} AS deliver_at, {unfinished} AS unfinished";
 
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {now}))";
 
@@ -196,6 +198,7 @@ pub struct SqliteStatements {
 pub fn render(text: &str, schema: &str) -> Arc<str> {
     let mut text = text
         .replace("{cols}", COLS)
+        .replace("{unfinished}", &unfinished())
         .replace("{h_due}", &DUE.replace("r.", "h."))
         .replace("{due}", DUE)
         .replace("{now}", NOW_MS)
