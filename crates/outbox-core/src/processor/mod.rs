@@ -392,9 +392,7 @@ impl State {
             let (partition, epoch) = (head.record.partition, head.record.epoch);
             // The assignment may have changed, or the lease run out, while the fetch ran; or a
             // completion may have found the partition fenced (this fetch read it before the steal).
-            if !current.grants(request.instance, partition, epoch)
-                || self.fenced.get(&partition) == Some(&(request.instance, epoch))
-            {
+            if !self.may_deliver(current, partition, request.instance, epoch) {
                 continue;
             }
             self.in_flight.insert(head.record.key.clone(), partition);
@@ -478,7 +476,7 @@ impl State {
             let Some(head) = run.first() else { continue };
             let (partition, instance, epoch) = (head.record.partition, head.instance, head.record.epoch);
             let counted = written.ids.contains(&head.record.id);
-            if counted && current.grants(instance, partition, epoch) {
+            if counted && self.may_deliver(current, partition, instance, epoch) {
                 let own = turn.as_mut().and_then(|t| t.split(per_run as usize));
                 self.dispatch(run, own, context);
             } else if counted {
@@ -489,6 +487,12 @@ impl State {
                 self.wanted.insert(partition);
             }
         }
+    }
+
+    /// Whether a run under this grant may start: the assignment still grants it, and no completion
+    /// has found the partition fenced under it (a new owner may be delivering it already).
+    fn may_deliver(&self, current: &Assignment, partition: Partition, instance: InstanceId, epoch: Epoch) -> bool {
+        current.grants(instance, partition, epoch) && self.fenced.get(&partition) != Some(&(instance, epoch))
     }
 
     fn on_joined(&mut self, joined: std::result::Result<(TaskId, (String, Vec<Outcome>)), tokio::task::JoinError>) {
