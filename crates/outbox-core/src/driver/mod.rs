@@ -1040,13 +1040,13 @@ pub fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
     serde_json::to_string(value).map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))
 }
 
-/// A count or limit as the statements take it.
 /// Whether `r`'s last error is that of a counted call that did not finish ([`crate::UNFINISHED_CALL`]),
 /// in SQL every backend reads alike (the text holds no quote or backslash).
 pub(crate) fn unfinished() -> String {
     format!("coalesce(r.last_error = '{}', false)", crate::UNFINISHED_CALL)
 }
 
+/// A count or limit as the statements take it.
 pub(crate) fn count(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
