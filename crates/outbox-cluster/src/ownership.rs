@@ -244,6 +244,9 @@ impl Ownership {
     /// quiet period (released, the next owner would take one as free, with no quiet period of its own,
     /// while the dead owner may still be delivering), and nudges the instances they go to.
     async fn release_drained(&self, rounds: &mut Rounds) -> Result<()> {
+        // Published before the release, which may fail: what a round acquired is known at a stop all
+        // the same (what is released after is no longer owned, so listing it misleads no one).
+        self.held.send_replace(self.held(rounds));
         let busy = self.busy.borrow().clone();
         let release: Epochs = rounds
             .giving_up
@@ -261,14 +264,6 @@ impl Ownership {
         // Nothing handed to the processor, held back or being given up.
         let none = rounds.giving_up.is_empty() && rounds.quiet.is_empty() && self.assign.borrow().epochs.is_empty();
         self.holds_none.send_replace(none);
-        let held = self.held(rounds);
-        self.held.send_if_modified(|published| {
-            let changed = *published != held;
-            if changed {
-                *published = held;
-            }
-            changed
-        });
         Ok(())
     }
 
