@@ -486,9 +486,7 @@ async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
 /// they were taken from might still be delivering.
 async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
     let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_millis(100)).await;
-    let dead = register_instance(&db).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 1500 WHERE id = $1", dead);
-    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    owner_of_all_dead_since_a_minute(&db, 1500).await;
     commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
 
@@ -520,9 +518,7 @@ async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
 async fn calls_of_records_older_than_a_takeover_are_counted_before_they_are_made(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
     // A dead owner of every partition that heartbeated every 2.5 s: a 5 s quiet period after a takeover.
-    let dead = register_instance(&db).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 2500 WHERE id = $1", dead);
-    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    owner_of_all_dead_since_a_minute(&db, 2500).await;
     let keys: Vec<String> = (0..40).map(|k| format!("k-{k}")).collect();
     commit(&outbox, &db, keys.iter().map(|k| NewRecord::new(k, "before", "")).collect()).await;
 
@@ -578,9 +574,7 @@ async fn calls_of_records_older_than_a_takeover_are_counted_before_they_are_made
 /// follower carried one attempt it never made, and came back as a suspect, called alone.
 async fn counts_of_calls_a_failure_kept_from_being_made_are_taken_back(db: TestDb) {
     let outbox = outbox(&db, |c| c.retry = outbox_core::RetryPolicy::fixed(Duration::from_millis(100), 5)).await;
-    let dead = register_instance(&db).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 100 WHERE id = $1", dead);
-    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    owner_of_all_dead_since_a_minute(&db, 100).await;
     let records =
         (0..10).flat_map(|k| ["first", "second", "third"].map(|event| NewRecord::new(format!("k-{k}"), event, "")));
     commit(&outbox, &db, records.collect()).await;
@@ -607,9 +601,7 @@ async fn counts_of_calls_a_failure_kept_from_being_made_are_taken_back(db: TestD
 /// alone and counted it again: it completed with 1 attempt spent.
 async fn counts_of_calls_a_handover_kept_from_being_made_are_taken_back(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
-    let dead = register_instance(&db).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 100 WHERE id = $1", dead);
-    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    owner_of_all_dead_since_a_minute(&db, 100).await;
     let keys = 40;
     let records =
         (0..keys).flat_map(|k| ["first", "second", "third"].map(|event| NewRecord::new(format!("k-{k}"), event, "")));
@@ -645,9 +637,7 @@ async fn counts_of_calls_a_handover_kept_from_being_made_are_taken_back(db: Test
 /// Before, they stayed, and the next owner called each of those records as a suspect, counted again.
 async fn counts_written_while_the_partition_was_handed_on_are_taken_back(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
-    let dead = register_instance(&db).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 100 WHERE id = $1", dead);
-    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    owner_of_all_dead_since_a_minute(&db, 100).await;
     let keys = 40;
     let mut records: Vec<NewRecord> =
         (0..keys).flat_map(|k| ["first", "second"].map(|event| NewRecord::new(format!("k-{k}"), event, ""))).collect();
@@ -691,9 +681,7 @@ async fn counts_written_while_the_partition_was_handed_on_are_taken_back(db: Tes
 /// (for its handler timeout, were the downstream hanging).
 async fn records_whose_last_call_failed_are_no_suspects_after_a_takeover(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
-    let dead = register_instance(&db).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 100 WHERE id = $1", dead);
-    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    owner_of_all_dead_since_a_minute(&db, 100).await;
     let keys = 10;
     commit(&outbox, &db, (0..keys).map(|k| NewRecord::new(format!("k-{k}"), "retried", "")).collect()).await;
     exec!(db, "UPDATE {s}records SET attempts = 1, last_error = 'downstream unavailable'");

@@ -76,9 +76,7 @@ async fn only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over(
     let _local = metrics::set_default_local_recorder(&recorder);
 
     let outbox = outbox(&db, |_| {}).await;
-    let dead = register_instance(&db).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = 100 WHERE id = $1", dead);
-    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    let dead = owner_of_all_dead_since_a_minute(&db, 100).await;
     let owns = "SELECT count(*) FROM {s}partitions WHERE owner = $1";
     let owned_by = |id: InstanceId| {
         let db = db.clone();

@@ -297,6 +297,15 @@ pub async fn register_instance(db: &TestDb) -> InstanceId {
     me
 }
 
+/// An instance that owns every partition, heartbeating every `heartbeat_ms`, whose lease ended a minute
+/// ago: the next instance takes its partitions over, after their quiet period.
+pub async fn owner_of_all_dead_since_a_minute(db: &TestDb, heartbeat_ms: i64) -> InstanceId {
+    let dead = register_instance(db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60}, heartbeat_ms = $1 WHERE id = $2", heartbeat_ms, dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    dead
+}
+
 pub async fn failed_count(db: &TestDb) -> i64 {
     count(db, "SELECT count(*) FROM {s}records WHERE failed_at IS NOT NULL").await
 }
