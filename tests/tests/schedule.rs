@@ -262,6 +262,38 @@ async fn scheduling_before_migrating_says_so(db: TestDb) {
     assert!(err.to_string().contains("migrat"));
 }
 
+/// A service whose role may not create schemas in its database (PostgreSQL's default for a role that does
+/// not own the database) migrates into the schema its administrator made for it, on its first start and
+/// on every later one, and writes records there.
+#[sqlx::test(migrations = false)]
+async fn a_role_that_may_not_create_schemas_migrates_the_schema_made_for_it(pool: sqlx::PgPool) {
+    let database: String = sqlx::query_scalar("SELECT current_database()").fetch_one(&pool).await.unwrap();
+    let role = format!("{database}_app");
+    // A run that failed left its role behind (database names repeat from run to run).
+    let setup = format!(
+        "DROP ROLE IF EXISTS \"{role}\"; CREATE ROLE \"{role}\" LOGIN; CREATE SCHEMA outbox AUTHORIZATION \"{role}\""
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(setup)).execute(&pool).await.unwrap();
+    let options = pool.connect_options().as_ref().clone().username(&role);
+    let app = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect_with(options).await.unwrap();
+    let may_create: bool = sqlx::query_scalar("SELECT has_database_privilege(current_database(), 'CREATE')")
+        .fetch_one(&app)
+        .await
+        .unwrap();
+    assert!(!may_create, "the role under test may not create schemas");
+
+    let db = TestDb::postgres(app.clone());
+    let outbox = Outbox::new(Config::default()).unwrap();
+    outbox.migrate(&db).await.unwrap();
+    outbox.migrate(&db).await.unwrap();
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    assert_eq!(pending(&db).await, 1);
+
+    app.close().await;
+    let cleanup = format!("DROP SCHEMA outbox CASCADE; DROP ROLE \"{role}\"");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(cleanup)).execute(&pool).await.unwrap();
+}
+
 /// `user` is reserved in PostgreSQL; a schema of that name migrates, takes records and delivers them.
 async fn a_reserved_word_names_a_schema(db: TestDb) {
     let config = Config { schema: "user".into(), poll_interval: Duration::from_millis(20), ..Config::default() };

@@ -208,7 +208,15 @@ impl Driver<'_, PgPool, PgStatements> {
             .execute(&mut *tx)
             .await?;
         let ident = self.statements.schema_ident();
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA IF NOT EXISTS {ident}"))).execute(&mut *tx).await?;
+        // Created only if missing: `CREATE SCHEMA IF NOT EXISTS` wants the right to create schemas even
+        // when the schema is there, which a role that does not own the database seldom has.
+        let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(schema)
+            .fetch_one(&mut *tx)
+            .await?;
+        if !exists {
+            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {ident}"))).execute(&mut *tx).await?;
+        }
         sqlx::query(statement(&self.statements.migrations_table)).execute(&mut *tx).await?;
         let applied: Vec<(i64, i64)> =
             sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT version, checksum FROM {ident}.schema_migrations")))
