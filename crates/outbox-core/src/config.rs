@@ -195,6 +195,13 @@ impl Config {
                 return bad(format!("{name} must be within 1..={max}, got {value}"));
             }
         }
+        if self.query_timeout > MAX_QUERY_TIMEOUT {
+            return bad(format!(
+                "query_timeout must be at most {MAX_QUERY_TIMEOUT:?} (the longest time limit a database statement \
+                 takes), got {:?}",
+                self.query_timeout
+            ));
+        }
         if self.active_poll_interval > self.poll_interval {
             return bad(format!(
                 "active_poll_interval ({:?}) must not exceed poll_interval ({:?})",
@@ -204,6 +211,9 @@ impl Config {
         self.retry.validate()
     }
 }
+
+/// Longest `query_timeout`: 2^31 - 1 ms, the most a database's statement or lock time limit is set to.
+const MAX_QUERY_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
 
 /// Longest schema name: the names built from it must fit every database's limit (MySQL's index
 /// `<schema>_records_partition_key_seq` its 64 characters, PostgreSQL's channel `<schema>.nudge` its 63).
@@ -252,9 +262,10 @@ mod tests {
     #[test]
     fn validate_names_the_bad_field() {
         type Mutate = fn(&mut Config);
-        let cases: [(Mutate, &str); 5] = [
+        let cases: [(Mutate, &str); 6] = [
             (|c| c.schema = "Outbox; drop".into(), "schema"),
             (|c| c.poll_interval = Duration::ZERO, "poll_interval"),
+            (|c| c.query_timeout = Duration::from_secs(30 * 24 * 3600), "query_timeout"),
             (|c| c.concurrency = 0, "concurrency"),
             (|c| c.max_payload_bytes = 0, "max_payload_bytes"),
             (|c| c.retry.jitter = -1.0, "jitter"),
