@@ -135,8 +135,10 @@ impl RetryPolicy {
             Backoff::Linear { initial, increment } => initial.saturating_add(increment.saturating_mul(steps)),
             Backoff::Exponential { initial, multiplier } => {
                 // Compute in f64 seconds and cap before converting, so huge exponents cannot overflow
-                // (and a multiplier that does not validate cannot make a negative or NaN delay).
-                let secs = initial.as_secs_f64() * multiplier.max(1.0).powi(steps.min(1024) as i32);
+                // (and a multiplier that does not validate cannot make a negative or NaN delay). The
+                // growth stays finite, so that no delay times it is NaN.
+                let growth = multiplier.max(1.0).powi(steps.min(1024) as i32).min(f64::MAX);
+                let secs = initial.as_secs_f64() * growth;
                 Duration::try_from_secs_f64(secs.min(self.max_delay.as_secs_f64())).unwrap_or(self.max_delay)
             }
         };
@@ -180,6 +182,8 @@ mod tests {
             [MS(10), MS(30), MS(90), MS(200), MS(200)]
         );
         assert_eq!(exp.nominal_delay(u32::MAX), MS(200), "huge retry numbers stay capped");
+        let immediate = RetryPolicy::exponential(Duration::ZERO, 10.0, 400);
+        assert_eq!(immediate.nominal_delay(400), Duration::ZERO, "no delay grows from none, however many retries");
     }
 
     #[test]
