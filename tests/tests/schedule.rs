@@ -208,6 +208,7 @@ async fn bad_input_is_rejected_before_writing_and_the_transaction_stays_usable(d
         (NewRecord::new("k", "t", vec![1u8; 65]), "PayloadTooLarge"),
         (NewRecord::new("k", "t", "").header("bad name", "v"), "BadHeader"),
         (NewRecord::new("k", "t", "").header("h", "line\nbreak"), "BadHeader"),
+        (NewRecord::new("k", "t", "").deliver_at(chrono::DateTime::<chrono::Utc>::MIN_UTC), "DeliverAtOutOfRange"),
     ];
     for (record, expected) in cases {
         let err = outbox.schedule(&mut tx, record.clone()).await.unwrap_err();
@@ -221,8 +222,11 @@ async fn bad_input_is_rejected_before_writing_and_the_transaction_stays_usable(d
     assert!(err.to_string().contains("65 bytes") && err.to_string().contains("\"k\""), "{err}");
     // The caller's transaction is intact and commits its own valid record.
     outbox.schedule(&mut tx, NewRecord::new("k", "t", vec![1u8; 64])).await.unwrap();
+    // The earliest time accepted is stored by every backend (and is due at once).
+    let first = chrono::TimeZone::with_ymd_and_hms(&chrono::Utc, 1, 1, 1, 0, 0, 0).unwrap();
+    outbox.schedule(&mut tx, NewRecord::new("k", "t", "").deliver_at(first)).await.unwrap();
     tx.commit().await.unwrap();
-    assert_eq!(pending(&db).await, 1);
+    assert_eq!(pending(&db).await, 2);
 }
 
 async fn migrations_are_idempotent_concurrent_and_use_their_own_table(db: TestDb) {

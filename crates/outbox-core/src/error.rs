@@ -66,9 +66,9 @@ pub enum Error {
         /// The limit.
         max: std::time::Duration,
     },
-    /// A [`Delay::At`](crate::Delay::At) after the year 9999, which not every database can store.
-    #[error("delivery time {at} for key {key:?} is after the year 9999")]
-    DeliverAtTooLate {
+    /// A [`Delay::At`](crate::Delay::At) outside the years 1 to 9999, which not every database can store.
+    #[error("delivery time {at} for key {key:?} is outside the years 1 to 9999")]
+    DeliverAtOutOfRange {
         /// Key of the rejected record.
         key: String,
         /// The time asked for.

@@ -123,9 +123,9 @@ impl NewRecord {
             return Err(Error::DelayTooLong { key: key.clone(), delay, max: MAX_DELAY });
         }
         if let Some(Delay::At(at)) = self.delay
-            && at.year() > MAX_YEAR
+            && !(1..=MAX_YEAR).contains(&at.year())
         {
-            return Err(Error::DeliverAtTooLate { key: key.clone(), at });
+            return Err(Error::DeliverAtOutOfRange { key: key.clone(), at });
         }
         for (name, value) in &self.headers {
             let bad = |reason| Err(Error::BadHeader { key: key.clone(), name: name.clone(), reason });
@@ -148,7 +148,7 @@ impl NewRecord {
     }
 }
 
-/// The last year a [`Delay::At`] may fall in (MySQL's `DATETIME` ends with it).
+/// The last year a [`Delay::At`] may fall in (MySQL's `DATETIME` ends with it; the first is year 1).
 const MAX_YEAR: i32 = 9999;
 
 /// A stored record as handed to a handler. Its `Debug` shows the payload's length, never its bytes, so
@@ -292,6 +292,10 @@ mod tests {
             Err(Error::DelayTooLong { .. })
         ));
         let late = chrono::TimeZone::with_ymd_and_hms(&Utc, 10_000, 1, 1, 0, 0, 0).unwrap();
-        assert!(matches!(check(NewRecord::new("k", "t", "").deliver_at(late)), Err(Error::DeliverAtTooLate { .. })));
+        assert!(matches!(check(NewRecord::new("k", "t", "").deliver_at(late)), Err(Error::DeliverAtOutOfRange { .. })));
+        let early = chrono::DateTime::<Utc>::MIN_UTC;
+        assert!(matches!(check(NewRecord::new("k", "t", "").deliver_at(early)), Err(Error::DeliverAtOutOfRange { .. })));
+        let first = chrono::TimeZone::with_ymd_and_hms(&Utc, 1, 1, 1, 0, 0, 0).unwrap();
+        assert!(check(NewRecord::new("k", "t", "").deliver_at(first)).is_ok(), "a time long past is due at once");
     }
 }
