@@ -363,15 +363,27 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
         let collation = if is_mariadb(conn).await? { "utf8mb4_nopad_bin" } else { "utf8mb4_0900_bin" };
         for m in pending {
             let sql = render(m.sql, schema).replace("{bin}", collation);
-            sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await?;
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {schema}_schema_migrations (version, name, checksum) VALUES (?, ?, ?)"
-            )))
-            .bind(m.version)
-            .bind(m.name)
-            .bind(checksum(m.sql))
-            .execute(&mut *conn)
-            .await?;
+            let applied = async {
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await?;
+                sqlx::query(AssertSqlSafe(format!(
+                    "INSERT INTO {schema}_schema_migrations (version, name, checksum) VALUES (?, ?, ?)"
+                )))
+                .bind(m.version)
+                .bind(m.name)
+                .bind(checksum(m.sql))
+                .execute(&mut *conn)
+                .await
+            };
+            applied.await.map_err(|e| Error::Migration {
+                schema: schema.to_string(),
+                version: m.version,
+                reason: format!(
+                    "{e}; migration {} ({}) may be applied in part, as MySQL commits each of its statements: \
+                     finish or undo it by hand (and record version {} in {schema}_schema_migrations once it \
+                     is whole), then migrate again",
+                    m.version, m.name, m.version
+                ),
+            })?;
             info!(schema, version = m.version, name = m.name, "applied outbox migration (MySQL)");
         }
         Ok(())
@@ -603,6 +615,31 @@ mod tests {
                 .await
                 .unwrap();
         assert_eq!((written, open), (0, 0), "the failed transaction was rolled back and ended");
+    }
+
+    /// A migration MySQL applied only in part (each DDL statement commits on its own; here the last one,
+    /// whose version row is then missing, as after a crash before it was written) stops every later
+    /// migrate with an error that names it and says what to do, not with the server's bare complaint.
+    #[tokio::test]
+    async fn a_migration_applied_in_part_names_itself() {
+        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
+        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        let last = super::MIGRATIONS.last().unwrap();
+        sqlx::query("DELETE FROM outbox_schema_migrations WHERE version = ?")
+            .bind(last.version)
+            .execute(&pool)
+            .await
+            .unwrap();
+        let err = outbox.migrate(&pool).await.unwrap_err();
+        match &err {
+            crate::Error::Migration { version, reason, .. } => {
+                assert_eq!(*version, last.version);
+                assert!(reason.contains(last.name) && reason.contains("by hand"), "{reason}");
+            }
+            other => panic!("expected a migration error, got {other:?}"),
+        }
     }
 
     /// One line of MariaDB's `EXPLAIN`: query kind, table, access type, index, extra.
