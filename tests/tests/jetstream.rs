@@ -194,8 +194,8 @@ async fn a_broker_outage_delays_but_loses_nothing(pool: PgPool) {
     }
 }
 
-/// A payload over the server's max_payload and a subject no stream captures are permanent: the record
-/// goes to its fallback, or to FAILED with the reason stored.
+/// A payload over the server's max_payload or over its stream's largest message, and a subject no stream
+/// captures, are permanent: the record goes to its fallback, or to FAILED with the reason stored.
 #[sqlx::test(migrations = false)]
 async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason(pool: PgPool) {
     let db = TestDb::postgres(pool.clone());
@@ -208,6 +208,14 @@ async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason
     };
     let client = outbox_nats::connect(&config).await.unwrap();
     ensure_stream(&client, &config.stream).await.unwrap();
+    // A stream of the operator's own, whose messages may not be larger than 1 KiB.
+    let capped = async_nats::jetstream::stream::Config {
+        name: "CAPPED".into(),
+        subjects: vec!["billing.capped".into()],
+        max_message_size: 1024,
+        ..Default::default()
+    };
+    async_nats::jetstream::new(client.clone()).create_stream(capped).await.unwrap();
     let handler = JetStreamHandler::new(client.clone(), &config).unwrap();
     let outbox = outbox(&db, |_| {}).await;
     let archived = Sink::new();
@@ -224,7 +232,8 @@ async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason
                 }
             })),
         )
-        .route("billing.charged", Route::new(handler));
+        .route("billing.charged", Route::new(handler.clone()))
+        .route("billing.capped", Route::new(handler));
     commit(
         &outbox,
         &db,
@@ -232,12 +241,13 @@ async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason
             NewRecord::new("big", "orders.created", vec![7u8; 8192]),
             NewRecord::new("big-with-fallback", "orders.archived", vec![7u8; 8192]),
             NewRecord::new("nowhere", "billing.charged", "{}"),
+            NewRecord::new("over-the-stream", "billing.capped", vec![7u8; 2048]),
             NewRecord::new("fine", "orders.created", "{}"),
         ],
     )
     .await;
     let node = start(&outbox, &db, handlers).await;
-    wait_failed(&db, 2).await;
+    wait_failed(&db, 3).await;
     drained(&db, LONG).await;
     node.shutdown().await.unwrap();
 
@@ -247,7 +257,9 @@ async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason
     assert!(big.starts_with("permanent") && big.contains("max_payload") && big.contains("\"big\""), "{big}");
     let nowhere = reason("nowhere");
     assert!(nowhere.starts_with("permanent") && nowhere.contains("no JetStream stream captures"), "{nowhere}");
-    assert_eq!(failed.iter().map(|f| f.attempts).collect::<Vec<_>>(), [1, 1], "permanent errors are not retried");
+    let over = reason("over-the-stream");
+    assert!(over.starts_with("permanent") && over.contains("max_msg_size"), "{over}");
+    assert_eq!(failed.iter().map(|f| f.attempts).collect::<Vec<_>>(), [1, 1, 1], "permanent errors are not retried");
     assert_eq!(archived.of_key("big-with-fallback").len(), 1);
     let stored = read_stream(&client, "OUTBOX").await;
     assert_eq!(stored.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(), ["fine"]);

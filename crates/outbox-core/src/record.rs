@@ -294,7 +294,10 @@ mod tests {
         let late = chrono::TimeZone::with_ymd_and_hms(&Utc, 10_000, 1, 1, 0, 0, 0).unwrap();
         assert!(matches!(check(NewRecord::new("k", "t", "").deliver_at(late)), Err(Error::DeliverAtOutOfRange { .. })));
         let early = chrono::DateTime::<Utc>::MIN_UTC;
-        assert!(matches!(check(NewRecord::new("k", "t", "").deliver_at(early)), Err(Error::DeliverAtOutOfRange { .. })));
+        assert!(matches!(
+            check(NewRecord::new("k", "t", "").deliver_at(early)),
+            Err(Error::DeliverAtOutOfRange { .. })
+        ));
         let first = chrono::TimeZone::with_ymd_and_hms(&Utc, 1, 1, 1, 0, 0, 0).unwrap();
         assert!(check(NewRecord::new("k", "t", "").deliver_at(first)).is_ok(), "a time long past is due at once");
     }

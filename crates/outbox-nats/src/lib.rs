@@ -11,7 +11,8 @@
 //!   unacknowledged record per key and many keys in flight, and the handler sends the publishes of the
 //!   keys in flight to the connection together.
 //! - Failures are classified by kind: unreachable broker, timeouts, no responders, a full stream are
-//!   retryable; a payload over the server's `max_payload` or a subject no stream captures are permanent.
+//!   retryable; a message over the server's `max_payload` or its stream's `max_msg_size`, or a subject
+//!   no stream captures, are permanent.
 //! - On the consuming side, [`apply_once`] applies each message of a JetStream consumer once to a
 //!   database, through the consumer's [`Inbox`](outbox_core::inbox::Inbox).
 //!

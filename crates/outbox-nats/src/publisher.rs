@@ -1,7 +1,10 @@
 //! The JetStream handler: publish with `Nats-Msg-Id` = record id, wait for the ack, classify failures.
 
 use async_nats::Client;
-use async_nats::jetstream::context::{Context, ContextBuilder, GetStreamByNameErrorKind, PublishErrorKind};
+use async_nats::jetstream::ErrorCode;
+use async_nats::jetstream::context::{
+    Context, ContextBuilder, GetStreamByNameErrorKind, PublishError, PublishErrorKind,
+};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::{HeaderMap, HeaderName};
 use outbox_core::{Handler, HandlerError, Record};
@@ -67,19 +70,24 @@ impl JetStreamHandler {
                     duplicate = ack.duplicate, "published");
                 Ok(())
             }
-            Err(e) => Err(self.classify(record, &self.subject(record), e.kind(), e.to_string()).await),
+            Err(e) => Err(self.classify(record, &self.subject(record), e).await),
         }
     }
 
-    /// Retryable unless retrying cannot help: a payload over the server's limit, or a subject that no
-    /// stream captures. "No responders" means either no stream or a stream without a leader right now;
-    /// asking the server which stream captures the subject tells them apart.
-    async fn classify(&self, record: &Record, subject: &str, kind: PublishErrorKind, error: String) -> HandlerError {
+    /// Retryable unless retrying cannot help: a message over the server's or its stream's limit, or a
+    /// subject that no stream captures. "No responders" means either no stream or a stream without a
+    /// leader right now; asking the server which stream captures the subject tells them apart.
+    async fn classify(&self, record: &Record, subject: &str, error: PublishError) -> HandlerError {
         let context = about(record, subject);
-        match kind {
+        match error.kind() {
             PublishErrorKind::MaxPayloadExceeded => HandlerError::permanent(format!(
                 "{context}: {error} (raise the server's max_payload or shrink the event)"
             )),
+            PublishErrorKind::Other if api_error(&error) == Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => {
+                HandlerError::permanent(format!(
+                    "{context}: {error} (raise the stream's max_msg_size or shrink the event)"
+                ))
+            }
             PublishErrorKind::StreamNotFound => match self.js.stream_by_subject(subject).await {
                 Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
                     HandlerError::permanent(format!("{context}: no JetStream stream captures this subject"))
@@ -92,6 +100,11 @@ impl JetStreamHandler {
             _ => HandlerError::retryable(format!("{context}: {error}")),
         }
     }
+}
+
+/// The code of the JetStream API error a publish was answered with, if it was.
+fn api_error(error: &PublishError) -> Option<ErrorCode> {
+    std::error::Error::source(error)?.downcast_ref::<async_nats::jetstream::Error>().map(|e| e.error_code())
 }
 
 /// Which record a failure is about, and where it was going.
