@@ -105,15 +105,16 @@ pub async fn transaction<T, E: From<sqlx::Error>>(
     failed
 }
 
-/// Deadlock (1213), lock wait timeout (1205), too many connections (1040), server shutdown (1053),
-/// connection killed (1927), query interrupted (1317), a statement time limit (MariaDB 1969, MySQL
-/// 3024), a full disk (1021) and exhausted memory or resources (1037, 1038, 1041) are worth retrying, as
-/// PostgreSQL's classes 53 and 57014 are. `None`: not a MySQL error.
+/// Deadlock (1213), lock wait timeout (1205), a row changed since the transaction's snapshot (MariaDB's
+/// snapshot isolation, 1020), too many connections for the server or the user (1040, 1203, 1226),
+/// server shutdown (1053), connection killed (1927), query interrupted (1317), a statement time limit
+/// (MariaDB 1969, MySQL 3024), a full disk (1021) and exhausted memory or resources (1037, 1038, 1041)
+/// are worth retrying, as PostgreSQL's classes 40, 53 and 57014 are. `None`: not a MySQL error.
 pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     let db = db.try_downcast_ref::<MySqlDatabaseError>()?;
     Some(matches!(
         db.number(),
-        1021 | 1037 | 1038 | 1040 | 1041 | 1053 | 1205 | 1213 | 1317 | 1927 | 1969 | 3024 | 4031
+        1020 | 1021 | 1037 | 1038 | 1040 | 1041 | 1053 | 1203 | 1205 | 1213 | 1226 | 1317 | 1927 | 1969 | 3024 | 4031
     ))
 }
 
@@ -563,7 +564,7 @@ mod tests {
 
     use sqlx::mysql::{MySqlArguments, MySqlPoolOptions, MySqlRow};
     use sqlx::query::Query;
-    use sqlx::{AssertSqlSafe, MySql, MySqlConnection, MySqlPool, Row};
+    use sqlx::{AssertSqlSafe, Connection, MySql, MySqlConnection, MySqlPool, Row};
     use uuid::Uuid;
 
     use super::{MySqlStatements, json_arrays};
@@ -640,6 +641,48 @@ mod tests {
             }
             other => panic!("expected a migration error, got {other:?}"),
         }
+    }
+
+    /// Under MariaDB's snapshot isolation (`innodb_snapshot_isolation`, on by default from 11.6), a
+    /// caller's transaction that read before another transaction wrote the same key's lock row is told
+    /// "record has changed since last read" (1020) when it schedules that key. The whole transaction
+    /// tried again succeeds, so the error says it is transient, as PostgreSQL's serialisation failures do.
+    #[tokio::test]
+    async fn a_key_written_since_the_callers_snapshot_is_a_transient_error() {
+        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
+        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        let mut conn = pool.acquire().await.unwrap();
+        sqlx::query("SET SESSION innodb_snapshot_isolation = ON").execute(&mut *conn).await.unwrap();
+        let mut first = conn.begin().await.unwrap();
+        sqlx::query("SELECT count(*) FROM outbox_records").execute(&mut *first).await.unwrap();
+        let mut second = pool.begin().await.unwrap();
+        outbox.schedule(&mut second, crate::NewRecord::new("k", "t", "")).await.unwrap();
+        second.commit().await.unwrap();
+        let err = outbox.schedule(&mut first, crate::NewRecord::new("k", "t", "")).await.unwrap_err();
+        assert!(err.is_transient(), "{err:?}");
+    }
+
+    /// A connection refused for the user's own connection limit (1203) is worth trying again, as one
+    /// refused for the server's (1040) is: the outcome of a delivery whose write met it is not FAILED.
+    #[tokio::test]
+    async fn a_user_over_its_connection_limit_is_a_transient_error() {
+        let base = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".into());
+        let mut admin = MySqlConnection::connect(&base).await.unwrap();
+        let user = format!("outbox_u_{}", Uuid::now_v7().simple());
+        sqlx::raw_sql(AssertSqlSafe(format!("CREATE USER '{user}'@'%' WITH MAX_USER_CONNECTIONS 1")))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let (scheme, server) = base.split_once("://").unwrap();
+        let server = server.rsplit_once('@').map_or(server, |(_, host)| host);
+        let url = format!("{scheme}://{user}@{server}");
+        let held = MySqlConnection::connect(&url).await.unwrap();
+        let refused = crate::Db::connect(&url).await.map(|_| ()).unwrap_err();
+        drop(held);
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP USER '{user}'@'%'"))).execute(&mut admin).await.unwrap();
+        assert!(refused.is_transient(), "{refused:?}");
     }
 
     /// One line of MariaDB's `EXPLAIN`: query kind, table, access type, index, extra.
