@@ -11,6 +11,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
+use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, Connection, SqliteConnection, SqlitePool};
 use tracing::info;
@@ -152,6 +153,12 @@ pub(super) async fn schedule(
     insert(conn, s, rows).await
 }
 
+/// A delivery time as stored (milliseconds since the epoch), rounded up: a record is never due early.
+fn millis_not_before(at: DateTime<Utc>) -> i64 {
+    let millis = at.timestamp_millis();
+    if at.timestamp_subsec_nanos() % 1_000_000 == 0 { millis } else { millis + 1 }
+}
+
 async fn insert(conn: &mut SqliteConnection, s: &SqliteStatements, rows: &[NewRow<'_>]) -> Result<Vec<(Uuid, i64)>> {
     let done = if let [row] = rows {
         sqlx::query(statement(&s.insert))
@@ -161,7 +168,7 @@ async fn insert(conn: &mut SqliteConnection, s: &SqliteStatements, rows: &[NewRo
             .bind(row.event_type)
             .bind(row.payload)
             .bind(&row.headers)
-            .bind(row.deliver_at.map(|at| at.timestamp_millis()))
+            .bind(row.deliver_at.map(millis_not_before))
             .bind(row.deliver_after_ms)
             .execute(conn)
             .await?
@@ -170,7 +177,7 @@ async fn insert(conn: &mut SqliteConnection, s: &SqliteStatements, rows: &[NewRo
             .iter()
             .map(|r| {
                 let payload = hex::encode(r.payload);
-                let at = r.deliver_at.map(|at| at.timestamp_millis());
+                let at = r.deliver_at.map(millis_not_before);
                 let (id, partition) = (r.id.simple().to_string(), i16::from(r.partition));
                 (id, partition, r.key, r.event_type, payload, r.headers.as_str(), at, r.deliver_after_ms)
             })
@@ -356,6 +363,17 @@ mod tests {
     use super::memory as sqlite_memory;
     use super::render;
     use crate::{Config, Db, Outbox};
+
+    /// A delivery time is stored as whole milliseconds, never before the time asked for.
+    #[test]
+    fn delivery_times_round_up_to_the_millisecond() {
+        let at = |ms: i64, ns: u32| chrono::DateTime::from_timestamp(ms / 1000, (ms % 1000) as u32 * 1_000_000 + ns);
+        assert_eq!(super::millis_not_before(at(1_700_000_000_123, 0).unwrap()), 1_700_000_000_123);
+        assert_eq!(super::millis_not_before(at(1_700_000_000_123, 1).unwrap()), 1_700_000_000_124);
+        assert_eq!(super::millis_not_before(at(1_700_000_000_123, 999_999).unwrap()), 1_700_000_000_124);
+        let before_1970 = chrono::DateTime::from_timestamp(-2, 999_500_000).unwrap(); // -1000.5 ms
+        assert_eq!(super::millis_not_before(before_1970), -1_000);
+    }
 
     /// A migrated outbox on a private in-memory database.
     async fn migrated() -> (sqlx::SqlitePool, Outbox) {
