@@ -3,11 +3,12 @@
 //! the delay is added to each chunk as it is read, so bandwidth is not limited. It can also make the
 //! connections it already carries stop answering ([`DelayProxy::stall`]): a failover that left clients
 //! holding half-open connections; or, told nothing of a close either ([`DelayProxy::vanish`]), a host
-//! gone.
+//! gone. Or it can close them and refuse new ones until told otherwise ([`DelayProxy::cut`],
+//! [`DelayProxy::mend`]): a link down for a while.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -26,6 +27,10 @@ pub struct DelayProxy {
     stalled_below: Arc<AtomicU64>,
     /// Whether a stalled connection keeps a close from one side to itself (see [`DelayProxy::vanish`]).
     silent: Arc<AtomicBool>,
+    /// Whether new connections are closed at once (see [`DelayProxy::cut`]).
+    refusing: Arc<AtomicBool>,
+    /// The forwarding tasks of the connections accepted so far.
+    links: Arc<Mutex<Vec<JoinHandle<()>>>>,
 }
 
 impl DelayProxy {
@@ -34,21 +39,42 @@ impl DelayProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let (accepted, stalled_below) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-        let silent = Arc::new(AtomicBool::new(false));
+        let (silent, refusing) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let links = Arc::new(Mutex::new(Vec::new()));
         let (counted, stalled, quiet) = (accepted.clone(), stalled_below.clone(), silent.clone());
+        let (refuse, tasks) = (refusing.clone(), links.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if refuse.load(Ordering::SeqCst) {
+                    continue;
+                }
                 let number = counted.fetch_add(1, Ordering::SeqCst);
                 let Ok(server) = TcpStream::connect(("127.0.0.1", target)).await else { continue };
                 let _ = (client.set_nodelay(true), server.set_nodelay(true));
                 let ((client_read, client_write), (server_read, server_write)) =
                     (client.into_split(), server.into_split());
                 let link = Link { number, delay, stalled_below: stalled.clone(), silent: quiet.clone() };
-                tokio::spawn(forward(client_read, server_write, link.clone()));
-                tokio::spawn(forward(server_read, client_write, link));
+                let mut tasks = tasks.lock().unwrap();
+                tasks.push(tokio::spawn(forward(client_read, server_write, link.clone())));
+                tasks.push(tokio::spawn(forward(server_read, client_write, link)));
             }
         });
-        DelayProxy { port, accept, accepted, stalled_below, silent }
+        DelayProxy { port, accept, accepted, stalled_below, silent, refusing, links }
+    }
+
+    /// Closes every connection open now, and each one opened later as soon as it is accepted, until
+    /// [`DelayProxy::mend`]: both ends learn of it, as when a link goes down and comes back.
+    pub fn cut(&self) {
+        self.refusing.store(true, Ordering::SeqCst);
+        self.stall();
+        for task in self.links.lock().unwrap().drain(..) {
+            task.abort();
+        }
+    }
+
+    /// Forwards new connections again after [`DelayProxy::cut`].
+    pub fn mend(&self) {
+        self.refusing.store(false, Ordering::SeqCst);
     }
 
     /// Every connection open now stops forwarding in both directions, its sockets left open: what its

@@ -428,3 +428,45 @@ async fn a_publish_dropped_before_it_was_sent_is_never_sent() {
     let stored: Vec<_> = read_stream(&client, "OUTBOX").await.into_iter().map(|r| r.id).collect();
     assert_eq!(stored, [sent.id]);
 }
+
+/// A publish made while the handler's connection is down fails at once and is never sent: queued in the
+/// client, it would reach the stream when the connection came back, after the record had been published
+/// by the partition's next owner and the duplicate window had passed, as a second copy behind its key's
+/// later records.
+#[tokio::test]
+async fn a_publish_made_while_disconnected_never_reaches_the_stream_later() {
+    let server = NatsServer::start();
+    let window = Duration::from_secs(1);
+    let direct = NatsConfig {
+        stream: StreamSettings { duplicate_window: window, ..StreamSettings::default() },
+        publish_timeout: Duration::from_secs(2),
+        ..config(&server)
+    };
+    let client = outbox_nats::connect(&direct).await.unwrap();
+    ensure_stream(&client, &direct.stream).await.unwrap();
+    let next_owner = JetStreamHandler::new(client.clone(), &direct).unwrap();
+    let link = outbox_tests::proxy::DelayProxy::start(server.port, Duration::ZERO).await;
+    let far = NatsConfig { servers: vec![format!("nats://127.0.0.1:{}", link.port)], ..direct.clone() };
+    let cut_off_client = outbox_nats::connect(&far).await.unwrap();
+    let cut_off = JetStreamHandler::new(cut_off_client.clone(), &far).unwrap();
+
+    link.cut();
+    wait_for("the connection to be seen down", LONG, || async {
+        cut_off_client.connection_state() != async_nats::connection::State::Connected
+    })
+    .await;
+    let (first, second) = (record("k", b"1".to_vec()), record("k", b"2".to_vec()));
+    assert!(cut_off.handle(&first).await.is_err(), "no publish without a connection");
+    next_owner.handle(&first).await.unwrap();
+    next_owner.handle(&second).await.unwrap();
+    tokio::time::sleep(window + Duration::from_millis(500)).await;
+    link.mend();
+    wait_for("the connection to be back", LONG, || async {
+        cut_off_client.connection_state() == async_nats::connection::State::Connected
+    })
+    .await;
+    // Whatever the client had queued went out before the answer to this round trip.
+    cut_off_client.flush().await.unwrap();
+    let stored: Vec<_> = read_stream(&client, "OUTBOX").await.into_iter().map(|r| r.id).collect();
+    assert_eq!(stored, [first.id, second.id]);
+}

@@ -9,7 +9,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use async_nats::jetstream::context::{Context, PublishError};
+use async_nats::Client;
+use async_nats::connection::State;
+use async_nats::jetstream::context::{Context, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
 use futures::StreamExt;
@@ -75,7 +77,8 @@ impl Outgoing {
 const BATCH: usize = 4096;
 
 async fn run(js: Context, mut requests: mpsc::UnboundedReceiver<Request>) {
-    let js = &js;
+    let client = js.client();
+    let (js, client) = (&js, &client);
     let mut in_flight = FuturesUnordered::new();
     let mut batch = Vec::with_capacity(BATCH);
     let mut open = true;
@@ -97,7 +100,7 @@ async fn run(js: Context, mut requests: mpsc::UnboundedReceiver<Request>) {
                 }
                 // Each is sent when `in_flight` is next polled: all of them in one poll, before the
                 // connection task runs. A publish waiting for an ack permit does not hold up the others.
-                in_flight.extend(batch.drain(..).map(|request| publish(js, request)));
+                in_flight.extend(batch.drain(..).map(|request| publish(js, client, request)));
             }
             else => break,
         }
@@ -107,8 +110,15 @@ async fn run(js: Context, mut requests: mpsc::UnboundedReceiver<Request>) {
 /// Sends one request's message and hands its ack over. A delivery dropped before its message went to
 /// the connection (its partition was fenced, or its lease ran out) never publishes it: as when the
 /// delivery itself called the client, only a message already queued may still reach the stream.
-async fn publish(js: &Context, Request { subject, message, mut reply }: Request) {
+///
+/// Nor is a message queued while the client is not connected: the client would send it whenever it
+/// reconnects, however late, by when the record may have been published by the partition's next owner
+/// and its duplicate window passed, so the stream would hold it twice, behind its key's later records.
+async fn publish(js: &Context, client: &Client, Request { subject, message, mut reply }: Request) {
     let ack = async {
+        if client.connection_state() != State::Connected {
+            return Err(PublishError::with_source(PublishErrorKind::Other, "not connected to the NATS server"));
+        }
         match js.send_publish(subject, message).await {
             Ok(ack) => ack.await,
             Err(e) => Err(e),
