@@ -33,6 +33,7 @@ every_backend!(
     counts_of_calls_a_handover_kept_from_being_made_are_taken_back,
     counts_written_while_the_partition_was_handed_on_are_taken_back,
     records_whose_last_call_failed_are_no_suspects_after_a_takeover,
+    without_stop_on_first_failure_every_call_older_than_a_takeover_is_counted,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -522,27 +523,10 @@ async fn calls_of_records_older_than_a_takeover_are_counted_before_they_are_made
     let keys: Vec<String> = (0..40).map(|k| format!("k-{k}")).collect();
     commit(&outbox, &db, keys.iter().map(|k| NewRecord::new(k, "before", "")).collect()).await;
 
-    // Per call: (instance name, event type, the attempts and whether the error says "did not finish",
-    // as stored for the record during the call).
-    type Seen = Arc<std::sync::Mutex<Vec<(String, String, i32, bool)>>>;
     let seen: Seen = Arc::default();
-    let handlers = |name: &str| {
-        let (name, seen, db) = (name.to_string(), seen.clone(), db.clone());
-        Handlers::new().default_route(Route::new(handler_fn(move |r| {
-            let (name, seen, db) = (name.clone(), seen.clone(), db.clone());
-            async move {
-                let stored =
-                    rows!(db, (i32, Option<String>), "SELECT attempts, last_error FROM {s}records WHERE id = $1", r.id);
-                let (attempts, error) = stored.into_iter().next().unwrap_or_default();
-                let unfinished = error.is_some_and(|e| e.contains("did not finish"));
-                seen.lock().unwrap().push((name, r.event_type.clone(), attempts, unfinished));
-                Ok::<(), HandlerError>(())
-            }
-        })))
-    };
     let start = |name: &str| {
         let config = outbox_cluster::ClusterConfig { name: name.into(), ..fast_cluster() };
-        Node::start(outbox.clone(), &db, handlers(name), config)
+        Node::start(outbox.clone(), &db, what_calls_find_stored(&db, name, &seen), config)
     };
     let a = start("a").await.unwrap();
     wait_for("a took every partition over", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
@@ -566,6 +550,45 @@ async fn calls_of_records_older_than_a_takeover_are_counted_before_they_are_made
     assert!(after.iter().all(|&(_, attempts, unfinished)| attempts == 0 && !unfinished), "{seen:?}");
     let traces = count(&db, "SELECT count(*) FROM {s}completed WHERE attempts <> 0").await;
     assert_eq!(traces, 0, "a counted call that succeeded leaves its record as if uncounted");
+}
+
+/// Per call: (instance name, event type, the attempts and whether the error says "did not finish", as
+/// stored for the record during the call).
+type Seen = Arc<std::sync::Mutex<Vec<(String, String, i32, bool)>>>;
+
+/// Handlers of instance `name` that note in `seen` what each call finds stored for its record.
+fn what_calls_find_stored(db: &TestDb, name: &str, seen: &Seen) -> Handlers {
+    let (name, seen, db) = (name.to_string(), seen.clone(), db.clone());
+    Handlers::new().default_route(Route::new(handler_fn(move |r| {
+        let (name, seen, db) = (name.clone(), seen.clone(), db.clone());
+        async move {
+            let stored =
+                rows!(db, (i32, Option<String>), "SELECT attempts, last_error FROM {s}records WHERE id = $1", r.id);
+            let (attempts, error) = stored.into_iter().next().unwrap_or_default();
+            let unfinished = error.is_some_and(|e| e.contains("did not finish"));
+            seen.lock().unwrap().push((name, r.event_type.clone(), attempts, unfinished));
+            Ok::<(), HandlerError>(())
+        }
+    })))
+}
+
+/// Without stop-on-first-failure a key's records are fetched one at a time, and the previous owner may
+/// have been calling any of those scheduled before the takeover (a later one while an earlier waited
+/// for its retry), so the call of each is counted, not only of the first one fetched. Before, only the
+/// first was: a later record that ended the process ended its next owner's too, uncounted.
+async fn without_stop_on_first_failure_every_call_older_than_a_takeover_is_counted(db: TestDb) {
+    let outbox = outbox(&db, |c| c.stop_on_first_failure = false).await;
+    owner_of_all_dead_since_a_minute(&db, 100).await;
+    let records = (0..10).flat_map(|k| ["first", "second"].map(|event| NewRecord::new(format!("k-{k}"), event, "")));
+    commit(&outbox, &db, records.collect()).await;
+
+    let seen: Seen = Arc::default();
+    let a = Node::start(outbox.clone(), &db, what_calls_find_stored(&db, "a", &seen), fast_cluster()).await.unwrap();
+    drained(&db, LONG).await;
+    a.shutdown().await.unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 20, "{seen:?}");
+    assert!(seen.iter().all(|&(_, _, attempts, unfinished)| attempts == 1 && unfinished), "{seen:?}");
 }
 
 /// A key's run is counted whole before its first call, but a failure stops the run: the counts of the

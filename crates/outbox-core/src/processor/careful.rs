@@ -10,9 +10,11 @@
 //! on) takes it back (`Verdict::NotCalled`). A record whose unfinished calls used up its retries is
 //! FAILED without another call.
 //!
-//! Only a key's first run can hold the record the previous owner was calling (a key is fetched again
-//! only once its run is completed), so only the records up to the end of that run are counted, and
-//! records scheduled after the takeover never are. The counts of one fetch's runs are one write, made
+//! With stop-on-first-failure, only a key's first run can hold the record the previous owner was
+//! calling (a key is fetched again only once its run is completed), so only the records up to the end
+//! of that run are counted. Without it, the previous owner may have been calling any record of the key
+//! (a later one while an earlier waited for its retry), so each one scheduled before the takeover is.
+//! Records scheduled after the takeover never are. The counts of one fetch's runs are one write, made
 //! before the runs start.
 //!
 //! Every call in flight when a process ends stays counted, including those of records beside the one
@@ -48,14 +50,16 @@ struct Taken {
     epoch: Epoch,
     /// The last takeover's database time: records scheduled before then are counted.
     since: DateTime<Utc>,
-    /// Per key whose first run was fetched: the last sequence number to count.
+    /// Per key whose first run was fetched: the last sequence number to count (with stop-on-first-failure).
     through: HashMap<String, i64>,
 }
 
 /// The partitions taken over that the processor holds.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct TakenOver {
     partitions: BTreeMap<Partition, Taken>,
+    /// Stop-on-first-failure: only a key's first run is counted.
+    first_run_only: bool,
 }
 
 /// How a run's calls are made.
@@ -70,6 +74,10 @@ pub(super) enum Calls {
 }
 
 impl TakenOver {
+    pub(super) fn new(config: &Config) -> Self {
+        Self { partitions: BTreeMap::new(), first_run_only: config.stop_on_first_failure }
+    }
+
     /// Follows the assignment: a partition taken over starts afresh under a new grant or takeover time;
     /// one no longer held (or never taken over) is forgotten.
     pub(super) fn follow(&mut self, current: &Assignment) {
@@ -102,7 +110,9 @@ impl TakenOver {
             None => {
                 let earlier = run.iter().filter(|f| f.record.created_at <= taken.since).map(|f| f.record.seq).max();
                 let Some(through) = earlier else { return Calls::Plain };
-                taken.through.insert(key.clone(), through);
+                if self.first_run_only {
+                    taken.through.insert(key.clone(), through);
+                }
                 through
             }
         };

@@ -281,7 +281,7 @@ impl State {
             in_flight: HashMap::new(),
             deliveries: JoinSet::new(),
             tasks: HashMap::new(),
-            taken_over: TakenOver::default(),
+            taken_over: TakenOver::new(&config),
             counting: FuturesUnordered::new(),
             turns: Arc::new(Semaphore::new(careful::turns(&config) as usize)),
             config,
