@@ -165,13 +165,20 @@ async fn failed_records_page_by_position_without_gaps_or_repeats(db: TestDb) {
     let page: FailedPage = get(&admin, &format!("/api/failed?partition={p}")).await;
     assert!(page.records.iter().all(|r| r.record.partition == p) && !page.records.is_empty());
 
-    for bad in ["/api/failed?limit=0", "/api/failed?limit=1001", "/api/failed?after_partition=3"] {
+    for bad in [
+        "/api/failed?limit=0",
+        "/api/failed?limit=1001",
+        "/api/failed?after_partition=3",
+        "/api/failed?after_partition=0&after_key=%00&after_seq=0",
+        "/api/failed?after_partition=0&after_key=&after_seq=0",
+    ] {
         let (status, body) = call(&admin, "GET", bad, None, None).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {body}");
         assert!(body["error"].as_str().is_some_and(|e| !e.is_empty()), "{bad}: {body}");
     }
 }
 
+/// Payloads are listed only when enabled, and then only to a request with a token.
 async fn payloads_are_listed_only_when_enabled(db: TestDb) {
     let outbox = outbox(&db, hourly).await;
     failed_records(&outbox, &db, 2).await;
@@ -180,10 +187,20 @@ async fn payloads_are_listed_only_when_enabled(db: TestDb) {
     let hidden: FailedPage = get(&router(&outbox, &db, AdminConfig::default()), "/api/failed").await;
     assert_eq!(hidden.records.len(), 3);
     assert!(hidden.records.iter().all(|r| r.payload.is_none() && r.payload_base64.is_none()));
-    let shown = router(&outbox, &db, AdminConfig { show_payloads: true, ..AdminConfig::default() });
+    let shown = router(&outbox, &db, AdminConfig { show_payloads: true, ..with_token() });
     let status: StatusView = get(&shown, "/api/status").await;
     assert!(status.show_payloads);
-    let page: FailedPage = get(&shown, "/api/failed").await;
+    let anyone: FailedPage = get(&shown, "/api/failed").await;
+    assert_eq!(anyone.records.len(), 3);
+    assert!(
+        anyone.records.iter().all(|r| r.payload.is_none() && r.payload_base64.is_none()),
+        "payloads go only to a request with a token"
+    );
+    let (status, body) = call(&shown, "GET", "/api/failed", Some("ops-token-0123456780"), None).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "a token that is not configured is refused: {body}");
+    let (status, body) = call(&shown, "GET", "/api/failed", Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let page: FailedPage = serde_json::from_value(body).unwrap();
     assert_eq!(page.records.len(), 3);
     for r in &page.records {
         if r.record.key == "bin" {
@@ -346,7 +363,14 @@ fn bad_admin_configuration_is_a_typed_error() {
         tokens: BTreeMap::from([(name.to_string(), token.to_string())]),
         ..AdminConfig::default()
     };
-    for bad in [config("ops", "short"), config(" ", TOKEN), config("ops", " ops-token-0123456789")] {
+    let payloads_to_no_one = AdminConfig { show_payloads: true, ..AdminConfig::default() };
+    for bad in [
+        config("ops", "short"),
+        config(" ", TOKEN),
+        config("ops", " ops-token-0123456789"),
+        config("ops", &"é".repeat(16)),
+        payloads_to_no_one,
+    ] {
         let e = bad.validate().unwrap_err();
         assert!(matches!(e, outbox_cluster::Error::Config(_)), "{e}");
     }

@@ -18,7 +18,7 @@ impl Outbox {
     /// Lists FAILED records in (partition, key, seq) order, at most [`MAX_FAILED_PAGE`] at a time.
     #[instrument(skip_all)]
     pub async fn failed(&self, db: impl Into<Db>, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
-        if let Some(key) = &filter.key {
+        for key in filter.key.iter().chain(filter.after.as_ref().map(|after| &after.key)) {
             check_key(key)?;
         }
         if let Some(limit) = filter.limit

@@ -211,7 +211,12 @@ pub(super) struct FailedQuery {
     after_seq: Option<i64>,
 }
 
-pub(super) async fn failed(State(admin): State<Admin>, Query(q): Query<FailedQuery>) -> ApiResult<FailedPage> {
+/// Payloads (when shown at all) go only to a request with a token, and each such read is logged.
+pub(super) async fn failed(
+    State(admin): State<Admin>,
+    reader: Option<Operator>,
+    Query(q): Query<FailedQuery>,
+) -> ApiResult<FailedPage> {
     let limit = q.limit.unwrap_or(100);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(ApiError::BadRequest(format!("limit must be 1..={MAX_PAGE}, not {limit}")));
@@ -221,14 +226,19 @@ pub(super) async fn failed(State(admin): State<Admin>, Query(q): Query<FailedQue
         (Some(partition), Some(key), Some(seq)) => Some(FailedPosition { partition, key, seq }),
         _ => return Err(ApiError::BadRequest("after_partition, after_key and after_seq go together".into())),
     };
+    let payloads = admin.inner.config.show_payloads && reader.is_some();
     let filter = FailedFilter {
         key: q.key.filter(|k| !k.is_empty()),
         partition: q.partition,
         limit: Some(limit),
         after,
-        payloads: admin.inner.config.show_payloads,
+        payloads,
     };
     let records = admin.inner.outbox.failed(admin.inner.db.clone(), &filter).await?;
+    if let Some(Operator(token)) = reader.filter(|_| payloads) {
+        let ids: Vec<_> = records.iter().map(|r| r.id).collect();
+        info!(token = %token, records = ?ids, "admin: payloads of FAILED records read");
+    }
     let next = (records.len() as i64 == limit).then(|| records.last().map(FailedRecord::position)).flatten();
     Ok(Json(FailedPage { records: records.into_iter().map(FailedView::from).collect(), next }))
 }

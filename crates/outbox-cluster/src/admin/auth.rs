@@ -1,9 +1,9 @@
-//! Who may change anything: the bearer token of a mutating request, matched against the configured
-//! tokens in constant time; and by which host names the page may be reached at all.
+//! Who may change anything or read payloads: the bearer token of the request, matched against the
+//! configured tokens in constant time; and by which host names the page may be reached at all.
 
 use std::net::IpAddr;
 
-use axum::extract::{FromRequestParts, Request, State};
+use axum::extract::{FromRequestParts, OptionalFromRequestParts, Request, State};
 use axum::http::header::{AUTHORIZATION, HOST};
 use axum::http::request::Parts;
 use axum::middleware::Next;
@@ -14,40 +14,59 @@ use tracing::warn;
 use super::Admin;
 use super::error::ApiError;
 
-/// The name of the token a mutating request carried.
+/// The name of the token a request carried: every change needs one, and so does reading payloads.
 pub(super) struct Operator(pub(super) String);
 
 impl FromRequestParts<Admin> for Operator {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, admin: &Admin) -> Result<Self, Self::Rejection> {
-        let tokens = &admin.inner.config.tokens;
-        if tokens.is_empty() {
+        if admin.inner.config.tokens.is_empty() {
             return Err(ApiError::ReadOnly);
         }
-        let given = parts
-            .headers
-            .get(AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split_once(' '))
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map(|(_, token)| token.trim())
-            .filter(|token| !token.is_empty());
-        let Some(given) = given else {
-            warn!(method = %parts.method, path = %parts.uri.path(), "admin: change refused, no token");
-            return Err(ApiError::Unauthenticated);
-        };
-        // Every token is compared, so the time taken says nothing about which one nearly matched.
-        let mut found = None;
-        for (name, token) in tokens {
-            if bool::from(token.as_bytes().ct_eq(given.as_bytes())) {
-                found = Some(name.clone());
+        match operator(parts, admin)? {
+            Some(operator) => Ok(operator),
+            None => {
+                warn!(method = %parts.method, path = %parts.uri.path(), "admin: change refused, no token");
+                Err(ApiError::Unauthenticated)
             }
         }
-        found.map(Operator).ok_or_else(|| {
-            warn!(method = %parts.method, path = %parts.uri.path(), "admin: change refused, unknown token");
-            ApiError::Forbidden
-        })
+    }
+}
+
+/// A request without a token is no operator's; one with a token that is not configured is refused.
+impl OptionalFromRequestParts<Admin> for Operator {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, admin: &Admin) -> Result<Option<Self>, Self::Rejection> {
+        operator(parts, admin)
+    }
+}
+
+/// The configured token the request's bearer token matches, if it carries one.
+fn operator(parts: &Parts, admin: &Admin) -> Result<Option<Operator>, ApiError> {
+    let given = parts
+        .headers
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim())
+        .filter(|token| !token.is_empty());
+    let Some(given) = given else { return Ok(None) };
+    // Every token is compared, so the time taken says nothing about which one nearly matched.
+    let mut found = None;
+    for (name, token) in &admin.inner.config.tokens {
+        if bool::from(token.as_bytes().ct_eq(given.as_bytes())) {
+            found = Some(name.clone());
+        }
+    }
+    match found {
+        Some(name) => Ok(Some(Operator(name))),
+        None => {
+            warn!(method = %parts.method, path = %parts.uri.path(), "admin: request refused, unknown token");
+            Err(ApiError::Forbidden)
+        }
     }
 }
 

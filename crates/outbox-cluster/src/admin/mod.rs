@@ -9,7 +9,8 @@
 //! - `POST /api/failed/{id}/requeue`, `POST /api/failed/{id}/skip`, `POST /api/requeue` (a key's FAILED
 //!   records, or all), `POST /api/purge`: each needs `Authorization: Bearer <token>` naming one of the configured
 //!   tokens ([`AdminConfig::tokens`]), and is logged with that token's name. Without tokens the page is
-//!   read-only. The token travels in a header, never a cookie, so a form on another site cannot use it.
+//!   read-only. Payloads, when shown at all ([`AdminConfig::show_payloads`]), go only to a `GET
+//!   /api/failed` with a token. The token travels in a header, never a cookie, so a form on another site cannot use it.
 //!
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool, outbox: outbox_core::Outbox) -> Result<(), Box<dyn std::error::Error>> {
@@ -55,7 +56,8 @@ pub struct AdminConfig {
     /// Bearer tokens allowed to requeue, skip and purge, by name (the name is what the log shows). None:
     /// the page is read-only.
     pub tokens: BTreeMap<String, String>,
-    /// Whether FAILED records' payloads are shown (they may hold personal data).
+    /// Whether FAILED records' payloads are shown (they may hold personal data): only to a request that
+    /// carries one of the tokens, and each such read is logged with the token's name.
     pub show_payloads: bool,
     /// Host names the page may be reached by, besides IP addresses and `localhost`: a request naming
     /// any other host is refused, so a web page whose name an attacker points at 127.0.0.1 (DNS
@@ -74,7 +76,8 @@ impl fmt::Debug for AdminConfig {
 }
 
 impl AdminConfig {
-    /// Every token named, at least [`MIN_TOKEN_LEN`] characters, and no two alike.
+    /// Every token named, visible ASCII (all a header carries), at least [`MIN_TOKEN_LEN`] characters,
+    /// and no two alike; payloads shown only with a token to show them to.
     pub fn validate(&self) -> Result<()> {
         for (name, token) in &self.tokens {
             if name.trim().is_empty() {
@@ -83,6 +86,11 @@ impl AdminConfig {
             if token.contains(char::is_whitespace) {
                 return Err(Error::Config(format!("admin.tokens.{name}: holds white space")));
             }
+            if !token.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(Error::Config(format!(
+                    "admin.tokens.{name}: holds a character other than visible ASCII, which no request header carries"
+                )));
+            }
             if token.chars().count() < MIN_TOKEN_LEN {
                 return Err(Error::Config(format!("admin.tokens.{name}: shorter than {MIN_TOKEN_LEN} characters")));
             }
@@ -90,6 +98,11 @@ impl AdminConfig {
         let distinct: std::collections::BTreeSet<&String> = self.tokens.values().collect();
         if distinct.len() != self.tokens.len() {
             return Err(Error::Config("admin.tokens: two names share one token".into()));
+        }
+        if self.show_payloads && self.tokens.is_empty() {
+            return Err(Error::Config(
+                "admin.show_payloads: payloads are shown only to a request with a token; configure admin.tokens".into(),
+            ));
         }
         Ok(())
     }
