@@ -55,15 +55,6 @@ fn handlers(name: &str, sink: &Arc<Sink>, exclusive: &Arc<Exclusive>, step_ms: u
     })))
 }
 
-async fn owners(db: &TestDb) -> BTreeMap<InstanceId, i64> {
-    let rows = rows!(
-        db,
-        (InstanceId, i64),
-        "SELECT owner, count(*) FROM {s}partitions WHERE owner IS NOT NULL GROUP BY owner"
-    );
-    rows.into_iter().collect()
-}
-
 /// Produces `rounds` records for each key, one transaction per round.
 fn produce(outbox: &Outbox, db: &TestDb, keys: usize, rounds: usize) -> tokio::task::JoinHandle<()> {
     let (outbox, db) = (outbox.clone(), db.clone());

@@ -1,14 +1,15 @@
 //! Single faults a delivery can meet, each of which once stopped a key or a partition without anything
 //! turning FAILED: a record removed under its completion, a handler that panics before its first
 //! await, an error text the database cannot store, a hot key set that sorts low, a shutdown whose first
-//! step fails. Each ends in an outcome an operator can see, and the other keys go on.
+//! step fails, a fault in the processor's own code. Each ends in an outcome an operator can see, and the
+//! other keys go on.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[macro_use]
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
@@ -26,6 +27,7 @@ every_backend!(
     a_heartbeat_connection_that_stops_answering_costs_no_lease,
     a_completion_whose_host_vanished_gives_its_partition_up,
     a_completion_given_up_on_a_lock_ends_on_the_server_too,
+    a_processor_ended_by_a_fault_takes_its_node_out_of_the_cluster,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -326,4 +328,66 @@ async fn a_heartbeat_connection_that_stops_answering_costs_no_lease(db: TestDb) 
     assert_eq!(kept, vec![(256,)], "the instance lost partitions");
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
     assert_eq!(sink.len(), 1, "the record was delivered again");
+}
+
+/// A fault in the processor's own code (here a panic from the metrics recorder as the first completed
+/// record is counted; a handler's panic is caught) ends the processor. The node then stops its other
+/// tasks too, the heartbeat included, and says why, so its partitions go on to another instance as from
+/// a crashed one. Before, it went on heartbeating and holding partitions that nothing delivered.
+async fn a_processor_ended_by_a_fault_takes_its_node_out_of_the_cluster(db: TestDb) {
+    let panicked = Arc::new(AtomicBool::new(false));
+    let recorder = PanicsOnce(panicked.clone());
+    // The test's runtime runs on this thread, and so does every task of its nodes.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let outbox = outbox(&db, |_| {}).await;
+    let keys = |round: &str| (0..50).map(|k| NewRecord::new(format!("{round}-{k}"), "t", "")).collect();
+    commit(&outbox, &db, keys("before")).await;
+    let sink = Sink::new();
+    let a = Node::start(outbox.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
+    wait_for("the processor's fault", LONG, || async { panicked.load(Ordering::SeqCst) }).await;
+    commit(&outbox, &db, keys("after")).await;
+    let b = Node::start(outbox.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
+    drained(&db, LONG).await;
+    assert_eq!(owners(&db).await.get(&a.id()), None, "the faulty node holds no partition");
+    assert_eq!(sink.all().iter().filter(|d| d.key.starts_with("after")).count(), 50);
+    b.shutdown().await.unwrap();
+    let err = a.shutdown().await.unwrap_err();
+    assert!(err.to_string().contains("panicked"), "the fault is reported at shutdown: {err}");
+}
+
+/// A metrics recorder whose first count of a completed record panics.
+struct PanicsOnce(Arc<AtomicBool>);
+
+impl metrics::Recorder for PanicsOnce {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() == "outbox_records_completed_total" {
+            metrics::Counter::from_arc(Arc::new(Panicking(self.0.clone())))
+        } else {
+            metrics::Counter::noop()
+        }
+    }
+
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+
+    fn register_histogram(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+struct Panicking(Arc<AtomicBool>);
+
+impl metrics::CounterFn for Panicking {
+    fn increment(&self, _: u64) {
+        if !self.0.swap(true, Ordering::SeqCst) {
+            panic!("a fault in the processor's own code");
+        }
+    }
+
+    fn absolute(&self, _: u64) {}
 }

@@ -44,14 +44,16 @@
 //! time), and every write too, so none of this can lose, reorder or corrupt records: it decides only
 //! whether a handler call could overlap another instance's.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
+use futures::FutureExt;
 use outbox_core::{Assignment, Db, Handlers, InstanceId, Outbox, Processor};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::config::ClusterConfig;
 use crate::driver::Store;
@@ -69,10 +71,12 @@ pub struct Node {
     holds_none: watch::Receiver<bool>,
     held: watch::Receiver<Held>,
     config: ClusterConfig,
+    /// Cancelled when a task ended unasked (see [`Watched`]).
+    failed: CancellationToken,
     stop_processor: CancellationToken,
     stop_background: CancellationToken,
     background: TaskTracker,
-    processor: JoinHandle<outbox_core::Result<()>>,
+    processor: JoinHandle<Result<()>>,
 }
 
 impl Node {
@@ -86,16 +90,26 @@ impl Node {
 
         let (assign, assignment) = watch::channel(first);
         let assign = Arc::new(assign);
-        let stop_processor = CancellationToken::new();
-        let stop_background = CancellationToken::new();
+        // Cancelled by a task that ends unasked: every task stops.
+        let failed = CancellationToken::new();
+        let stop_processor = failed.child_token();
+        let stop_background = failed.child_token();
         let background = TaskTracker::new();
+        let watched = |task, stop: &CancellationToken| Watched {
+            task,
+            assignment: assignment.clone(),
+            stop: stop.clone(),
+            failed: failed.clone(),
+        };
 
         let processor = Processor::new(outbox.clone(), store.db().clone(), handlers, assignment.clone());
         let busy = processor.busy_partitions();
         let delivered = processor.delivered();
-        let processor = tokio::spawn(processor.run(stop_processor.clone()));
+        let run = processor.run(stop_processor.clone());
+        let processor = tokio::spawn(watched("processor", &stop_processor).run(async { Ok(run.await?) }));
         let heartbeat = Heartbeat { store: store.clone(), config: config.clone(), assign: assign.clone(), delivered };
-        background.spawn(heartbeat.run(stop_background.clone()));
+        let run = heartbeat.run(stop_background.clone());
+        background.spawn(watched("heartbeat", &stop_background).run(async { Ok(run.await) }));
         let leaving = CancellationToken::new();
         let holds_none = Arc::new(watch::Sender::new(false));
         let held = Arc::new(watch::Sender::new(Held::new()));
@@ -109,8 +123,10 @@ impl Node {
             holds_none: holds_none.clone(),
             held: held.clone(),
         };
-        background.spawn(ownership.run(stop_background.clone()));
-        background.spawn(outbox.clone().run_purge(store.db().clone(), stop_background.clone()));
+        let run = ownership.run(stop_background.clone());
+        background.spawn(watched("ownership", &stop_background).run(async { Ok(run.await) }));
+        let run = outbox.clone().run_purge(store.db().clone(), stop_background.clone());
+        background.spawn(watched("purge", &stop_background).run(async { Ok(run.await) }));
         background.close();
         Ok(Node {
             outbox,
@@ -120,6 +136,7 @@ impl Node {
             holds_none: holds_none.subscribe(),
             held: held.subscribe(),
             config,
+            failed,
             stop_processor,
             stop_background,
             background,
@@ -144,7 +161,12 @@ impl Node {
     /// Every task is stopped whatever a step returns; the first error is returned.
     pub async fn shutdown(mut self) -> Result<()> {
         let id = self.id();
-        let drained = self.store.drain(id).await;
+        let drained = if self.failed.is_cancelled() {
+            // Its tasks are stopped: there is no handover to wait for, only what is left to release.
+            Ok(())
+        } else {
+            self.store.drain(id).await
+        };
         match &drained {
             Ok(()) => {
                 // The ownership task points the targets elsewhere and releases partition by partition,
@@ -158,7 +180,7 @@ impl Node {
             Err(e) => warn!(instance = %id, error = %e, "could not mark the instance draining; stopping anyway"),
         }
         self.stop_processor.cancel();
-        let processed = self.processor.await.map_err(|e| Error::Task(e.to_string())).and_then(|r| Ok(r?));
+        let processed = self.processor.await.map_err(|e| Error::Task(e.to_string())).and_then(|r| r);
         self.stop_background.cancel();
         self.background.wait().await;
         let id = self.assignment.borrow().instance;
@@ -175,5 +197,39 @@ impl Node {
     pub fn kill(self) {
         self.processor.abort();
         self.stop_background.cancel();
+    }
+}
+
+/// One of a node's tasks. None ends before it is asked to stop, save by a fault (a panic in the library's
+/// own code, or one a dependency raised). A node missing a task cannot go on as a member, so the first
+/// to end unasked stops every other one, the heartbeat included, and says why: the lease runs out and
+/// the partitions go on as from a crashed instance, instead of staying with an instance that no longer
+/// delivers them (or, without the ownership task, never hands them over).
+struct Watched {
+    task: &'static str,
+    assignment: watch::Receiver<Assignment>,
+    /// What asks this task to stop.
+    stop: CancellationToken,
+    failed: CancellationToken,
+}
+
+impl Watched {
+    async fn run(self, task: impl Future<Output = Result<()>>) -> Result<()> {
+        let ended = AssertUnwindSafe(task).catch_unwind().await.unwrap_or_else(|panic| {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(Error::Task(format!("the {} task panicked: {message}", self.task)))
+        });
+        if !self.stop.is_cancelled() {
+            let instance = self.assignment.borrow().instance;
+            let error = ended.as_ref().err().map(ToString::to_string).unwrap_or_default();
+            error!(%instance, task = self.task, %error,
+                "a node task ended unasked: stopping the node, whose partitions go on once its lease runs out");
+            self.failed.cancel();
+        }
+        ended
     }
 }

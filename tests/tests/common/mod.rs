@@ -297,6 +297,16 @@ pub async fn register_instance(db: &TestDb) -> InstanceId {
     me
 }
 
+/// How many partitions each instance owns.
+pub async fn owners(db: &TestDb) -> BTreeMap<InstanceId, i64> {
+    let rows = rows!(
+        db,
+        (InstanceId, i64),
+        "SELECT owner, count(*) FROM {s}partitions WHERE owner IS NOT NULL GROUP BY owner"
+    );
+    rows.into_iter().collect()
+}
+
 /// An instance that owns every partition, heartbeating every `heartbeat_ms`, whose lease ended a minute
 /// ago: the next instance takes its partitions over, after their quiet period.
 pub async fn owner_of_all_dead_since_a_minute(db: &TestDb, heartbeat_ms: i64) -> InstanceId {
