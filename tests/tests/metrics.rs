@@ -11,7 +11,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::recorded::Recorded;
+use common::recorded::{Kept, Recorded};
 use common::*;
 use metrics_util::debugging::DebuggingRecorder;
 use outbox_cluster::{ClusterConfig, Node};
@@ -19,7 +19,8 @@ use outbox_core::{HandlerError, Handlers, InstanceId, NewRecord, RetryPolicy, Ro
 
 every_backend!(
     each_record_is_counted_once_by_how_it_ended,
-    only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over
+    only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over,
+    owned_partitions_fall_to_none_when_the_lease_runs_out_and_at_stop,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -95,4 +96,27 @@ async fn only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over(
     b.shutdown().await.unwrap();
 
     assert_eq!(Recorded::take(&snapshotter).counter("outbox_partitions_taken_over_total", &[]), 256);
+}
+
+/// `outbox_owned_partitions` says what the instance delivers: every partition while it holds them, none
+/// once its lease has run out (here the database out of reach, each failed renewal counted) and none
+/// after it stopped; the instance declared dead meanwhile is counted. Before, the gauge kept the last
+/// round's count, so a dashboard showed 256 partitions held by an instance that delivered nothing.
+async fn owned_partitions_fall_to_none_when_the_lease_runs_out_and_at_stop(db: TestDb) {
+    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let kept = Kept::new();
+    let _local = metrics::set_default_local_recorder(&kept);
+    let outbox = outbox(&db, |_| {}).await;
+    let owned = || async { kept.gauge("outbox_owned_partitions") };
+    let ok = Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok(()) })));
+    let node = Node::start(outbox.clone(), &far, ok, fast_cluster()).await.unwrap();
+    wait_for("every partition held", LONG, || async { owned().await == Some(256.0) }).await;
+    proxy.cut();
+    wait_for("none held once the lease ran out", LONG, || async { owned().await == Some(0.0) }).await;
+    assert!(kept.counter("outbox_heartbeat_failures_total") > 0, "renewals failed while cut off");
+    proxy.mend();
+    wait_for("every partition held again", LONG, || async { owned().await == Some(256.0) }).await;
+    assert_eq!(kept.counter("outbox_leases_expired_total"), 1, "declared dead once");
+    node.shutdown().await.unwrap();
+    assert_eq!(owned().await, Some(0.0), "none after the stop");
 }

@@ -186,6 +186,7 @@ impl Node {
         let id = self.assignment.borrow().instance;
         let held = self.held.borrow().clone();
         let handed_over = ownership::hand_over(&self.outbox, &self.store, id, &held, &self.config).await;
+        metrics::gauge!("outbox_owned_partitions").set(0.0);
         if handed_over.is_ok() {
             info!(instance = %id, "instance stopped and deregistered (or, holding partitions in a quiet period, its lease ended)");
         }

@@ -108,6 +108,8 @@ impl Ownership {
             };
             let current = self.assign.borrow().clone();
             if !current.is_live() {
+                // The processor delivers nothing past the lease.
+                metrics::gauge!("outbox_owned_partitions").set(0.0);
                 continue;
             }
             if rounds.instance != current.instance {

@@ -74,10 +74,12 @@ impl Heartbeat {
                     }
                 }
                 Ok(Err(e)) => {
+                    metrics::counter!("outbox_heartbeat_failures_total").increment(1);
                     warn!(instance = %id, error = %e, "heartbeat failed; reconnecting");
                     conn = HeartbeatConnection::default();
                 }
                 Err(_) => {
+                    metrics::counter!("outbox_heartbeat_failures_total").increment(1);
                     warn!(instance = %id, "heartbeat timed out; reconnecting");
                     conn = HeartbeatConnection::default();
                 }
@@ -140,6 +142,7 @@ impl Heartbeat {
             true
         });
         if fenced {
+            metrics::counter!("outbox_leases_expired_total").increment(1);
             warn!(instance = %id, "lease expired: the instance was declared dead; processing stopped, running handler calls cancelled");
         }
         match register(&self.store, &self.config, *next_id.get_or_insert_with(InstanceId::new)).await {

@@ -1,6 +1,12 @@
-//! What the library's metrics recorded, read through `metrics_util`'s debugging recorder.
+//! What the library's metrics recorded, read through `metrics_util`'s debugging recorder, or kept as
+//! they stand ([`Kept`]).
 
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
 use metrics_util::debugging::{DebugValue, Snapshotter};
+use metrics_util::registry::{AtomicStorage, Registry};
 
 /// What was recorded since the last snapshot (taking one sets counters back to 0 and clears
 /// histograms).
@@ -40,5 +46,46 @@ impl Recorded {
             .collect();
         values.sort_by(f64::total_cmp);
         values
+    }
+}
+
+/// A recorder that keeps each counter's total and each gauge's last value, read without resetting them
+/// (the debugging recorder's snapshot sets a gauge back to 0, so a gauge read twice could not be told
+/// from one set to 0).
+pub struct Kept(Registry<Key, AtomicStorage>);
+
+impl Kept {
+    pub fn new() -> Self {
+        Self(Registry::atomic())
+    }
+
+    /// A gauge's value (`None` if never set).
+    pub fn gauge(&self, name: &str) -> Option<f64> {
+        let gauges = self.0.get_gauge_handles();
+        gauges.iter().find(|(key, _)| key.name() == name).map(|(_, g)| f64::from_bits(g.load(Ordering::SeqCst)))
+    }
+
+    /// A counter's total over all its labels (0 if never incremented).
+    pub fn counter(&self, name: &str) -> u64 {
+        let counters = self.0.get_counter_handles();
+        counters.iter().filter(|(key, _)| key.name() == name).map(|(_, c)| c.load(Ordering::SeqCst)).sum()
+    }
+}
+
+impl metrics::Recorder for Kept {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        self.0.get_or_create_counter(key, |c| Counter::from_arc(Arc::clone(c)))
+    }
+
+    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        self.0.get_or_create_gauge(key, |g| Gauge::from_arc(Arc::clone(g)))
+    }
+
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        self.0.get_or_create_histogram(key, |h| Histogram::from_arc(Arc::clone(h)))
     }
 }
