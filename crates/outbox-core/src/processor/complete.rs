@@ -35,7 +35,9 @@ pub(super) async fn complete(outbox: &Outbox, db: &Db, batch: Vec<Outcome>) -> C
         Err(e) if e.is_transient() => return Completed { retry: Some((batch, e)), ..Completed::default() },
         Err(e) => e,
     };
-    error!(error = %e, records = batch.len(), "the database rejected a completion batch; writing its outcomes one by one");
+    let first = batch.first().map(|o| (o.id, o.key.as_str(), o.partition, o.instance));
+    error!(error = %e, records = batch.len(), ?first,
+        "the database rejected a completion batch; writing its outcomes one by one (first: record, key, partition, instance)");
     let mut completed = Completed::default();
     let mut retry: Vec<Outcome> = Vec::new();
     let mut last_error = None;

@@ -187,7 +187,7 @@ async fn fall_back(
 
 fn failed(record: &Record, attempts: i32, error: &str) -> Verdict {
     error!(record = %record.id, key = %record.key, partition = record.partition, attempts, error,
-        "record FAILED; its key is blocked until an operator requeues or skips it");
+        "record to be written FAILED; its key is blocked until an operator requeues or skips it");
     Verdict::Failed { error: storable_error(error) }
 }
 

@@ -362,7 +362,8 @@ impl State {
         let found = match found {
             Ok(found) => found,
             Err(e) => {
-                warn!(error = %e, instance = %request.instance, "fetch failed; retrying at the next poll");
+                let partitions: Vec<Partition> = request.partitions.iter().map(|(p, ..)| *p).collect();
+                warn!(error = %e, instance = %request.instance, ?partitions, "fetch failed; retrying at the next poll");
                 // What it was asked to read is read by that poll, after `poll_interval` even while
                 // listening: its wake-ups were spent on it.
                 self.next_poll = self.next_poll.min(Instant::now() + self.config.poll_interval);
@@ -550,9 +551,9 @@ impl State {
             }
         }
         if let Some((batch, e)) = retry {
-            let first = batch.first().map(|o| (o.id, o.key.as_str(), o.partition));
+            let first = batch.first().map(|o| (o.id, o.key.as_str(), o.partition, o.instance, o.epoch));
             warn!(error = %e, records = batch.len(), ?first, retry_in = ?self.complete_backoff,
-                "completion failed; retrying (first: record, key, partition)");
+                "completion failed; retrying (first: record, key, partition, instance, epoch)");
             self.outcomes.extend(batch);
             self.complete_not_before = Instant::now() + self.complete_backoff;
             self.complete_backoff = (self.complete_backoff * 2).min(COMPLETE_RETRY_MAX);
