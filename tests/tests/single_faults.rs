@@ -28,6 +28,7 @@ every_backend!(
     a_completion_whose_host_vanished_gives_its_partition_up,
     a_completion_given_up_on_a_lock_ends_on_the_server_too,
     a_processor_ended_by_a_fault_takes_its_node_out_of_the_cluster,
+    a_header_value_stored_as_a_number_is_delivered_as_its_text,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -390,4 +391,26 @@ impl metrics::CounterFn for Panicking {
     }
 
     fn absolute(&self, _: u64) {}
+}
+
+/// A record whose stored headers hold a value that is not a string (a row written by other means than
+/// `schedule`, which stores strings only) is delivered with the value's JSON text. Before, reading it
+/// failed every fetch of its instance's partitions, on every poll.
+async fn a_header_value_stored_as_a_number_is_delivered_as_its_text(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    commit(&outbox, &db, vec![NewRecord::new("odd", "t", ""), NewRecord::new("plain", "t", "")]).await;
+    exec!(db, r#"UPDATE {s}records SET headers = '{"retries": 3, "trace": "x"}' WHERE key = 'odd'"#);
+    let seen = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::new()));
+    let saw = seen.clone();
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r| {
+        saw.lock().unwrap().insert(r.key.clone(), r.headers.clone());
+        async { Ok::<(), HandlerError>(()) }
+    })));
+    let node = start(&outbox, &db, handlers).await;
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    let seen = seen.lock().unwrap();
+    let odd: Vec<(&str, &str)> = seen["odd"].iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    assert_eq!(odd, [("retries", "3"), ("trace", "x")]);
+    assert!(seen["plain"].is_empty());
 }

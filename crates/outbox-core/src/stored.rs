@@ -58,7 +58,7 @@ pub(crate) struct FetchedRow {
     pub(crate) seq: i64,
     pub(crate) event_type: String,
     pub(crate) payload: Vec<u8>,
-    pub(crate) headers: sqlx::types::Json<Headers>,
+    pub(crate) headers: sqlx::types::Json<StoredHeaders>,
     pub(crate) attempts: i32,
     pub(crate) requeues: i32,
     pub(crate) created_at: DateTime<Utc>,
@@ -69,6 +69,23 @@ pub(crate) struct FetchedRow {
     pub(crate) due: bool,
     /// A head's place in the walk (increasing in the order keys were served); `None` for followers.
     pub(crate) walk: Option<i64>,
+}
+
+/// A record's headers as read back. `schedule` stores string values only; a value of another JSON type
+/// (a row written by other means) comes as its JSON text, so that one such row cannot fail every fetch
+/// of its partitions.
+#[derive(Debug, Default)]
+pub(crate) struct StoredHeaders(pub(crate) Headers);
+
+impl<'de> serde::Deserialize<'de> for StoredHeaders {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let values = BTreeMap::<String, serde_json::Value>::deserialize(deserializer)?;
+        let text = |value| match value {
+            serde_json::Value::String(text) => text,
+            other => other.to_string(),
+        };
+        Ok(Self(values.into_iter().map(|(name, value)| (name, text(value))).collect()))
+    }
 }
 
 /// A fetched record with what its completion needs.
@@ -126,7 +143,7 @@ impl Found {
                     seq: row.seq,
                     event_type: row.event_type,
                     payload: row.payload.into(),
-                    headers: row.headers.0,
+                    headers: row.headers.0.0,
                     attempts: row.attempts,
                     created_at: row.created_at,
                     deliver_at: row.deliver_at,
@@ -519,7 +536,7 @@ mod tests {
             seq: walk,
             event_type: "t".into(),
             payload: Vec::new(),
-            headers: sqlx::types::Json(Headers::default()),
+            headers: sqlx::types::Json(StoredHeaders::default()),
             attempts: 0,
             requeues: 0,
             created_at: Utc::now(),
