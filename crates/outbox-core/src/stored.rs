@@ -15,8 +15,8 @@ use crate::notice::Partitions;
 use crate::partition::Partition;
 use crate::record::{Headers, Record};
 
-/// One record to insert.
-#[derive(Debug, Clone)]
+/// One record to insert (no `Debug`: it holds the payload).
+#[derive(Clone)]
 pub(crate) struct NewRow<'a> {
     pub(crate) id: Uuid,
     pub(crate) partition: Partition,

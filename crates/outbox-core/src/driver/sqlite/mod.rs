@@ -156,7 +156,7 @@ pub(super) async fn schedule(
 /// A delivery time as stored (milliseconds since the epoch), rounded up: a record is never due early.
 fn millis_not_before(at: DateTime<Utc>) -> i64 {
     let millis = at.timestamp_millis();
-    if at.timestamp_subsec_nanos() % 1_000_000 == 0 { millis } else { millis + 1 }
+    if at.timestamp_subsec_nanos().is_multiple_of(1_000_000) { millis } else { millis + 1 }
 }
 
 async fn insert(conn: &mut SqliteConnection, s: &SqliteStatements, rows: &[NewRow<'_>]) -> Result<Vec<(Uuid, i64)>> {
