@@ -28,6 +28,7 @@ every_backend!(
     a_completion_whose_host_vanished_gives_its_partition_up,
     a_completion_given_up_on_a_lock_ends_on_the_server_too,
     a_processor_ended_by_a_fault_takes_its_node_out_of_the_cluster,
+    a_heartbeat_ended_by_a_fault_takes_its_node_out_of_the_cluster,
     a_header_value_stored_as_a_number_is_delivered_as_its_text,
 );
 
@@ -336,8 +337,20 @@ async fn a_heartbeat_connection_that_stops_answering_costs_no_lease(db: TestDb) 
 /// tasks too, the heartbeat included, and says why, so its partitions go on to another instance as from
 /// a crashed one. Before, it went on heartbeating and holding partitions that nothing delivered.
 async fn a_processor_ended_by_a_fault_takes_its_node_out_of_the_cluster(db: TestDb) {
+    a_fault_in_a_node_task_takes_its_node_out_of_the_cluster(db, "outbox_records_completed_total").await;
+}
+
+/// The same for a fault in the heartbeat (a panic as the first renewal's round trip is recorded), which
+/// `Node::shutdown` reports too.
+async fn a_heartbeat_ended_by_a_fault_takes_its_node_out_of_the_cluster(db: TestDb) {
+    a_fault_in_a_node_task_takes_its_node_out_of_the_cluster(db, "outbox_heartbeat_seconds").await;
+}
+
+/// The node whose task panics when it first records `metric` stops delivering and heartbeating, says
+/// so through `Node::faulted`, and a second node delivers what is committed after.
+async fn a_fault_in_a_node_task_takes_its_node_out_of_the_cluster(db: TestDb, metric: &'static str) {
     let panicked = Arc::new(AtomicBool::new(false));
-    let recorder = PanicsOnce(panicked.clone());
+    let recorder = PanicsOnce { metric, panicked: panicked.clone() };
     // The test's runtime runs on this thread, and so does every task of its nodes.
     let _local = metrics::set_default_local_recorder(&recorder);
     let outbox = outbox(&db, |_| {}).await;
@@ -345,7 +358,8 @@ async fn a_processor_ended_by_a_fault_takes_its_node_out_of_the_cluster(db: Test
     commit(&outbox, &db, keys("before")).await;
     let sink = Sink::new();
     let a = Node::start(outbox.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
-    wait_for("the processor's fault", LONG, || async { panicked.load(Ordering::SeqCst) }).await;
+    tokio::time::timeout(LONG, a.faulted()).await.expect("the node says it stopped on a fault");
+    assert!(panicked.load(Ordering::SeqCst));
     commit(&outbox, &db, keys("after")).await;
     let b = Node::start(outbox.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
     drained(&db, LONG).await;
@@ -356,8 +370,11 @@ async fn a_processor_ended_by_a_fault_takes_its_node_out_of_the_cluster(db: Test
     assert!(err.to_string().contains("panicked"), "the fault is reported at shutdown: {err}");
 }
 
-/// A metrics recorder whose first count of a completed record panics.
-struct PanicsOnce(Arc<AtomicBool>);
+/// A metrics recorder whose first record of `metric` (a counter or a histogram) panics.
+struct PanicsOnce {
+    metric: &'static str,
+    panicked: Arc<AtomicBool>,
+}
 
 impl metrics::Recorder for PanicsOnce {
     fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
@@ -365,8 +382,8 @@ impl metrics::Recorder for PanicsOnce {
     fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
 
     fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        if key.name() == "outbox_records_completed_total" {
-            metrics::Counter::from_arc(Arc::new(Panicking(self.0.clone())))
+        if key.name() == self.metric {
+            metrics::Counter::from_arc(Arc::new(Panicking(self.panicked.clone())))
         } else {
             metrics::Counter::noop()
         }
@@ -376,30 +393,49 @@ impl metrics::Recorder for PanicsOnce {
         metrics::Gauge::noop()
     }
 
-    fn register_histogram(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
-        metrics::Histogram::noop()
+    fn register_histogram(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        if key.name() == self.metric {
+            metrics::Histogram::from_arc(Arc::new(Panicking(self.panicked.clone())))
+        } else {
+            metrics::Histogram::noop()
+        }
     }
 }
 
 struct Panicking(Arc<AtomicBool>);
 
+impl Panicking {
+    fn once(&self) {
+        if !self.0.swap(true, Ordering::SeqCst) {
+            panic!("a fault in the library's own code");
+        }
+    }
+}
+
 impl metrics::CounterFn for Panicking {
     fn increment(&self, _: u64) {
-        if !self.0.swap(true, Ordering::SeqCst) {
-            panic!("a fault in the processor's own code");
-        }
+        self.once();
     }
 
     fn absolute(&self, _: u64) {}
 }
 
+impl metrics::HistogramFn for Panicking {
+    fn record(&self, _: f64) {
+        self.once();
+    }
+}
+
 /// A record whose stored headers hold a value that is not a string (a row written by other means than
-/// `schedule`, which stores strings only) is delivered with the value's JSON text. Before, reading it
-/// failed every fetch of its instance's partitions, on every poll.
+/// `schedule`, which stores strings only) is delivered with the value's JSON text, and one whose headers
+/// are no object with none. Before, reading either failed every fetch of its instance's partitions, on
+/// every poll.
 async fn a_header_value_stored_as_a_number_is_delivered_as_its_text(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
-    commit(&outbox, &db, vec![NewRecord::new("odd", "t", ""), NewRecord::new("plain", "t", "")]).await;
+    let records = ["odd", "listed", "plain"].map(|key| NewRecord::new(key, "t", ""));
+    commit(&outbox, &db, records.into()).await;
     exec!(db, r#"UPDATE {s}records SET headers = '{"retries": 3, "trace": "x"}' WHERE key = 'odd'"#);
+    exec!(db, r#"UPDATE {s}records SET headers = '["x"]' WHERE key = 'listed'"#);
     let seen = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::new()));
     let saw = seen.clone();
     let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r| {
@@ -412,5 +448,6 @@ async fn a_header_value_stored_as_a_number_is_delivered_as_its_text(db: TestDb) 
     let seen = seen.lock().unwrap();
     let odd: Vec<(&str, &str)> = seen["odd"].iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     assert_eq!(odd, [("retries", "3"), ("trace", "x")]);
+    assert!(seen["listed"].is_empty(), "headers that are no object come as none");
     assert!(seen["plain"].is_empty());
 }

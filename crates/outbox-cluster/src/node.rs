@@ -45,7 +45,7 @@
 //! whether a handler call could overlap another instance's.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use futures::FutureExt;
 use outbox_core::{Assignment, Db, Handlers, InstanceId, Outbox, Processor};
@@ -71,8 +71,9 @@ pub struct Node {
     holds_none: watch::Receiver<bool>,
     held: watch::Receiver<Held>,
     config: ClusterConfig,
-    /// Cancelled when a task ended unasked (see [`Watched`]).
+    /// Cancelled when a task ended unasked (see [`Watched`]), whose fault is kept in `fault`.
     failed: CancellationToken,
+    fault: Arc<OnceLock<String>>,
     stop_processor: CancellationToken,
     stop_background: CancellationToken,
     background: TaskTracker,
@@ -92,6 +93,7 @@ impl Node {
         let assign = Arc::new(assign);
         // Cancelled by a task that ends unasked: every task stops.
         let failed = CancellationToken::new();
+        let fault = Arc::new(OnceLock::new());
         let stop_processor = failed.child_token();
         let stop_background = failed.child_token();
         let background = TaskTracker::new();
@@ -100,6 +102,7 @@ impl Node {
             assignment: assignment.clone(),
             stop: stop.clone(),
             failed: failed.clone(),
+            fault: fault.clone(),
         };
 
         let processor = Processor::new(outbox.clone(), store.db().clone(), handlers, assignment.clone());
@@ -137,6 +140,7 @@ impl Node {
             held: held.subscribe(),
             config,
             failed,
+            fault,
             stop_processor,
             stop_background,
             background,
@@ -173,7 +177,14 @@ impl Node {
                 // while the processor finishes each one's records.
                 self.leaving.cancel();
                 let timeout = self.outbox.config().shutdown_timeout;
-                if tokio::time::timeout(timeout, self.holds_none.wait_for(|&none| none)).await.is_err() {
+                let handed_over = async {
+                    tokio::select! {
+                        _ = self.holds_none.wait_for(|&none| none) => {}
+                        // No ownership task is left to hand anything over.
+                        () = self.failed.cancelled() => {}
+                    }
+                };
+                if tokio::time::timeout(timeout, handed_over).await.is_err() {
                     warn!(instance = %id, ?timeout, "partitions not all handed over in time; releasing the rest at stop");
                 }
             }
@@ -190,7 +201,16 @@ impl Node {
         if handed_over.is_ok() {
             info!(instance = %id, "instance stopped and deregistered (or, holding partitions in a quiet period, its lease ended)");
         }
-        drained.and(processed).and(handed_over)
+        let fault = self.fault.get().map_or(Ok(()), |fault| Err(Error::Task(fault.clone())));
+        drained.and(processed).and(handed_over).and(fault)
+    }
+
+    /// Completes if one of the node's tasks ends on a fault (see [`Node::shutdown`]): the node has
+    /// stopped delivering and heartbeating, and its partitions go on once its lease runs out. A service
+    /// should then call `shutdown` (which returns the fault) and start a new node, or exit to be
+    /// restarted.
+    pub fn faulted(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.failed.clone().cancelled_owned()
     }
 
     /// Stops every task at once without completing, releasing or deregistering: what a crash looks like
@@ -212,6 +232,7 @@ struct Watched {
     /// What asks this task to stop.
     stop: CancellationToken,
     failed: CancellationToken,
+    fault: Arc<OnceLock<String>>,
 }
 
 impl Watched {
@@ -226,9 +247,12 @@ impl Watched {
         });
         if !self.stop.is_cancelled() {
             let instance = self.assignment.borrow().instance;
-            let error = ended.as_ref().err().map(ToString::to_string).unwrap_or_default();
+            let error =
+                ended.as_ref().err().map_or_else(|| format!("the {} task ended", self.task), ToString::to_string);
             error!(%instance, task = self.task, %error,
                 "a node task ended unasked: stopping the node, whose partitions go on once its lease runs out");
+            self.fault.get_or_init(|| format!("instance {instance}: {error}"));
+            metrics::gauge!("outbox_owned_partitions").set(0.0);
             self.failed.cancel();
         }
         ended

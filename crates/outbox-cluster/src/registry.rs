@@ -132,6 +132,8 @@ impl Heartbeat {
     /// heartbeat goes under the same new id, `next_id`: a fresh one each time would leave a row the
     /// rebalancer counts as live, whose share of the partitions nobody takes until its lease ends.
     async fn declared_dead(&self, id: InstanceId, next_id: &mut Option<InstanceId>) -> bool {
+        // Not a second death when a registration that failed is retried.
+        let found_now = next_id.is_none();
         let fenced = self.assign.send_if_modified(|current| {
             if current.instance != id {
                 return false;
@@ -141,7 +143,7 @@ impl Heartbeat {
             current.lease = Some(Deadline::now());
             true
         });
-        if fenced {
+        if fenced && found_now {
             metrics::counter!("outbox_leases_expired_total").increment(1);
             warn!(instance = %id, "lease expired: the instance was declared dead; processing stopped, running handler calls cancelled");
         }

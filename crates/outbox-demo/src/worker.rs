@@ -58,6 +58,8 @@ pub async fn run(ctx: &Context, args: WorkerArgs) -> Result<(), Failure> {
     tokio::select! {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
+        // A fault stopped the node: exit with its error, to be restarted.
+        () = node.faulted() => {}
     }
     eprintln!("worker {name} stopping: finishing in-flight events, releasing partitions");
     node.shutdown().await?;
