@@ -55,6 +55,10 @@ impl DelayProxy {
                     (client.into_split(), server.into_split());
                 let link = Link { number, delay, stalled_below: stalled.clone(), silent: quiet.clone() };
                 let mut tasks = tasks.lock().unwrap();
+                // Cut while it was being connected: closed with the others.
+                if refuse.load(Ordering::SeqCst) {
+                    continue;
+                }
                 tasks.push(tokio::spawn(forward(client_read, server_write, link.clone())));
                 tasks.push(tokio::spawn(forward(server_read, client_write, link)));
             }
@@ -65,9 +69,10 @@ impl DelayProxy {
     /// Closes every connection open now, and each one opened later as soon as it is accepted, until
     /// [`DelayProxy::mend`]: both ends learn of it, as when a link goes down and comes back.
     pub fn cut(&self) {
+        let mut links = self.links.lock().unwrap();
         self.refusing.store(true, Ordering::SeqCst);
         self.stall();
-        for task in self.links.lock().unwrap().drain(..) {
+        for task in links.drain(..) {
             task.abort();
         }
     }

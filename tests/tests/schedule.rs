@@ -275,10 +275,11 @@ async fn a_role_that_may_not_create_schemas_migrates_the_schema_made_for_it(pool
     let role = format!("{database}_app");
     // A run that failed left its role behind (database names repeat from run to run).
     let setup = format!(
-        "DROP ROLE IF EXISTS \"{role}\"; CREATE ROLE \"{role}\" LOGIN; CREATE SCHEMA outbox AUTHORIZATION \"{role}\""
+        "DROP ROLE IF EXISTS \"{role}\"; CREATE ROLE \"{role}\" LOGIN PASSWORD 'app-password'; \
+         CREATE SCHEMA outbox AUTHORIZATION \"{role}\""
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(setup)).execute(&pool).await.unwrap();
-    let options = pool.connect_options().as_ref().clone().username(&role);
+    let options = pool.connect_options().as_ref().clone().username(&role).password("app-password");
     let app = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect_with(options).await.unwrap();
     let may_create: bool = sqlx::query_scalar("SELECT has_database_privilege(current_database(), 'CREATE')")
         .fetch_one(&app)

@@ -71,15 +71,17 @@ pub(crate) struct FetchedRow {
     pub(crate) walk: Option<i64>,
 }
 
-/// A record's headers as read back. `schedule` stores string values only; a value of another JSON type
-/// (a row written by other means) comes as its JSON text, so that one such row cannot fail every fetch
-/// of its partitions.
+/// A record's headers as read back. `schedule` stores an object of strings; from a row written by other
+/// means, a value of another JSON type comes as its JSON text, and headers that are no object at all
+/// come as none, so that one such row cannot fail every fetch of its partitions.
 #[derive(Debug, Default)]
 pub(crate) struct StoredHeaders(pub(crate) Headers);
 
 impl<'de> serde::Deserialize<'de> for StoredHeaders {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let values = BTreeMap::<String, serde_json::Value>::deserialize(deserializer)?;
+        let serde_json::Value::Object(values) = serde_json::Value::deserialize(deserializer)? else {
+            return Ok(Self::default());
+        };
         let text = |value| match value {
             serde_json::Value::String(text) => text,
             other => other.to_string(),

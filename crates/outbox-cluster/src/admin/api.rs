@@ -235,9 +235,9 @@ pub(super) async fn failed(
         payloads,
     };
     let records = admin.inner.outbox.failed(admin.inner.db.clone(), &filter).await?;
-    if let Some(Operator(token)) = reader.filter(|_| payloads) {
-        let ids: Vec<_> = records.iter().map(|r| r.id).collect();
-        info!(token = %token, records = ?ids, "admin: payloads of FAILED records read");
+    if let Some(Operator(token)) = reader.filter(|_| payloads && !records.is_empty()) {
+        let (first, last) = (records.first().map(|r| r.id), records.last().map(|r| r.id));
+        info!(token = %token, records = records.len(), ?first, ?last, "admin: payloads of FAILED records read");
     }
     let next = (records.len() as i64 == limit).then(|| records.last().map(FailedRecord::position)).flatten();
     Ok(Json(FailedPage { records: records.into_iter().map(FailedView::from).collect(), next }))

@@ -362,8 +362,9 @@ impl State {
         let found = match found {
             Ok(found) => found,
             Err(e) => {
-                let partitions: Vec<Partition> = request.partitions.iter().map(|(p, ..)| *p).collect();
-                warn!(error = %e, instance = %request.instance, ?partitions, "fetch failed; retrying at the next poll");
+                let (partitions, first) = (request.partitions.len(), request.partitions.first().map(|(p, ..)| *p));
+                warn!(error = %e, instance = %request.instance, partitions, first_partition = ?first,
+                    "fetch failed; retrying at the next poll");
                 // What it was asked to read is read by that poll, after `poll_interval` even while
                 // listening: its wake-ups were spent on it.
                 self.next_poll = self.next_poll.min(Instant::now() + self.config.poll_interval);
