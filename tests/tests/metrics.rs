@@ -114,6 +114,13 @@ async fn owned_partitions_fall_to_none_when_the_lease_runs_out_and_at_stop(db: T
     proxy.cut();
     wait_for("none held once the lease ran out", LONG, || async { owned().await == Some(0.0) }).await;
     assert!(kept.counter("outbox_heartbeat_failures_total") > 0, "renewals failed while cut off");
+    // The instance stops at its own deadline, which passes no later than its lease in the database.
+    let expired = "SELECT count(*) FROM {s}instances WHERE id = $1 AND expires_at < {now}";
+    let id = node.id();
+    wait_for("the lease over in the database", LONG, || async {
+        db.scalar::<i64>(expired, &[Value::from(id)]).await == 1
+    })
+    .await;
     proxy.mend();
     wait_for("every partition held again", LONG, || async { owned().await == Some(256.0) }).await;
     assert_eq!(kept.counter("outbox_leases_expired_total"), 1, "declared dead once");
