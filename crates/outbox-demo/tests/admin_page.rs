@@ -148,9 +148,19 @@ async fn the_page_shows_the_cluster_and_requeues_through_its_button(pool: PgPool
     assert!(client.find(Locator::Id("xss")).await.is_err(), "and never as markup");
 
     client.find(Locator::Id("token")).await.unwrap().send_keys(TOKEN).await.unwrap();
-    let button = client.find(Locator::Css("button.requeue")).await.unwrap();
-    let requeued = button.attr("data-key").await.unwrap().unwrap();
-    button.click().await.unwrap();
+    // The table is drawn again every 2 s: a button found just before is then gone, and is found again.
+    let clicked = std::sync::Mutex::new(None);
+    eventually("a requeue button clicked", || async {
+        let Ok(button) = client.find(Locator::Css("button.requeue")).await else { return false };
+        let Ok(Some(key)) = button.attr("data-key").await else { return false };
+        let done = button.click().await.is_ok();
+        if done {
+            *clicked.lock().unwrap() = Some(key);
+        }
+        done
+    })
+    .await;
+    let requeued = clicked.into_inner().unwrap().unwrap();
     // The confirmation dialog: accepting it sends the request.
     eventually("the confirmation asks about the record", || async {
         client.get_alert_text().await.is_ok_and(|t| t.contains(&requeued))
