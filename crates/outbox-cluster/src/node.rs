@@ -109,10 +109,10 @@ impl Node {
         let busy = processor.busy_partitions();
         let delivered = processor.delivered();
         let run = processor.run(stop_processor.clone());
-        let processor = tokio::spawn(watched("processor", &stop_processor).run(run));
+        let processor = tokio::spawn(watched("processor", &stop_processor).run(async { Ok(run.await?) }));
         let heartbeat = Heartbeat { store: store.clone(), config: config.clone(), assign: assign.clone(), delivered };
         let run = heartbeat.run(stop_background.clone());
-        background.spawn(watched("heartbeat", &stop_background).run(run));
+        background.spawn(watched("heartbeat", &stop_background).run(ended(run)));
         let leaving = CancellationToken::new();
         let holds_none = Arc::new(watch::Sender::new(false));
         let held = Arc::new(watch::Sender::new(Held::new()));
@@ -127,9 +127,9 @@ impl Node {
             held: held.clone(),
         };
         let run = ownership.run(stop_background.clone());
-        background.spawn(watched("ownership", &stop_background).run(run));
+        background.spawn(watched("ownership", &stop_background).run(ended(run)));
         let run = outbox.clone().run_purge(store.db().clone(), stop_background.clone());
-        background.spawn(watched("purge", &stop_background).run(run));
+        background.spawn(watched("purge", &stop_background).run(ended(run)));
         background.close();
         Ok(Node {
             outbox,
@@ -236,8 +236,8 @@ struct Watched {
 }
 
 impl Watched {
-    async fn run(self, task: impl Future<Output = impl Ended>) -> Result<()> {
-        let ended = AssertUnwindSafe(task).catch_unwind().await.map(Ended::result).unwrap_or_else(|panic| {
+    async fn run(self, task: impl Future<Output = Result<()>>) -> Result<()> {
+        let ended = AssertUnwindSafe(task).catch_unwind().await.unwrap_or_else(|panic| {
             let message = panic
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
@@ -259,19 +259,8 @@ impl Watched {
     }
 }
 
-/// What a task's end says: nothing, or the processor's result.
-trait Ended {
-    fn result(self) -> Result<()>;
-}
-
-impl Ended for () {
-    fn result(self) -> Result<()> {
-        Ok(())
-    }
-}
-
-impl Ended for outbox_core::Result<()> {
-    fn result(self) -> Result<()> {
-        Ok(self?)
-    }
+/// A background task, which ends with nothing to say.
+async fn ended(task: impl Future<Output = ()>) -> Result<()> {
+    task.await;
+    Ok(())
 }

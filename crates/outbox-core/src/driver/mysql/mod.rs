@@ -327,6 +327,25 @@ pub(super) async fn accept_in_order(
     Ok(later.execute(conn).await?.rows_affected() == 1)
 }
 
+/// A failed migration as [`Error::Migration`], which says it may be half applied (MySQL commits each
+/// DDL statement on its own). A transient error (a lost connection, a deadlock) stays one: migrating
+/// again may succeed.
+fn applied_in_part(e: Error, schema: &str, m: &Migration) -> Error {
+    if e.is_transient() {
+        return e;
+    }
+    let (version, name) = (m.version, m.name);
+    Error::Migration {
+        schema: schema.to_string(),
+        version,
+        reason: format!(
+            "{e}; migration {version} ({name}) may be applied in part, as MySQL commits each of its statements: \
+             finish or undo it by hand (and record version {version} in {schema}_schema_migrations once it is \
+             whole), then migrate again"
+        ),
+    }
+}
+
 impl Driver<'_, MySqlPool, MySqlStatements> {
     /// Applies the missing migrations, one migrator of the schema at a time (`GET_LOCK`, held by this
     /// connection). MySQL commits each DDL statement on its own, so a migration that fails half way is
@@ -375,23 +394,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
                 .execute(&mut *conn)
                 .await
             };
-            // A transient error (a lost connection, a deadlock) stays one: migrating again may succeed.
-            applied.await.map_err(Error::from).map_err(|e| {
-                if e.is_transient() {
-                    e
-                } else {
-                    Error::Migration {
-                        schema: schema.to_string(),
-                        version: m.version,
-                        reason: format!(
-                            "{e}; migration {} ({}) may be applied in part, as MySQL commits each of its statements: \
-                     finish or undo it by hand (and record version {} in {schema}_schema_migrations once it \
-                     is whole), then migrate again",
-                            m.version, m.name, m.version
-                        ),
-                    }
-                }
-            })?;
+            applied.await.map_err(|e| applied_in_part(e.into(), schema, m))?;
             info!(schema, version = m.version, name = m.name, "applied outbox migration (MySQL)");
         }
         Ok(())
@@ -625,15 +628,21 @@ mod tests {
         assert_eq!((written, open), (0, 0), "the failed transaction was rolled back and ended");
     }
 
+    /// A migrated test database and its outbox (default configuration).
+    async fn migrated() -> (MySqlPool, Outbox) {
+        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
+        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        (pool, outbox)
+    }
+
     /// A migration MySQL applied only in part (each DDL statement commits on its own; here the last one,
     /// whose version row is then missing, as after a crash before it was written) stops every later
     /// migrate with an error that names it and says what to do, not with the server's bare complaint.
     #[tokio::test]
     async fn a_migration_applied_in_part_names_itself() {
-        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
-        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
-        let outbox = Outbox::new(Config::default()).unwrap();
-        outbox.migrate(&pool).await.unwrap();
+        let (pool, outbox) = migrated().await;
         let last = super::MIGRATIONS.last().unwrap();
         sqlx::query("DELETE FROM outbox_schema_migrations WHERE version = ?")
             .bind(last.version)
@@ -656,10 +665,7 @@ mod tests {
     /// tried again succeeds, so the error says it is transient, as PostgreSQL's serialisation failures do.
     #[tokio::test]
     async fn a_key_written_since_the_callers_snapshot_is_a_transient_error() {
-        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
-        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
-        let outbox = Outbox::new(Config::default()).unwrap();
-        outbox.migrate(&pool).await.unwrap();
+        let (pool, outbox) = migrated().await;
         let mut conn = pool.acquire().await.unwrap();
         if let Err(e) = sqlx::query("SET SESSION innodb_snapshot_isolation = ON").execute(&mut *conn).await {
             eprintln!("skipped: this server has no snapshot isolation (MariaDB 10.6.18+, 10.11.8+): {e}");
@@ -725,9 +731,7 @@ mod tests {
 
     /// A migrated test database whose partitions `instance` all holds at epoch 1, with a live lease.
     async fn held_by(instance: Uuid) -> MySqlPool {
-        #[allow(irrefutable_let_patterns)] // in a build with MySQL alone
-        let Db::MySql(pool) = super::test_database().await else { unreachable!("a MySQL test database") };
-        Outbox::new(Config::default()).unwrap().migrate(&pool).await.unwrap();
+        let (pool, _) = migrated().await;
         let held = format!(
             "UPDATE outbox_partitions SET epoch = 1, owner = UNHEX('{id}');
              INSERT INTO outbox_instances (id, name, expires_at)
