@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
+ensure_toolchain
 use_demo_services
 ensure_mariadb
-cargo run --quiet --release -p outbox-demo -- bench "$@"
+under_suite_lock cargo run --quiet --release -p outbox-demo -- bench "$@"

@@ -5,5 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
+ensure_toolchain
 use_demo_services
 cargo run --quiet --release -p outbox-demo -- "$@"

@@ -16,7 +16,20 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 apt_install() {
   echo "outbox: installing $* with apt" >&2
   as_root apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
+  # Through `env`: sudo drops the caller's environment, and a package's prompt would hang unseen.
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# Rust from rustup (Debian's is older than the workspace's rust-version), and the C compiler and make that
+# linking and jemalloc's build need: checked first, before minutes of installing services.
+ensure_toolchain() {
+  if ! command -v cargo >/dev/null 2>&1; then
+    echo "outbox: cargo not found; install Rust with rustup (https://rustup.rs), then run this again" >&2
+    return 1
+  fi
+  if ! command -v cc >/dev/null 2>&1 || ! command -v make >/dev/null 2>&1; then
+    apt_install build-essential
+  fi
 }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -49,8 +62,8 @@ ensure_postgres() {
 
 # Creates database $1 if it does not exist.
 ensure_database() {
-  if [ "$(PGPASSWORD=$PG_PASSWORD psql -h 127.0.0.1 -U "$PG_USER" -d postgres -Atqc "SELECT 1 FROM pg_database WHERE datname = '$1'")" != 1 ]; then
-    PGPASSWORD=$PG_PASSWORD psql -h 127.0.0.1 -U "$PG_USER" -d postgres -qc "CREATE DATABASE $1"
+  if [ "$(PGPASSWORD=$PG_PASSWORD psql -h 127.0.0.1 -p "$PG_PORT" -U "$PG_USER" -d postgres -Atqc "SELECT 1 FROM pg_database WHERE datname = '$1'")" != 1 ]; then
+    PGPASSWORD=$PG_PASSWORD psql -h 127.0.0.1 -p "$PG_PORT" -U "$PG_USER" -d postgres -qc "CREATE DATABASE $1"
   fi
 }
 
@@ -83,7 +96,8 @@ drop_old_mysql_test_databases() {
   now_ms=$(date +%s%3N)
   for db in $(mariadb -h 127.0.0.1 -P "$MYSQL_PORT" -u root -N -e "SHOW DATABASES LIKE 'outbox\_t\_%'"); do
     # A UUIDv7's first 48 bits are its creation time in ms since the epoch.
-    created_ms=$((16#${db:9:12})) 2>/dev/null || created_ms=0
+    created_ms=0
+    if [[ ${db:9:12} =~ ^[0-9a-f]{12}$ ]]; then created_ms=$((16#${db:9:12})); fi
     if (( now_ms - created_ms > 3 * 3600 * 1000 )); then
       mariadb -h 127.0.0.1 -P "$MYSQL_PORT" -u root -e "DROP DATABASE \`$db\`"
     fi
@@ -97,9 +111,33 @@ ensure_chromium() {
   fi
 }
 
+# Whether the NATS server on port $1 has JetStream on (its INFO line, sent on connecting, says so).
+nats_has_jetstream() {
+  local info
+  info=$(timeout 5 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1 && IFS= read -r line <&3 && echo \"\$line\"" 2>/dev/null) || true
+  [[ $info == *'"jetstream":true'* ]]
+}
+
 ensure_nats() {
   if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
     apt_install nats-server
+  fi
+  # Debian's package starts a service (where systemd runs) whose configuration has no JetStream: turn
+  # it on there rather than leave a server on the port that cannot hold a stream.
+  if port_open "$NATS_PORT" && ! nats_has_jetstream "$NATS_PORT"; then
+    if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet nats-server 2>/dev/null; then
+      echo "outbox: turning JetStream on in /etc/nats-server.conf and restarting nats-server" >&2
+      as_root mkdir -p /var/lib/nats-server
+      as_root chown nats: /var/lib/nats-server 2>/dev/null || true
+      grep -q jetstream /etc/nats-server.conf ||
+        echo 'jetstream { store_dir: "/var/lib/nats-server" }' | as_root tee -a /etc/nats-server.conf >/dev/null
+      as_root systemctl restart nats-server
+      for _ in $(seq 1 100); do nats_has_jetstream "$NATS_PORT" && break; sleep 0.1; done
+    fi
+    if ! nats_has_jetstream "$NATS_PORT"; then
+      echo "outbox: a NATS server on 127.0.0.1:$NATS_PORT has no JetStream; restart it with -js" >&2
+      return 1
+    fi
   fi
   if ! port_open "$NATS_PORT"; then
     echo "outbox: starting nats-server with JetStream" >&2
@@ -109,6 +147,18 @@ ensure_nats() {
     wait_port "$NATS_PORT" nats-server
   fi
   export NATS_URL="nats://127.0.0.1:$NATS_PORT"
+}
+
+# Runs a command as the only test or bench run on this machine: their databases, schemas and streams have
+# fixed names (sqlx names a test's database after the test), and a second run would drop or fill the
+# first one's. `flock -o`: the servers a test starts do not inherit the lock.
+under_suite_lock() {
+  local lock="${TMPDIR:-/tmp}/outbox-suite.lock"
+  touch "$lock" && chmod a+rw "$lock" 2>/dev/null || true
+  if ! flock -n -o "$lock" true; then
+    echo "outbox: waiting for another test or bench run on this machine to end ($lock)" >&2
+  fi
+  flock -o "$lock" "$@"
 }
 
 # PostgreSQL and NATS running, and DATABASE_URL pointing at the demo's database (demo.sh, bench.sh).

@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
+ensure_toolchain
 ensure_postgres
 ensure_mariadb
 ensure_nats
@@ -13,4 +14,4 @@ ensure_chromium
 ensure_database outbox_test
 drop_old_mysql_test_databases
 export DATABASE_URL="$DATABASE_URL_BASE/outbox_test"
-cargo test --workspace "$@"
+under_suite_lock cargo test --workspace "$@"
