@@ -171,6 +171,15 @@ pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
             checker.feed(&events);
             checker.next_seq = last_seq + 1;
         }
+        // Before the backlog is read: a backlog read before the producer's last commit would end the story
+        // with that commit undelivered.
+        if let Some(task) = producer.take_if(|task| task.is_finished()) {
+            produced = task.await.map_err(|e| Failure(e.to_string()))??;
+            println!(
+                "  producer done: {} events committed, {} transactions rolled back",
+                produced.committed, produced.rolled_back
+            );
+        }
         let delivered = checker.seen.len();
         let pending = outbox_core::operator::BacklogTotals::of(&ctx.outbox.stats(&ctx.db).await?).pending;
         let map = partition_map(ctx).await?;
@@ -182,13 +191,6 @@ pub async fn run(ctx: &Context, args: RunArgs) -> Result<ExitCode, Failure> {
             checker.duplicates
         );
         delivered_before = delivered;
-        if let Some(task) = producer.take_if(|task| task.is_finished()) {
-            produced = task.await.map_err(|e| Failure(e.to_string()))??;
-            println!(
-                "  producer done: {} events committed, {} transactions rolled back",
-                produced.committed, produced.rolled_back
-            );
-        }
         if producer.is_none() && story.is_empty() && pending == 0 {
             break;
         }
