@@ -318,8 +318,12 @@ impl OwnMariaDb {
     async fn start(args: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let data = format!("--datadir={}", dir.path().join("data").display());
+        // `--user` only as root: the server then runs as root; anyone else cannot switch users (nor needs to).
+        let is_root = std::process::Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0\n"));
+        let user: &[&str] = if is_root { &["--user=root"] } else { &[] };
         let installed = std::process::Command::new("mariadb-install-db")
-            .args(["--no-defaults", &data, "--user=root", "--auth-root-authentication-method=normal", "--skip-test-db"])
+            .args(["--no-defaults", &data, "--auth-root-authentication-method=normal", "--skip-test-db"])
+            .args(user)
             .output()
             .expect("mariadb-install-db (package mariadb-server; ./scripts/test.sh installs it)");
         assert!(installed.status.success(), "mariadb-install-db: {}", String::from_utf8_lossy(&installed.stderr));
@@ -330,7 +334,8 @@ impl OwnMariaDb {
             ["/usr/sbin/mariadbd", "/usr/local/sbin/mariadbd"].into_iter().find(|p| std::path::Path::new(p).exists());
         let server = std::process::Command::new(mariadbd.unwrap_or("mariadbd"))
             .args(["--no-defaults", &data, &format!("--port={port}"), "--bind-address=127.0.0.1", &socket])
-            .args(["--user=root", "--skip-grant-tables", "--innodb-buffer-pool-size=32M"])
+            .args(user)
+            .args(["--skip-grant-tables", "--innodb-buffer-pool-size=32M"])
             .args(args)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
