@@ -4,7 +4,7 @@
 //! deliveries finish and hands the node's partitions over.
 //!
 //! ```sh
-//! DATABASE_URL=postgres://root@127.0.0.1/test cargo run -p outbox-demo --example order_service
+//! DATABASE_URL=postgres://root:outbox@127.0.0.1/outbox_demo cargo run -p outbox-demo --example order_service
 //! curl -s -XPOST localhost:3000/orders -d '{"id": "o-1", "amount": 42}' -H 'content-type: application/json'
 //! curl -s localhost:3000/metrics | grep outbox_records_completed_total
 //! ```
