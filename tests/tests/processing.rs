@@ -764,7 +764,7 @@ async fn cancelled_under_a_new_id(db: TestDb, handed_over: bool) {
 #[sqlx::test(migrations = false)]
 async fn a_key_waits_for_its_outcome_left_to_retry(pool: sqlx::PgPool) {
     let db = TestDb::postgres(pool);
-    let (sink, refusals) = refuse_completing(&db, ["P0001", "40001"]).await;
+    let (sink, refusals) = refuse_completing(&db, &["P0001", "40001"]).await;
     assert!(refusals >= 3, "the first record's completion was refused twice, then written ({refusals})");
     assert_eq!(sink.ranks_of("k"), [1, 2, 3], "delivered once each, in order");
     assert_eq!(failed_count(&db).await, 0);
@@ -776,21 +776,51 @@ async fn a_key_waits_for_its_outcome_left_to_retry(pool: sqlx::PgPool) {
 #[sqlx::test(migrations = false)]
 async fn a_completion_that_timed_out_is_retried(pool: sqlx::PgPool) {
     let db = TestDb::postgres(pool);
-    let (sink, refusals) = refuse_completing(&db, ["55P03", "57014"]).await;
+    let (sink, refusals) = refuse_completing(&db, &["55P03", "57014"]).await;
     assert!(refusals >= 3, "the first record's completion was refused twice, then written ({refusals})");
     assert_eq!(failed_count(&db).await, 0, "a timeout is not the database rejecting the outcome");
     assert_eq!(sink.ranks_of("k"), [1, 2, 3]);
     assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'delivered'").await, 3);
 }
 
-/// Delivers three records of key `k` while a trigger refuses the first record's delete (its
-/// completion) with SQLSTATE `codes[0]`, then `codes[1]`, then lets it through. Returns the deliveries
-/// and how often the trigger saw that delete.
-async fn refuse_completing(db: &TestDb, codes: [&str; 2]) -> (Arc<Sink>, i64) {
+/// A database that takes no writes for a while (a primary turned read-only, a pool's connections now
+/// on a standby after a failover: SQLSTATE 25006) is waited out: the delivered record is completed,
+/// not written as FAILED once writes come back.
+#[sqlx::test(migrations = false)]
+async fn a_read_only_database_is_waited_out(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let (sink, refusals) = refuse_completing(&db, &["25006", "25006", "25006"]).await;
+    assert!(refusals >= 4, "the first record's completion was refused three times, then written ({refusals})");
+    assert_eq!(failed_count(&db).await, 0, "a read-only database is not the database rejecting the outcome");
+    assert_eq!(sink.ranks_of("k"), [1, 2, 3]);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'delivered'").await, 3);
+}
+
+/// An outcome the database rejects in its batch and alone, whose FAILED stand-in it rejects as well, is
+/// tried again as it was: FAILED is written in its place only when the database takes writes and
+/// rejects the outcome itself, never for a record whose handler succeeded and whose write met a
+/// passing refusal.
+#[sqlx::test(migrations = false)]
+async fn an_outcome_is_retried_as_it_was_when_its_failed_stand_in_is_refused_too(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let (sink, refusals) = refuse_completing(&db, &["P0001", "P0001", "P0001"]).await;
+    assert!(refusals >= 4, "the batch, the outcome alone and FAILED were refused, then it was written ({refusals})");
+    assert_eq!(failed_count(&db).await, 0, "FAILED written for a record whose handler succeeded");
+    assert_eq!(sink.ranks_of("k"), [1, 2, 3]);
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'delivered'").await, 3);
+}
+
+/// Delivers three records of key `k` while a trigger refuses the first record's delete or update (its
+/// completion, or FAILED written in its place) with SQLSTATE `codes[0]`, then `codes[1]` and so on, then
+/// lets it through. Returns the deliveries and how often the trigger saw that record written.
+async fn refuse_completing(db: &TestDb, codes: &[&str]) -> (Arc<Sink>, i64) {
     logs();
     let outbox = outbox(db, |_| {}).await;
     let scheduled = commit(&outbox, db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
-    let [first, second] = codes;
+    let refusals: String = (1..)
+        .zip(codes)
+        .map(|(n, code)| format!("WHEN {n} THEN RAISE EXCEPTION 'refused' USING ERRCODE = '{code}';\n"))
+        .collect();
     db.exec("CREATE SEQUENCE {s}refusals", &[]).await;
     db.exec(
         &format!(
@@ -798,19 +828,22 @@ async fn refuse_completing(db: &TestDb, codes: [&str; 2]) -> (Arc<Sink>, i64) {
             BEGIN
                 IF OLD.id = '{id}' THEN
                     CASE nextval('outbox.refusals')
-                        WHEN 1 THEN RAISE EXCEPTION 'refused' USING ERRCODE = '{first}';
-                        WHEN 2 THEN RAISE EXCEPTION 'refused' USING ERRCODE = '{second}';
+                        {refusals}
                         ELSE NULL;
                     END CASE;
                 END IF;
-                RETURN OLD;
+                RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
             END $$",
             id = scheduled[0].id
         ),
         &[],
     )
     .await;
-    db.exec("CREATE TRIGGER refuse BEFORE DELETE ON {s}records FOR EACH ROW EXECUTE FUNCTION {s}refuse()", &[]).await;
+    db.exec(
+        "CREATE TRIGGER refuse BEFORE DELETE OR UPDATE ON {s}records FOR EACH ROW EXECUTE FUNCTION {s}refuse()",
+        &[],
+    )
+    .await;
     let sink = Sink::new();
     let node = start(&outbox, db, recording(&sink)).await;
     drained(db, LONG).await;

@@ -66,7 +66,9 @@ pub(super) async fn complete(outbox: &Outbox, db: &Db, batch: Vec<Outcome>) -> C
 }
 
 /// One outcome on its own; if the database rejects it for good, it is written as FAILED with the
-/// reason instead. Hands the outcome back with the error if that fails too.
+/// reason instead. Hands the outcome back as it was, with the error, if that fails too: the database
+/// then rejected any write, not this outcome, and a FAILED written once it takes writes again would
+/// stand for a record whose handler may well have succeeded.
 async fn write_alone(
     outbox: &Outbox,
     db: &Db,
@@ -80,13 +82,13 @@ async fn write_alone(
     let reason = storable_error(&format!("the database rejected this record's outcome ({:?}): {e}", outcome.verdict));
     error!(record = %outcome.id, key = %outcome.key, partition = outcome.partition, instance = %outcome.instance,
         error = %e, "the database rejected a record's outcome; writing it as FAILED");
-    let failed = Outcome { verdict: Verdict::Failed { error: reason }, ..outcome };
+    let failed = Outcome { verdict: Verdict::Failed { error: reason }, ..outcome.clone() };
     match write(outbox, db, std::slice::from_ref(&failed)).await {
         Ok(written) => Ok((failed, written)),
         Err(e) => {
-            error!(record = %failed.id, key = %failed.key, partition = failed.partition, instance = %failed.instance,
-                error = %e, "the database rejected FAILED as well; the key stays in flight and its write is retried");
-            Err((failed, e))
+            error!(record = %outcome.id, key = %outcome.key, partition = outcome.partition, instance = %outcome.instance,
+                error = %e, "the database rejected FAILED as well; the key stays in flight and its outcome is retried");
+            Err((outcome, e))
         }
     }
 }
