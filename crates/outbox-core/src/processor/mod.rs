@@ -310,6 +310,11 @@ impl State {
     }
 
     fn start_fetch(&mut self, outbox: &Outbox, db: &Db, current: &Assignment) {
+        // A poll falls due here too: while fetches follow one another (wake-ups or completions asking
+        // for a busy partition during each), the loop never waits without a fetch, where its timer runs.
+        if self.fetch.is_none() && Instant::now() >= self.next_poll {
+            self.poll_due();
+        }
         let room = self.config.concurrency.saturating_sub(self.in_flight.len());
         if self.stop_deadline.is_some()
             || self.wanted.is_empty()
