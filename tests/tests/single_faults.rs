@@ -451,3 +451,50 @@ async fn a_header_value_stored_as_a_number_is_delivered_as_its_text(db: TestDb) 
     assert!(seen["listed"].is_empty(), "headers that are no object come as none");
     assert!(seen["plain"].is_empty());
 }
+
+/// A count of calls before they are made (in a partition taken over from a dead owner) that the
+/// database refuses is taken back and tried again after the completions' backoff: before, the records
+/// were fetched and counted again at once, in a loop as fast as the database answered, and a count
+/// that committed despite the error left calls counted that were never made (the records then went
+/// as suspects, alone). Here the database refuses every update of a record until a gate opens.
+#[sqlx::test(migrations = false)]
+async fn a_count_the_database_refuses_is_taken_back_and_tried_again_later(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let outbox = outbox(&db, |_| {}).await;
+    let scheduled = commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    let dead = register_instance(&db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60} WHERE id = $1", dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    db.exec("CREATE TABLE {s}gate (open boolean)", &[]).await;
+    db.exec("CREATE SEQUENCE {s}refusals", &[]).await;
+    db.exec(
+        "CREATE FUNCTION {s}refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NOT EXISTS (SELECT FROM outbox.gate) THEN
+                PERFORM nextval('outbox.refusals');
+                RAISE EXCEPTION 'refused' USING ERRCODE = 'P0001';
+            END IF;
+            RETURN NEW;
+        END $$",
+        &[],
+    )
+    .await;
+    db.exec("CREATE TRIGGER refuse BEFORE UPDATE ON {s}records FOR EACH ROW EXECUTE FUNCTION {s}refuse()", &[]).await;
+    let refusals = || db.scalar::<i64>("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {s}refusals", &[]);
+    let sink = Sink::new();
+    let node = start(&outbox, &db, recording(&sink)).await;
+    wait_for("the count refused", LONG, || async { refusals().await > 0 }).await;
+    let first = refusals().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let in_a_second = refusals().await - first;
+    assert!(in_a_second < 50, "{in_a_second} refused writes in a second: the count is tried again in a loop");
+    assert_eq!(sink.len(), 0, "a call was made without its count written");
+    db.exec("INSERT INTO {s}gate VALUES (true)", &[]).await;
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(sink.ranks_of("k"), [1]);
+    let outcome =
+        db.scalar::<String>("SELECT outcome FROM {s}completed WHERE id = $1", &[scheduled[0].id.into()]).await;
+    assert_eq!(outcome, "delivered");
+}

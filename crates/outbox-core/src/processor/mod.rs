@@ -475,8 +475,16 @@ impl State {
                     .first()
                     .and_then(|r| r.first())
                     .map(|f| (f.record.id, f.record.key.clone(), f.record.partition));
-                warn!(error = %e, runs = runs.len(), ?first, "counting calls before they are made failed; their records will be fetched again (first: record, key, partition)");
-                Written::default()
+                warn!(error = %e, runs = runs.len(), ?first, retry_in = ?self.complete_backoff,
+                    "counting calls before they are made failed; the counts are taken back and their records fetched again (first: record, key, partition)");
+                // The write may have committed all the same, and fetched at once again the records would
+                // meet the same refusal in a loop: the counts are taken back like a run's calls not made,
+                // keeping the keys in flight until that is written, after the completions' backoff.
+                for run in runs {
+                    self.outcomes.extend(not_called(run));
+                }
+                self.back_off_completions();
+                return;
             }
         };
         for run in runs {
@@ -561,11 +569,17 @@ impl State {
             warn!(error = %e, records = batch.len(), ?first, retry_in = ?self.complete_backoff,
                 "completion failed; retrying (first: record, key, partition, instance, epoch)");
             self.outcomes.extend(batch);
-            self.complete_not_before = Instant::now() + self.complete_backoff;
-            self.complete_backoff = (self.complete_backoff * 2).min(COMPLETE_RETRY_MAX);
+            self.back_off_completions();
         } else {
             self.complete_backoff = COMPLETE_RETRY_MIN;
         }
+    }
+
+    /// The next completion waits `complete_backoff`, which doubles up to [`COMPLETE_RETRY_MAX`] until one
+    /// succeeds.
+    fn back_off_completions(&mut self) {
+        self.complete_not_before = Instant::now() + self.complete_backoff;
+        self.complete_backoff = (self.complete_backoff * 2).min(COMPLETE_RETRY_MAX);
     }
 
     fn on_assignment(&mut self, current: &Assignment) {
