@@ -498,3 +498,40 @@ async fn a_count_the_database_refuses_is_taken_back_and_tried_again_later(pool: 
         db.scalar::<String>("SELECT outcome FROM {s}completed WHERE id = $1", &[scheduled[0].id.into()]).await;
     assert_eq!(outcome, "delivered");
 }
+
+/// A record whose earlier calls failed in the usual way (their failures were written), fetched in a
+/// partition taken over from a dead owner after its route's retries were lowered below its attempts,
+/// is called once more and goes to the fallback, as it would without the takeover. Before, the check
+/// meant for a record whose last call never finished took it for one: FAILED without a call or the
+/// fallback, with "the last of which did not finish".
+#[sqlx::test(migrations = false)]
+async fn a_record_that_failed_in_the_usual_way_reaches_its_fallback_after_a_takeover(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let outbox = outbox(&db, |_| {}).await;
+    let scheduled = commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    exec!(db, "UPDATE {s}records SET attempts = 3, last_error = 'the broker is down'");
+    let dead = register_instance(&db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60} WHERE id = $1", dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    let (calls, rescued) = (Sink::new(), Sink::new());
+    let (called, fallback) = (calls.clone(), rescued.clone());
+    let failing = handler_fn(move |r: Record| {
+        called.record(&r);
+        async { Err::<(), _>(HandlerError::retryable("the broker is still down")) }
+    });
+    let route = Route::new(failing).retry(RetryPolicy::fixed(Duration::from_millis(5), 1)).unwrap().fallback(
+        outbox_core::fallback_fn(move |r, _| {
+            fallback.record(&r);
+            async { Ok(()) }
+        }),
+    );
+    let node = start(&outbox, &db, Handlers::new().default_route(route)).await;
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(failed_count(&db).await, 0);
+    assert_eq!((calls.len(), rescued.len()), (1, 1), "called once more, then the fallback");
+    let outcome =
+        db.scalar::<String>("SELECT outcome FROM {s}completed WHERE id = $1", &[scheduled[0].id.into()]).await;
+    assert_eq!(outcome, "fallback");
+}

@@ -100,7 +100,7 @@ async fn deliver(handlers: &Handlers, config: &Config, fetched: &Fetched) -> (Ve
     })
 }
 
-/// FAILED, if calls counted before they were made used up the record's retries (`careful.rs`): the
+/// FAILED, if calls counted before they were made used up a suspect's retries (`careful.rs`): the
 /// last one did not finish (a failure that used them up would have ended in the fallback or FAILED),
 /// so the record is given up without another call, or it could end every instance that takes it on.
 pub(super) fn out_of_unfinished_calls(handlers: &Handlers, config: &Config, record: &Record) -> Option<Verdict> {

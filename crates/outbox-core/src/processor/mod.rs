@@ -442,8 +442,11 @@ impl State {
         (outbox, db): (&Outbox, &Db),
     ) {
         runs.retain_mut(|run| {
+            // Only a suspect: a record whose last call failed in the usual way is called again and
+            // its policy decides (the fallback, say, when its route's retries were lowered meanwhile).
+            let suspect = run.first().filter(|f| f.unfinished);
             let Some(verdict) =
-                run.first().and_then(|f| out_of_unfinished_calls(&context.handlers, &self.config, &f.record))
+                suspect.and_then(|f| out_of_unfinished_calls(&context.handlers, &self.config, &f.record))
             else {
                 return true;
             };
