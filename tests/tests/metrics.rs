@@ -21,6 +21,7 @@ every_backend!(
     each_record_is_counted_once_by_how_it_ended,
     only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over,
     owned_partitions_fall_to_none_when_the_lease_runs_out_and_at_stop,
+    the_ownership_task_waits_while_its_lease_has_run_out,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -126,4 +127,32 @@ async fn owned_partitions_fall_to_none_when_the_lease_runs_out_and_at_stop(db: T
     assert_eq!(kept.counter("outbox_leases_expired_total"), 1, "declared dead once");
     node.shutdown().await.unwrap();
     assert_eq!(owned().await, Some(0.0), "none after the stop");
+}
+
+/// The ownership task waits for its next tick while the lease has run out, also once the quiet period
+/// of partitions it took over has ended. Before, that period's timer, already past, fired at once on
+/// every pass (only a successful round cleared it), and the task spun a core for as long as the
+/// database stayed out of reach, setting `outbox_owned_partitions` on each turn.
+async fn the_ownership_task_waits_while_its_lease_has_run_out(db: TestDb) {
+    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let kept = Kept::new();
+    let _local = metrics::set_default_local_recorder(&kept);
+    let outbox = outbox(&db, |_| {}).await;
+    // Partitions taken from it are quiet for twice its heartbeat: 3 s.
+    let dead = owner_of_all_dead_since_a_minute(&db, 1500).await;
+    let ok = Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok(()) })));
+    let node = Node::start(outbox.clone(), &far, ok, fast_cluster()).await.unwrap();
+    let owns = "SELECT count(*) FROM {s}partitions WHERE owner = $1";
+    wait_for("every partition taken over", LONG, || async { db.scalar::<i64>(owns, &[Value::from(dead)]).await == 0 })
+        .await;
+    // The lease (400 ms) runs out long before the quiet period ends.
+    proxy.cut();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let before = kept.gauge_settings();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let in_a_second = kept.gauge_settings() - before;
+    proxy.mend();
+    node.shutdown().await.unwrap();
+    // A tick every 100 ms (the rebalance interval) sets the gauge about ten times a second.
+    assert!(in_a_second < 100, "the gauge was set {in_a_second} times in a second: the ownership task spins");
 }

@@ -2,7 +2,7 @@
 //! they stand ([`Kept`]).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
 use metrics_util::debugging::{DebugValue, Snapshotter};
@@ -51,12 +51,18 @@ impl Recorded {
 
 /// A recorder that keeps each counter's total and each gauge's last value, read without resetting them
 /// (the debugging recorder's snapshot sets a gauge back to 0, so a gauge read twice could not be told
-/// from one set to 0).
-pub struct Kept(Registry<Key, AtomicStorage>);
+/// from one set to 0), and how often a gauge was set (each `gauge!` registers it): a loop that sets
+/// one on every pass shows how fast it turns.
+pub struct Kept(Registry<Key, AtomicStorage>, AtomicU64);
 
 impl Kept {
     pub fn new() -> Self {
-        Self(Registry::atomic())
+        Self(Registry::atomic(), AtomicU64::new(0))
+    }
+
+    /// How many times any gauge was set.
+    pub fn gauge_settings(&self) -> u64 {
+        self.1.load(Ordering::SeqCst)
     }
 
     /// A gauge's value (`None` if never set).
@@ -82,6 +88,7 @@ impl metrics::Recorder for Kept {
     }
 
     fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        self.1.fetch_add(1, Ordering::SeqCst);
         self.0.get_or_create_gauge(key, |g| Gauge::from_arc(Arc::clone(g)))
     }
 
