@@ -771,16 +771,19 @@ async fn a_failing_reap_holds_no_round_up(db: TestDb) {
 
 /// An instance's host vanishes (no FIN, no RST) in the middle of an acquisition, after it locked the
 /// rows of the partitions' live owner to judge its lease (MySQL: in a transaction, across round trips).
-/// The database ends that transaction once it has sat idle for `query_timeout`, and the owner's
+/// The database ends that transaction once it has sat idle for half a lease (or `query_timeout`, if
+/// shorter), and the owner's
 /// heartbeat, which waited on its own row meanwhile, renews the lease in time: the healthy instance
 /// keeps its lease and delivers on. Before, on MySQL the row stayed locked until the server's TCP
 /// keepalive gave up (two hours by default), every renewal waited on it, and the owner's lease ran out:
 /// it delivered nothing, silently, as nobody could declare it dead.
 async fn an_acquisition_whose_host_vanished_kills_no_other_instance(db: TestDb) {
     let Some((far, proxy)) = db.through_proxy().await else { return };
-    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    // The default time limit (10 s), longer than the lease: the cluster's own transactions are limited
+    // to half a lease, or b's, holding a's row, would outlast a's lease.
+    let outbox = outbox(&db, |_| {}).await;
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
-    // A lease of 4 s, four times the time limit.
+    // A lease of 4 s.
     let config = |name: &str| outbox_cluster::ClusterConfig {
         heartbeat_interval: Duration::from_millis(500),
         stale_timeout: Duration::from_secs(5),

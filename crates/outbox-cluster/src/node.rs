@@ -84,7 +84,7 @@ impl Node {
     /// Validates `config`, registers the instance and starts its tasks.
     pub async fn start(outbox: Outbox, db: impl Into<Db>, handlers: Handlers, config: ClusterConfig) -> Result<Node> {
         config.validate()?;
-        let store = Store::new(db.into(), &outbox);
+        let store = Store::new(db.into(), &outbox, outbox.config().query_timeout.min(config.lease() / 2));
         let first =
             registry::register(&store, &config, InstanceId::new()).await.map_err(|e| e.not_migrated(&outbox))?;
         info!(instance = %first.instance, name = %config.name, "instance registered");

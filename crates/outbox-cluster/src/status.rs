@@ -18,6 +18,6 @@ pub struct ClusterStatus {
 
 /// Reads the cluster's state (any process may call it; it needs no running node).
 pub async fn status(db: impl Into<Db>, outbox: &Outbox) -> Result<ClusterStatus> {
-    let store = Store::new(db.into(), outbox);
+    let store = Store::new(db.into(), outbox, outbox.config().query_timeout);
     Ok(ClusterStatus { instances: store.instances().await?, partitions: store.view().await?.partitions })
 }

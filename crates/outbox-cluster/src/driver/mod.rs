@@ -75,7 +75,11 @@ struct Statements {
 }
 
 impl Store {
-    pub(crate) fn new(db: Db, outbox: &Outbox) -> Self {
+    /// A store whose transactions hold rows for at most `hold` once their client is gone (MySQL's
+    /// `wait_timeout` and lock waits; PostgreSQL's statements hold nothing between round trips). A
+    /// node's is under half its lease, since its transactions lock other instances' rows: an acquirer
+    /// whose host vanished must not hold back their renewals past their leases.
+    pub(crate) fn new(db: Db, outbox: &Outbox, hold: Duration) -> Self {
         let schema = outbox.config().schema.as_str();
         let statements = Statements {
             #[cfg(feature = "postgres")]
@@ -83,7 +87,7 @@ impl Store {
             #[cfg(feature = "sqlite")]
             sqlite: sqlite::SqliteStatements::new(schema),
             #[cfg(feature = "mysql")]
-            mysql: mysql::MySqlStatements::new(schema, outbox.config().query_timeout),
+            mysql: mysql::MySqlStatements::new(schema, hold),
         };
         Self { db, statements: Arc::new(statements), limit: outbox.config().query_timeout }
     }

@@ -142,10 +142,10 @@ pub(super) struct MySqlStatements {
 
 impl MySqlStatements {
     /// `schema` is validated by the outbox's config.
-    pub(super) fn new(schema: &str, query_timeout: Duration) -> Self {
+    pub(super) fn new(schema: &str, hold: Duration) -> Self {
         let build = |text: &str| -> Arc<str> { render(text, schema).into() };
         Self {
-            begin: begin_statement(query_timeout),
+            begin: begin_statement(hold),
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),
             deregister: build(DEREGISTER),

@@ -21,7 +21,7 @@ pub(crate) async fn stores(pool: PgPool) -> Vec<Store> {
     let mysql = outbox_core::driver::mysql::test_database().await;
     for db in [Db::from(pool), Db::from(sqlite), mysql] {
         outbox.migrate(&db).await.unwrap();
-        stores.push(Store::new(db, &outbox));
+        stores.push(Store::new(db, &outbox, outbox.config().query_timeout));
     }
     stores
 }
@@ -362,7 +362,7 @@ impl OwnMariaDb {
         let pool = sqlx::mysql::MySqlPoolOptions::new().connect(&format!("{}/outbox_test", self.url())).await.unwrap();
         let (db, outbox) = (Db::from(pool), Outbox::new(Config::default()).unwrap());
         outbox.migrate(&db).await.unwrap();
-        Store::new(db, &outbox)
+        Store::new(db, &outbox, outbox.config().query_timeout)
     }
 }
 
