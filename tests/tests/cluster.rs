@@ -25,6 +25,7 @@ every_backend!(
     a_partition_still_quiet_when_its_owner_stops_stays_quiet,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
+    a_stop_with_a_call_that_outlasts_it_ends_within_the_shutdown_timeout,
     a_node_declared_dead_while_leaving_still_leaves,
     a_failing_reap_holds_no_round_up,
     an_acquisition_whose_host_vanished_kills_no_other_instance,
@@ -817,4 +818,37 @@ async fn an_acquisition_whose_host_vanished_kills_no_other_instance(db: TestDb) 
     }
     db.end_other_sessions().await;
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
+}
+
+/// A graceful stop whose handler call outlasts it ends within `shutdown_timeout` as a whole, as the
+/// docs say. Before, the wait for the handover took the whole timeout, then the processor's own stop
+/// began a second one: twice the timeout, past a grace period set to it, so the pod was killed in the
+/// middle of its stop and its partitions waited out the stale timeout.
+async fn a_stop_with_a_call_that_outlasts_it_ends_within_the_shutdown_timeout(db: TestDb) {
+    let outbox = outbox(&db, |c| {
+        c.shutdown_timeout = Duration::from_secs(2);
+        c.handler_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let called = Arc::new(AtomicBool::new(false));
+    let calling = called.clone();
+    let slow = handler_fn(move |_| {
+        calling.store(true, Ordering::SeqCst);
+        async {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let node = Node::start(outbox.clone(), &db, Handlers::new().default_route(Route::new(slow)), fast_cluster())
+        .await
+        .unwrap();
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    wait_for("the call made", LONG, || async { called.load(Ordering::SeqCst) }).await;
+    let stopping = Instant::now();
+    let stopped = node.shutdown().await;
+    let took = stopping.elapsed();
+    assert!(stopped.is_err(), "the call was not finished: {stopped:?}");
+    // 2 s, and the release and deregistration after it; two timeouts would be 4 s.
+    assert!(took < Duration::from_millis(3500), "the stop took {took:?} for a shutdown_timeout of 2 s");
+    assert_eq!(pending(&db).await, 1, "the record is left to be delivered again");
 }

@@ -171,10 +171,14 @@ impl Node {
         } else {
             self.store.drain(id).await
         };
+        // The processor stops fetching now and finishes what is in flight, within `shutdown_timeout`
+        // from here: leaving, the instance is assigned nothing more, and one timeout bounds the whole
+        // stop (a second, begun after the handover's, would make it twice as long).
+        self.stop_processor.cancel();
         match &drained {
             Ok(()) => {
                 // The ownership task points the targets elsewhere and releases partition by partition,
-                // while the processor finishes each one's records.
+                // as the processor completes each one's records.
                 self.leaving.cancel();
                 let timeout = self.outbox.config().shutdown_timeout;
                 let handed_over = async {
@@ -190,7 +194,6 @@ impl Node {
             }
             Err(e) => warn!(instance = %id, error = %e, "could not mark the instance draining; stopping anyway"),
         }
-        self.stop_processor.cancel();
         let processed = self.processor.await.map_err(|e| Error::Task(e.to_string())).and_then(|r| r);
         self.stop_background.cancel();
         self.background.wait().await;
