@@ -41,8 +41,8 @@ pub const DEFAULT_CONCURRENCY: usize = 256;
 /// next), completed in one batch. A run checks the assignment before every record, so its length does
 /// not slow a handover, while each fetch and completion round trip serves up to 32 records.
 pub const DEFAULT_KEY_LOOKAHEAD: usize = 32;
-/// Payload bytes a key's run may hold beyond its first record: bounds the lookahead's memory to
-/// `concurrency` × 64 KiB (16 MiB by default) whatever the payload sizes.
+/// Payload bytes a key's run may hold (its first record always comes, whatever its size): bounds the
+/// lookahead's memory to `concurrency` × 64 KiB (16 MiB by default) whatever the payload sizes.
 pub const DEFAULT_KEY_LOOKAHEAD_BYTES: usize = 64 * 1024;
 /// A handler that has not answered in 30 s is treated as a retryable failure.
 pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);

@@ -15,7 +15,8 @@ pub const DEFAULT_INITIAL_DELAY: Duration = Duration::from_millis(100);
 pub const DEFAULT_MULTIPLIER: f64 = 2.0;
 /// Retries never wait longer than a minute, so a recovered downstream is noticed quickly.
 pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(60);
-/// Ten retries with the defaults cover roughly three minutes of outage before the fallback / FAILED.
+/// Ten retries with the defaults cover 82 to 102 seconds of outage (0.1 s doubling to 51.2 s, up to 20 %
+/// less each) before the fallback / FAILED.
 pub const DEFAULT_MAX_RETRIES: u32 = 10;
 /// Up to 20 % less than the nominal delay, so keys that failed together do not retry in lockstep.
 pub const DEFAULT_JITTER: f64 = 0.2;
@@ -80,22 +81,24 @@ impl Default for RetryPolicy {
 impl RetryPolicy {
     /// A policy with a fixed delay and no jitter.
     pub fn fixed(delay: Duration, max_retries: u32) -> Self {
-        Self { backoff: Backoff::Fixed { delay }, max_retries, max_delay: delay.max(DEFAULT_MAX_DELAY), jitter: 0.0 }
+        Self::capped(Backoff::Fixed { delay }, delay, max_retries)
     }
 
-    /// A policy with a linear delay and no jitter.
+    /// A policy with a linear delay and no jitter; delays are capped at [`DEFAULT_MAX_DELAY`], or at
+    /// `initial` if longer ([`with_max_delay`](Self::with_max_delay) sets another cap).
     pub fn linear(initial: Duration, increment: Duration, max_retries: u32) -> Self {
-        Self { backoff: Backoff::Linear { initial, increment }, max_retries, max_delay: DEFAULT_MAX_DELAY, jitter: 0.0 }
+        Self::capped(Backoff::Linear { initial, increment }, initial, max_retries)
     }
 
-    /// A policy with an exponential delay and no jitter.
+    /// A policy with an exponential delay and no jitter; delays are capped at [`DEFAULT_MAX_DELAY`], or
+    /// at `initial` if longer ([`with_max_delay`](Self::with_max_delay) sets another cap).
     pub fn exponential(initial: Duration, multiplier: f64, max_retries: u32) -> Self {
-        Self {
-            backoff: Backoff::Exponential { initial, multiplier },
-            max_retries,
-            max_delay: DEFAULT_MAX_DELAY,
-            jitter: 0.0,
-        }
+        Self::capped(Backoff::Exponential { initial, multiplier }, initial, max_retries)
+    }
+
+    /// The default cap, never below the first delay asked for.
+    fn capped(backoff: Backoff, first: Duration, max_retries: u32) -> Self {
+        Self { backoff, max_retries, max_delay: first.max(DEFAULT_MAX_DELAY), jitter: 0.0 }
     }
 
     /// Sets the jitter fraction.
@@ -184,6 +187,28 @@ mod tests {
         assert_eq!(exp.nominal_delay(u32::MAX), MS(200), "huge retry numbers stay capped");
         let immediate = RetryPolicy::exponential(Duration::ZERO, 10.0, 400);
         assert_eq!(immediate.nominal_delay(400), Duration::ZERO, "no delay grows from none, however many retries");
+    }
+
+    /// Every constructor caps delays at a minute, or at the first delay asked for if longer: a first
+    /// retry is never cut short of it (linear and exponential policies capped it at a minute).
+    #[test]
+    fn the_default_cap_never_cuts_the_first_delay() {
+        let s = |secs| Duration::from_secs(secs);
+        assert_eq!(RetryPolicy::fixed(s(90), 3).nominal_delay(2), s(90));
+        let linear = RetryPolicy::linear(s(90), s(30), 3);
+        assert_eq!((1..=3).map(|n| linear.nominal_delay(n)).collect::<Vec<_>>(), [s(90); 3]);
+        assert_eq!(RetryPolicy::exponential(s(90), 2.0, 3).nominal_delay(1), s(90));
+        assert_eq!(RetryPolicy::linear(s(1), s(30), 5).nominal_delay(5), DEFAULT_MAX_DELAY);
+    }
+
+    /// The defaults' ten retries wait 102.3 s nominally, 82 s at the most jitter: what
+    /// `DEFAULT_MAX_RETRIES` and the README say an outage may last before the fallback.
+    #[test]
+    fn the_default_retries_cover_82_to_102_seconds() {
+        let policy = RetryPolicy::default();
+        let nominal: Duration = (1..=DEFAULT_MAX_RETRIES).map(|n| policy.nominal_delay(n)).sum();
+        assert_eq!(nominal, Duration::from_millis(102_300));
+        assert_eq!(nominal.mul_f64(1.0 - DEFAULT_JITTER).as_secs_f64().round(), 82.0);
     }
 
     #[test]

@@ -41,7 +41,8 @@ impl Outbox {
     }
 
     /// Schedules several records in one round trip, in the caller's transaction. Records of one key get
-    /// consecutive sequence numbers in slice order. Either all are validated and written, or none.
+    /// increasing sequence numbers in slice order (not consecutive: the numbers come from one
+    /// database-wide sequence). Either all are validated and written, or none.
     #[instrument(skip_all, fields(records = records.len()))]
     pub async fn schedule_batch<'c>(&self, conn: impl Into<Conn<'c>>, records: &[NewRecord]) -> Result<Vec<Scheduled>> {
         let max_payload = self.config().max_payload_bytes;
