@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use outbox_core::config::MAX_DURATION;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -62,8 +63,8 @@ impl ClusterConfig {
             ("stale_timeout", self.stale_timeout),
             ("rebalance_interval", self.rebalance_interval),
         ] {
-            if value < Duration::from_millis(10) {
-                return bad(format!("{name} must be at least 10ms, got {value:?}"));
+            if value < Duration::from_millis(10) || value > MAX_DURATION {
+                return bad(format!("{name} must be within 10ms..=100 years, got {value:?}"));
             }
         }
         if self.name.is_empty() || self.name.chars().count() > MAX_NAME_CHARS || self.name.contains(char::is_control) {
@@ -105,6 +106,13 @@ mod tests {
         assert_eq!(config.lease(), Duration::from_secs(4));
         let config = ClusterConfig { heartbeat_interval: Duration::MAX, ..Default::default() };
         assert!(config.validate().unwrap_err().to_string().contains("heartbeat_interval"), "no overflow panic");
+        for config in [
+            ClusterConfig { stale_timeout: Duration::MAX, ..Default::default() },
+            ClusterConfig { rebalance_interval: MAX_DURATION + Duration::from_secs(1), ..Default::default() },
+        ] {
+            let err = config.validate().unwrap_err().to_string();
+            assert!(err.contains("100 years"), "{err}");
+        }
         for name in [String::new(), "x".repeat(257), "pod\0-1".into()] {
             let config = ClusterConfig { name: name.clone(), ..Default::default() };
             assert!(config.validate().unwrap_err().to_string().contains("name"), "{name:?} accepted");

@@ -184,6 +184,19 @@ impl Config {
                 return bad(format!("{name} must be > 0"));
             }
         }
+        for (name, value) in [
+            ("poll_interval", self.poll_interval),
+            ("listen_poll_interval", self.listen_poll_interval),
+            ("handler_timeout", self.handler_timeout),
+            ("purge_interval", self.purge_interval),
+            ("shutdown_timeout", self.shutdown_timeout),
+            ("completed_retention", self.completed_retention),
+            ("retry.max_delay", self.retry.max_delay),
+        ] {
+            if value > MAX_DURATION {
+                return bad(format!("{name} must be at most 100 years ({MAX_DURATION:?}), got {value:?}"));
+            }
+        }
         for (name, value, max) in [
             ("batch_size", self.batch_size, 100_000),
             ("concurrency", self.concurrency, 100_000),
@@ -211,6 +224,11 @@ impl Config {
         self.retry.validate()
     }
 }
+
+/// Longest duration a setting takes: long enough to mean "never", short enough that the clock or a
+/// database can add it to now (an interval of tokio's or a deadline past what a clock holds panicked);
+/// the bound of a record's delay.
+pub const MAX_DURATION: Duration = crate::MAX_DELAY;
 
 /// Longest `query_timeout`: 2^31 - 1 ms, the most a database's statement or lock time limit is set to.
 const MAX_QUERY_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
@@ -262,8 +280,12 @@ mod tests {
     #[test]
     fn validate_names_the_bad_field() {
         type Mutate = fn(&mut Config);
-        let cases: [(Mutate, &str); 6] = [
+        let cases: [(Mutate, &str); 10] = [
             (|c| c.schema = "Outbox; drop".into(), "schema"),
+            (|c| c.purge_interval = Duration::MAX, "purge_interval"),
+            (|c| c.shutdown_timeout = Duration::MAX, "shutdown_timeout"),
+            (|c| c.completed_retention = MAX_DURATION + Duration::from_secs(1), "completed_retention"),
+            (|c| c.retry.max_delay = Duration::MAX, "max_delay"),
             (|c| c.poll_interval = Duration::ZERO, "poll_interval"),
             (|c| c.query_timeout = Duration::from_secs(30 * 24 * 3600), "query_timeout"),
             (|c| c.concurrency = 0, "concurrency"),
