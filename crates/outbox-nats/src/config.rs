@@ -95,7 +95,8 @@ pub enum Storage {
 pub struct StreamSettings {
     /// Stream name.
     pub name: String,
-    /// Subjects it captures; must cover every subject the template renders.
+    /// Subjects it captures; must cover every subject the template renders (`validate` refuses subjects
+    /// that can capture none of them, as far as the template's tokens before its first placeholder tell).
     pub subjects: Vec<String>,
     /// File or memory.
     pub storage: Storage,
@@ -174,13 +175,20 @@ impl NatsConfig {
         if self.servers.is_empty() {
             return bad("servers must list at least one URL".into());
         }
-        SubjectTemplate::parse(&self.subject)?;
+        let template = SubjectTemplate::parse(&self.subject)?;
         let stream = &self.stream;
         if stream.name.is_empty() || stream.name.contains(['.', '*', '>', ' ', '/', '\\']) {
             return bad(format!("stream.name {:?} must be non-empty without . * > / \\ or spaces", stream.name));
         }
         if stream.subjects.is_empty() {
             return bad("stream.subjects must list at least one subject".into());
+        }
+        // Else every publish would find no stream and every record end FAILED.
+        if !stream.subjects.iter().any(|pattern| template.may_be_captured_by(pattern)) {
+            return bad(format!(
+                "none of stream.subjects {:?} captures a subject that subject {:?} renders",
+                stream.subjects, self.subject
+            ));
         }
         if !(1..=5).contains(&stream.replicas) {
             return bad(format!("stream.replicas must be within 1..=5, got {}", stream.replicas));
@@ -240,8 +248,11 @@ mod tests {
     #[test]
     fn validate_names_the_bad_field() {
         NatsConfig::default().validate().unwrap();
-        let cases: [(NatsConfig, &str); 4] = [
+        let cases: [(NatsConfig, &str); 6] = [
             (NatsConfig { servers: vec![], ..Default::default() }, "servers"),
+            // The stream's default subjects (`outbox.>`) capture none of these.
+            (NatsConfig { subject: "events.{event_type}".into(), ..Default::default() }, "stream.subjects"),
+            (NatsConfig { subject: "outbox".into(), ..Default::default() }, "stream.subjects"),
             (NatsConfig { subject: "outbox.{nope}".into(), ..Default::default() }, "{nope}"),
             (
                 NatsConfig {
@@ -262,5 +273,11 @@ mod tests {
             let err = config.validate().unwrap_err().to_string();
             assert!(err.contains(field), "{err} should name {field}");
         }
+        let own_stream = NatsConfig {
+            subject: "events.{partition}.{key}".into(),
+            stream: StreamSettings { subjects: vec!["other.>".into(), "events.*.*".into()], ..Default::default() },
+            ..Default::default()
+        };
+        own_stream.validate().unwrap();
     }
 }

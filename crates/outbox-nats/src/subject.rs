@@ -64,6 +64,33 @@ impl SubjectTemplate {
         Ok(template)
     }
 
+    /// Whether the stream subject `pattern` captures some of the subjects this template renders: those
+    /// of a template without placeholders exactly, else the tokens before the first placeholder (an
+    /// event type may span any number of tokens, so little more can be known).
+    pub fn may_be_captured_by(&self, pattern: &str) -> bool {
+        let mut leading = String::new();
+        for part in &self.parts {
+            match part {
+                Part::Literal(text) => leading.push_str(text),
+                _ => {
+                    // Only the whole tokens before the placeholder are known; more tokens follow them.
+                    let known: Vec<&str> = leading.split('.').collect();
+                    let known = &known[..known.len() - 1];
+                    let mut tokens = pattern.split('.');
+                    for literal in known {
+                        match tokens.next() {
+                            Some(">") => return true,
+                            Some(token) if token == "*" || token == *literal => {}
+                            _ => return false,
+                        }
+                    }
+                    return tokens.next().is_some();
+                }
+            }
+        }
+        matches(pattern, &leading)
+    }
+
     /// The subject of `record`.
     pub fn render(&self, record: &Record) -> String {
         self.render_parts(&record.event_type, &record.key, record.partition)
@@ -149,6 +176,24 @@ mod tests {
         for bad in ["outbox.{nope}", "outbox.{key", "out box.{key}", "outbox..{key}", "outbox.*", ""] {
             assert!(SubjectTemplate::parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// What a stream subject can be known to miss: every subject of a template without placeholders, or
+    /// the tokens before the first placeholder.
+    #[test]
+    fn a_stream_subject_that_captures_none_of_a_template_is_told() {
+        let captured =
+            |template: &str, pattern: &str| SubjectTemplate::parse(template).unwrap().may_be_captured_by(pattern);
+        assert!(captured("outbox.{event_type}.{key}", "outbox.>"));
+        assert!(captured("outbox.{event_type}.{key}", "*.>"));
+        assert!(captured("outbox.{event_type}.{key}", "outbox.*.*"), "event types without dots");
+        assert!(captured("{event_type}", "orders.>"), "nothing known before the event type");
+        assert!(captured("a.b{key}", "a.*"));
+        assert!(captured("outbox", "outbox"));
+        assert!(!captured("events.{event_type}", "outbox.>"));
+        assert!(!captured("outbox.{key}", "outbox"), "a token follows");
+        assert!(!captured("outbox", "outbox.>"));
+        assert!(!captured("a.b.{key}", "a.c.>"));
     }
 
     #[test]
