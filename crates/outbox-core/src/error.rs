@@ -15,16 +15,25 @@ pub enum Error {
     #[error("record key is empty")]
     EmptyKey,
     /// The record key is longer than [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES).
-    #[error("record key is {len} bytes, over the limit of {max} bytes")]
+    #[error("record key starting {start:?} is {len} bytes, over the limit of {max} bytes")]
     KeyTooLong {
+        /// The key's first 32 characters.
+        start: String,
         /// Length of the rejected key in bytes.
         len: usize,
         /// The limit.
         max: usize,
     },
-    /// The record key contains a control character (NUL cannot be stored; CR/LF cannot travel in headers).
-    #[error("record key contains a control character")]
-    KeyHasControl,
+    /// The record key cannot be carried as it is: it has a control character (NUL cannot be stored,
+    /// CR/LF cannot travel in a header), or whitespace at either end (NATS and HTTP trim header values,
+    /// so it would arrive as another key).
+    #[error("record key {key:?} {reason}")]
+    BadKey {
+        /// The rejected key.
+        key: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// The event type is empty or longer than [`MAX_EVENT_TYPE_BYTES`](crate::MAX_EVENT_TYPE_BYTES).
     #[error("event type for key {key:?} must be 1 to {max} bytes, got {len}")]
     BadEventType {
@@ -46,7 +55,8 @@ pub enum Error {
         /// The configured limit.
         max: usize,
     },
-    /// A header name or value cannot be carried (names: visible ASCII without `:`; values: no CR/LF).
+    /// A header name or value cannot be carried (names: visible ASCII without `:`; values: no CR, LF or
+    /// NUL, no whitespace at either end).
     #[error("invalid header {name:?} for key {key:?}: {reason}")]
     BadHeader {
         /// Key of the rejected record.

@@ -110,6 +110,13 @@ impl NewRecord {
     pub(crate) fn validate(&self, max_payload_bytes: usize) -> Result<()> {
         let key = &self.key;
         check_key(key)?;
+        // The key travels as a header value (`Outbox-Key`), which NATS and HTTP clients trim. Records
+        // stored before this check keep their keys, and an operator can still look them up.
+        if key.starts_with(char::is_whitespace) || key.ends_with(char::is_whitespace) {
+            let reason =
+                "starts or ends with whitespace, which headers lose on the way (the consumer would see another key)";
+            return Err(Error::BadKey { key: key.clone(), reason });
+        }
         let len = self.event_type.len();
         if len == 0 || len > MAX_EVENT_TYPE_BYTES || self.event_type.chars().any(char::is_control) {
             return Err(Error::BadEventType { key: key.clone(), len, max: MAX_EVENT_TYPE_BYTES });
@@ -138,6 +145,9 @@ impl NewRecord {
             }
             if value.contains(['\r', '\n', '\0']) {
                 return bad("value must not contain CR, LF or NUL");
+            }
+            if value.starts_with(char::is_whitespace) || value.ends_with(char::is_whitespace) {
+                return bad("value must not start or end with whitespace (NATS and HTTP trim it)");
             }
         }
         Ok(())
@@ -226,18 +236,20 @@ impl fmt::Debug for Record {
     }
 }
 
-/// A key any record could have: not empty, at most `MAX_KEY_BYTES`, without control characters.
+/// A key any record could have (and an operator may look up): not empty, at most `MAX_KEY_BYTES`,
+/// without control characters.
 pub(crate) fn check_key(key: &str) -> Result<()> {
     if key.is_empty() {
         return Err(Error::EmptyKey);
     }
     if key.len() > MAX_KEY_BYTES {
-        return Err(Error::KeyTooLong { len: key.len(), max: MAX_KEY_BYTES });
+        return Err(Error::KeyTooLong { start: key.chars().take(32).collect(), len: key.len(), max: MAX_KEY_BYTES });
     }
+    // NUL cannot be stored in PostgreSQL text, CR/LF would break a header carrying the key: say so here
+    // instead of failing inside the caller's transaction or at delivery.
     if key.chars().any(char::is_control) {
-        // NUL cannot be stored in PostgreSQL text, CR/LF would break a header carrying the key: say so
-        // here instead of failing inside the caller's transaction or at delivery.
-        return Err(Error::KeyHasControl);
+        let reason = "has a control character (NUL cannot be stored, CR and LF cannot travel in a header)";
+        return Err(Error::BadKey { key: key.to_string(), reason });
     }
     Ok(())
 }
@@ -274,6 +286,16 @@ mod tests {
         assert!(matches!(check(NewRecord::new("", "t", "")), Err(Error::EmptyKey)));
         let long = "k".repeat(MAX_KEY_BYTES + 1);
         assert!(matches!(check(NewRecord::new(long, "t", "")), Err(Error::KeyTooLong { len: 513, .. })));
+        for key in ["o-7 ", " o-7", "\u{a0}o-7", " ", "o\r\n"] {
+            let err = check(NewRecord::new(key, "t", "")).unwrap_err();
+            assert!(matches!(&err, Error::BadKey { key: bad, .. } if bad == key), "{key:?}: {err:?}");
+        }
+        assert!(check(NewRecord::new("order 7", "t", "")).is_ok(), "whitespace inside a key travels");
+        for value in [" v", "v ", "v\t"] {
+            let err = check(NewRecord::new("k", "t", "").header("h", value)).unwrap_err();
+            assert!(matches!(err, Error::BadHeader { .. }), "{value:?}: {err:?}");
+        }
+        assert!(check(NewRecord::new("k", "t", "").header("h", "a b")).is_ok());
         assert!(check(NewRecord::new("k".repeat(MAX_KEY_BYTES), "t", "")).is_ok());
         assert!(matches!(check(NewRecord::new("k", "", "")), Err(Error::BadEventType { .. })));
         assert!(matches!(check(NewRecord::new("k", "t", vec![0u8; 17])), Err(Error::PayloadTooLarge { len: 17, .. })));

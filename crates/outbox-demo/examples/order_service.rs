@@ -88,7 +88,7 @@ async fn place_order(
     use outbox_core::Error;
     let failed = |e: Error| match e {
         // Bad input (an empty or oversized key, say) is the caller's; anything else is ours.
-        Error::EmptyKey | Error::KeyTooLong { .. } | Error::KeyHasControl | Error::PayloadTooLarge { .. } => {
+        Error::EmptyKey | Error::KeyTooLong { .. } | Error::BadKey { .. } | Error::PayloadTooLarge { .. } => {
             (StatusCode::BAD_REQUEST, e.to_string())
         }
         e if e.is_transient() => (StatusCode::SERVICE_UNAVAILABLE, "try again".to_string()),

@@ -27,7 +27,7 @@ impl From<outbox_core::Error> for ApiError {
             e @ outbox_core::Error::RecordNotFound { .. } => ApiError::NotFound(e.to_string()),
             e @ (outbox_core::Error::EmptyKey
             | outbox_core::Error::KeyTooLong { .. }
-            | outbox_core::Error::KeyHasControl
+            | outbox_core::Error::BadKey { .. }
             | outbox_core::Error::BadLimit { .. }) => ApiError::BadRequest(e.to_string()),
             e => ApiError::Unavailable(e.to_string()),
         }
