@@ -56,7 +56,8 @@ pub enum Error {
         max: usize,
     },
     /// A header name or value cannot be carried (names: visible ASCII without `:`; values: no CR, LF or
-    /// NUL, no whitespace at either end).
+    /// NUL, no whitespace at either end), or the headers are over
+    /// [`MAX_HEADERS_BYTES`](crate::MAX_HEADERS_BYTES) together.
     #[error("invalid header {name:?} for key {key:?}: {reason}")]
     BadHeader {
         /// Key of the rejected record.

@@ -67,7 +67,9 @@ pub use handler::{BoxError, FailureKind, Fallback, Handler, HandlerError, Handle
 pub use notice::{Nudge, Nudges};
 pub use partition::{PARTITIONS, Partition, partition_of};
 pub use processor::{MAX_ERROR_BYTES, Processor, UNFINISHED_CALL};
-pub use record::{Delay, Headers, MAX_DELAY, MAX_EVENT_TYPE_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled};
+pub use record::{
+    Delay, Headers, MAX_DELAY, MAX_EVENT_TYPE_BYTES, MAX_HEADERS_BYTES, MAX_KEY_BYTES, NewRecord, Record, Scheduled,
+};
 pub use retry::{Backoff, RetryPolicy};
 pub use stored::{FailedFilter, FailedPosition, FailedRecord, PartitionStats};
 

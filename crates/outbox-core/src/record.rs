@@ -23,6 +23,10 @@ pub const MAX_EVENT_TYPE_BYTES: usize = 256;
 /// Record headers (e.g. trace context), carried to the handler unchanged. Ordered for stable output.
 pub type Headers = BTreeMap<String, String>;
 
+/// Most bytes a record's header names and values may take together: metadata, not a second payload
+/// (they are not counted in `max_payload_bytes` nor in the fetch's byte budget).
+pub const MAX_HEADERS_BYTES: usize = 64 * 1024;
+
 /// Longest accepted [`Delay::After`]: far enough for any reminder, near enough that every database's
 /// time type holds the result.
 pub const MAX_DELAY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
@@ -134,8 +138,13 @@ impl NewRecord {
         {
             return Err(Error::DeliverAtOutOfRange { key: key.clone(), at });
         }
+        let mut header_bytes = 0_usize;
         for (name, value) in &self.headers {
             let bad = |reason| Err(Error::BadHeader { key: key.clone(), name: name.clone(), reason });
+            header_bytes += name.len() + value.len();
+            if header_bytes > MAX_HEADERS_BYTES {
+                return bad("the headers' names and values take more than 65536 bytes together");
+            }
             if name.is_empty() {
                 return bad("empty name");
             }
@@ -296,6 +305,10 @@ mod tests {
             assert!(matches!(err, Error::BadHeader { .. }), "{value:?}: {err:?}");
         }
         assert!(check(NewRecord::new("k", "t", "").header("h", "a b")).is_ok());
+        let most = NewRecord::new("k", "t", "").header("h", "v".repeat(MAX_HEADERS_BYTES - 1));
+        assert!(check(most.clone()).is_ok());
+        let err = check(most.header("i", "")).unwrap_err();
+        assert!(matches!(&err, Error::BadHeader { name, .. } if name == "i"), "{err:?}");
         assert!(check(NewRecord::new("k".repeat(MAX_KEY_BYTES), "t", "")).is_ok());
         assert!(matches!(check(NewRecord::new("k", "", "")), Err(Error::BadEventType { .. })));
         assert!(matches!(check(NewRecord::new("k", "t", vec![0u8; 17])), Err(Error::PayloadTooLarge { len: 17, .. })));
