@@ -122,9 +122,17 @@ ensure_nats() {
   if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
     apt_install nats-server
   fi
-  # Debian's package starts a service (where systemd runs) whose configuration has no JetStream: turn
-  # it on there rather than leave a server on the port that cannot hold a stream.
-  if port_open "$NATS_PORT" && ! nats_has_jetstream "$NATS_PORT"; then
+  if ! port_open "$NATS_PORT"; then
+    echo "outbox: starting nats-server with JetStream" >&2
+    as_root mkdir -p /var/lib/nats-server
+    as_root start-stop-daemon --start --oknodo --background --exec "$(command -v nats-server || echo /usr/sbin/nats-server)" -- \
+      -a 127.0.0.1 -p "$NATS_PORT" -js -sd /var/lib/nats-server -l /var/log/nats-server.log
+    wait_port "$NATS_PORT" nats-server
+  fi
+  # Debian's package starts a service (where systemd runs) whose configuration has no JetStream, maybe
+  # only just now, so that the start above found it running: turn JetStream on there rather than leave
+  # a server on the port that cannot hold a stream.
+  if ! nats_has_jetstream "$NATS_PORT"; then
     if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet nats-server 2>/dev/null; then
       echo "outbox: turning JetStream on in /etc/nats-server.conf and restarting nats-server" >&2
       as_root mkdir -p /var/lib/nats-server
@@ -135,26 +143,21 @@ ensure_nats() {
       for _ in $(seq 1 100); do nats_has_jetstream "$NATS_PORT" && break; sleep 0.1; done
     fi
     if ! nats_has_jetstream "$NATS_PORT"; then
-      echo "outbox: a NATS server on 127.0.0.1:$NATS_PORT has no JetStream; restart it with -js" >&2
+      echo "outbox: the NATS server on 127.0.0.1:$NATS_PORT has no JetStream; restart it with -js" >&2
       return 1
     fi
-  fi
-  if ! port_open "$NATS_PORT"; then
-    echo "outbox: starting nats-server with JetStream" >&2
-    as_root mkdir -p /var/lib/nats-server
-    as_root start-stop-daemon --start --oknodo --background --exec "$(command -v nats-server || echo /usr/sbin/nats-server)" -- \
-      -a 127.0.0.1 -p "$NATS_PORT" -js -sd /var/lib/nats-server -l /var/log/nats-server.log
-    wait_port "$NATS_PORT" nats-server
   fi
   export NATS_URL="nats://127.0.0.1:$NATS_PORT"
 }
 
 # Runs a command as the only test or bench run on this machine: their databases, schemas and streams have
 # fixed names (sqlx names a test's database after the test), and a second run would drop or fill the
-# first one's. `flock -o`: the servers a test starts do not inherit the lock.
+# first one's. `flock -o`: the servers a test starts do not inherit the lock. A directory, not a file:
+# one made by another user in sticky /tmp cannot be opened to create (fs.protected_regular), a
+# directory is only read.
 under_suite_lock() {
-  local lock="${TMPDIR:-/tmp}/outbox-suite.lock"
-  touch "$lock" && chmod a+rw "$lock" 2>/dev/null || true
+  local lock=/tmp/outbox-suite.lock.d
+  mkdir -p "$lock" 2>/dev/null || true
   if ! flock -n -o "$lock" true; then
     echo "outbox: waiting for another test or bench run on this machine to end ($lock)" >&2
   fi
