@@ -86,11 +86,11 @@ impl Ownership {
         let mut busy = self.busy.clone();
         let mut rounds = Rounds::new(self.assign.borrow().instance);
         loop {
-            // A quiet period that has ended is over whether or not a round runs now: kept, its timer
-            // (already past) would fire on every pass while the lease is out or rounds fail, a spin.
+            // Only the quiet periods still to end: one that has ended stays (the next round hands its
+            // partition on), but its timer, already past, would fire on every pass while the lease is
+            // out or rounds fail, a spin.
             let now = Instant::now();
-            rounds.quiet.retain(|_, &mut (_, until)| until > now);
-            let quiet_ends = rounds.quiet.values().map(|&(_, until)| until).min();
+            let quiet_ends = rounds.quiet.values().map(|&(_, until)| until).filter(|&until| until > now).min();
             let whole_round = tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => true,
