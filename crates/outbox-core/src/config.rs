@@ -191,7 +191,6 @@ impl Config {
             ("purge_interval", self.purge_interval),
             ("shutdown_timeout", self.shutdown_timeout),
             ("completed_retention", self.completed_retention),
-            ("retry.max_delay", self.retry.max_delay),
         ] {
             if value > MAX_DURATION {
                 return bad(format!("{name} must be at most 100 years ({MAX_DURATION:?}), got {value:?}"));
@@ -285,7 +284,7 @@ mod tests {
             (|c| c.purge_interval = Duration::MAX, "purge_interval"),
             (|c| c.shutdown_timeout = Duration::MAX, "shutdown_timeout"),
             (|c| c.completed_retention = MAX_DURATION + Duration::from_secs(1), "completed_retention"),
-            (|c| c.retry.max_delay = Duration::MAX, "max_delay"),
+            (|c| c.retry = RetryPolicy::fixed(Duration::MAX, 3), "max_delay"),
             (|c| c.poll_interval = Duration::ZERO, "poll_interval"),
             (|c| c.query_timeout = Duration::from_secs(30 * 24 * 3600), "query_timeout"),
             (|c| c.concurrency = 0, "concurrency"),

@@ -119,8 +119,8 @@ impl RetryPolicy {
         if !(0.0..=1.0).contains(&self.jitter) {
             return bad(format!("retry.jitter must be within 0..=1, got {}", self.jitter));
         }
-        if self.max_delay.is_zero() {
-            return bad("retry.max_delay must be > 0".into());
+        if self.max_delay.is_zero() || self.max_delay > crate::config::MAX_DURATION {
+            return bad(format!("retry.max_delay must be above 0 and at most 100 years, got {:?}", self.max_delay));
         }
         if let Backoff::Exponential { multiplier, .. } = self.backoff
             && !(multiplier.is_finite() && multiplier >= 1.0)
@@ -253,5 +253,7 @@ mod tests {
         assert!(RetryPolicy::exponential(MS(1), 0.5, 1).validate().is_err());
         assert!(RetryPolicy::exponential(MS(1), f64::NAN, 1).validate().is_err());
         assert!(RetryPolicy::default().with_max_delay(Duration::ZERO).validate().is_err());
+        // A route's policy too: a delay past what a clock can add to now panicked the processor.
+        assert!(RetryPolicy::fixed(Duration::MAX, 3).validate().is_err());
     }
 }
