@@ -310,9 +310,11 @@ impl State {
     }
 
     fn start_fetch(&mut self, outbox: &Outbox, db: &Db, current: &Assignment) {
-        // A poll falls due here too: while fetches follow one another (wake-ups or completions asking
-        // for a busy partition during each), the loop never waits without a fetch, where its timer runs.
-        if self.fetch.is_none() && Instant::now() >= self.next_poll {
+        // While fetches follow one another (wake-ups or completions asking for a busy partition during
+        // each), the loop never waits without a fetch, where the poll's timer runs: a poll that late by
+        // `poll_interval` runs here. Not sooner: at the active 5 ms, a whole poll in place of every other
+        // targeted fetch would walk the partitions whose keys are all in flight.
+        if self.fetch.is_none() && Instant::now() >= self.next_poll + self.config.poll_interval {
             self.poll_due();
         }
         let room = self.config.concurrency.saturating_sub(self.in_flight.len());
