@@ -28,7 +28,9 @@ pub struct ClusterConfig {
     /// by others. Its lease, during which it counts as live and may deliver, ends two heartbeat
     /// intervals earlier ([`ClusterConfig::lease`]); whoever takes its partitions then waits those two
     /// intervals (the time the old owner needs to notice a lease that ended early) before delivering
-    /// them. Must be at least four heartbeat intervals.
+    /// them. Must be at least four heartbeat intervals. On MySQL keep the lease at 2 s or more: the
+    /// server's limit on a transaction whose client vanished is whole seconds, and the cluster's hold
+    /// other instances' rows for up to half a lease.
     #[serde(with = "humantime_serde")]
     pub stale_timeout: Duration,
     /// How often ownership is reconsidered.
