@@ -905,22 +905,8 @@ async fn an_outcome_of_an_earlier_grant_is_fenced_beside_one_of_the_current_gran
     let (old, partition) = own_partition_of(&db, "k1", Epoch(3)).await;
     let neighbour = (0..).map(|i| format!("k2-{i}")).find(|k| partition_of(k) == partition).unwrap();
     commit(&outbox, &db, vec![NewRecord::new("k1", "t", "")]).await;
-    // k1's completion is refused (for the moment) until the gate table has a row.
-    db.exec("CREATE TABLE {s}gate (open boolean)", &[]).await;
-    db.exec("CREATE SEQUENCE {s}refusals", &[]).await;
-    db.exec(
-        "CREATE FUNCTION {s}refuse() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            IF OLD.key = 'k1' AND NOT EXISTS (SELECT 1 FROM outbox.gate) THEN
-                PERFORM nextval('outbox.refusals');
-                RAISE EXCEPTION 'refused' USING ERRCODE = '40001';
-            END IF;
-            RETURN OLD;
-        END $$",
-        &[],
-    )
-    .await;
-    db.exec("CREATE TRIGGER refuse BEFORE DELETE ON {s}records FOR EACH ROW EXECUTE FUNCTION {s}refuse()", &[]).await;
+    // k1's completion is refused (for the moment) until the gate opens.
+    refuse_until_the_gate_opens(&db, "DELETE", "OLD.key = 'k1'", "40001").await;
 
     let sink = Sink::new();
     let lease = Some(Deadline::now().after(LONG));
@@ -928,7 +914,7 @@ async fn an_outcome_of_an_earlier_grant_is_fenced_beside_one_of_the_current_gran
     let stop = CancellationToken::new();
     let processor =
         tokio::spawn(Processor::new(outbox.clone(), db.clone(), recording(&sink), assignment).run(stop.clone()));
-    let refused = || async { db.scalar::<i64>("SELECT last_value FROM {s}refusals", &[]).await > 1 };
+    let refused = || async { refusals(&db).await > 1 };
     wait_for("k1 delivered and its completion refused", LONG, refused).await;
 
     // Declared dead, the instance registers again and gets the partition back at epoch 5.
@@ -938,7 +924,7 @@ async fn an_outcome_of_an_earlier_grant_is_fenced_beside_one_of_the_current_gran
     commit(&outbox, &db, vec![NewRecord::new(neighbour.clone(), "t", "")]).await;
     wait_for("the neighbour delivered", LONG, || async { sink.of_key(&neighbour).len() == 1 }).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    db.exec("INSERT INTO {s}gate VALUES (true)", &[]).await;
+    open_the_gate(&db).await;
     drained(&db, LONG).await;
     stop.cancel();
     processor.await.unwrap().unwrap();

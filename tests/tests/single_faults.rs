@@ -466,31 +466,16 @@ async fn a_count_the_database_refuses_is_taken_back_and_tried_again_later(pool: 
     let dead = register_instance(&db).await;
     exec!(db, "UPDATE {s}instances SET expires_at = {ago:60} WHERE id = $1", dead);
     exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
-    db.exec("CREATE TABLE {s}gate (open boolean)", &[]).await;
-    db.exec("CREATE SEQUENCE {s}refusals", &[]).await;
-    db.exec(
-        "CREATE FUNCTION {s}refuse() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            IF NOT EXISTS (SELECT FROM outbox.gate) THEN
-                PERFORM nextval('outbox.refusals');
-                RAISE EXCEPTION 'refused' USING ERRCODE = 'P0001';
-            END IF;
-            RETURN NEW;
-        END $$",
-        &[],
-    )
-    .await;
-    db.exec("CREATE TRIGGER refuse BEFORE UPDATE ON {s}records FOR EACH ROW EXECUTE FUNCTION {s}refuse()", &[]).await;
-    let refusals = || db.scalar::<i64>("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {s}refusals", &[]);
+    refuse_until_the_gate_opens(&db, "UPDATE", "true", "P0001").await;
     let sink = Sink::new();
     let node = start(&outbox, &db, recording(&sink)).await;
-    wait_for("the count refused", LONG, || async { refusals().await > 0 }).await;
-    let first = refusals().await;
+    wait_for("the count refused", LONG, || async { refusals(&db).await > 0 }).await;
+    let first = refusals(&db).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let in_a_second = refusals().await - first;
+    let in_a_second = refusals(&db).await - first;
     assert!(in_a_second < 50, "{in_a_second} refused writes in a second: the count is tried again in a loop");
     assert_eq!(sink.len(), 0, "a call was made without its count written");
-    db.exec("INSERT INTO {s}gate VALUES (true)", &[]).await;
+    open_the_gate(&db).await;
     drained(&db, LONG).await;
     node.shutdown().await.unwrap();
     assert_eq!(sink.ranks_of("k"), [1]);

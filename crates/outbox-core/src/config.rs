@@ -179,19 +179,12 @@ impl Config {
             ("query_timeout", self.query_timeout),
             ("purge_interval", self.purge_interval),
             ("shutdown_timeout", self.shutdown_timeout),
-        ] {
-            if value.is_zero() {
-                return bad(format!("{name} must be > 0"));
-            }
-        }
-        for (name, value) in [
-            ("poll_interval", self.poll_interval),
-            ("listen_poll_interval", self.listen_poll_interval),
-            ("handler_timeout", self.handler_timeout),
-            ("purge_interval", self.purge_interval),
-            ("shutdown_timeout", self.shutdown_timeout),
+            // 0: purged at the next purge.
             ("completed_retention", self.completed_retention),
         ] {
+            if value.is_zero() && name != "completed_retention" {
+                return bad(format!("{name} must be > 0"));
+            }
             if value > MAX_DURATION {
                 return bad(format!("{name} must be at most 100 years ({MAX_DURATION:?}), got {value:?}"));
             }

@@ -382,3 +382,35 @@ pub fn logs() {
         .with_test_writer()
         .try_init();
 }
+
+/// Makes PostgreSQL refuse, with SQLSTATE `code`, each `event` (`DELETE`, `UPDATE`, `DELETE OR UPDATE`)
+/// of a record for which `condition` (SQL over `OLD`) holds, until [`open_the_gate`]; [`refusals`]
+/// counts them.
+pub async fn refuse_until_the_gate_opens(db: &TestDb, event: &str, condition: &str, code: &str) {
+    db.exec("CREATE TABLE {s}gate (open boolean)", &[]).await;
+    db.exec("CREATE SEQUENCE {s}refusals", &[]).await;
+    let refuse = format!(
+        "CREATE FUNCTION {{s}}refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF {condition} AND NOT EXISTS (SELECT FROM outbox.gate) THEN
+                PERFORM nextval('outbox.refusals');
+                RAISE EXCEPTION 'refused' USING ERRCODE = '{code}';
+            END IF;
+            RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
+        END $$"
+    );
+    db.exec(&refuse, &[]).await;
+    let trigger =
+        format!("CREATE TRIGGER refuse BEFORE {event} ON {{s}}records FOR EACH ROW EXECUTE FUNCTION {{s}}refuse()");
+    db.exec(&trigger, &[]).await;
+}
+
+/// How many writes [`refuse_until_the_gate_opens`] refused.
+pub async fn refusals(db: &TestDb) -> i64 {
+    db.scalar("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {s}refusals", &[]).await
+}
+
+/// Ends [`refuse_until_the_gate_opens`]'s refusals.
+pub async fn open_the_gate(db: &TestDb) {
+    db.exec("INSERT INTO {s}gate VALUES (true)", &[]).await;
+}

@@ -79,6 +79,7 @@ impl Store {
     /// `wait_timeout` and lock waits; PostgreSQL's statements hold nothing between round trips). A
     /// node's is under half its lease, since its transactions lock other instances' rows: an acquirer
     /// whose host vanished must not hold back their renewals past their leases.
+    #[cfg_attr(not(feature = "mysql"), expect(unused_variables, reason = "only MySQL's transactions take it"))]
     pub(crate) fn new(db: Db, outbox: &Outbox, hold: Duration) -> Self {
         let schema = outbox.config().schema.as_str();
         let statements = Statements {

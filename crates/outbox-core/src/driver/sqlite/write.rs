@@ -151,7 +151,7 @@ mod tests {
         let lent = pool.acquire().await.unwrap();
         let waiting = tokio::spawn({
             let pool = pool.clone();
-            async move { write(&pool).await.map(|w| drop(w)) }
+            async move { write(&pool).await.map(drop) }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
         let mut own = SqliteConnection::connect_with(pool.connect_options().as_ref()).await.unwrap();
