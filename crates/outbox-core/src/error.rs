@@ -34,15 +34,17 @@ pub enum Error {
         /// What is wrong with it.
         reason: &'static str,
     },
-    /// The event type is empty or longer than [`MAX_EVENT_TYPE_BYTES`](crate::MAX_EVENT_TYPE_BYTES).
-    #[error("event type for key {key:?} must be 1 to {max} bytes, got {len}")]
+    /// The event type is empty, longer than [`MAX_EVENT_TYPE_BYTES`](crate::MAX_EVENT_TYPE_BYTES), has a
+    /// control character, or whitespace at either end (it travels as the `Outbox-Event-Type` header,
+    /// which NATS and HTTP clients trim).
+    #[error("event type {event_type:?} for key {key:?} {reason}")]
     BadEventType {
         /// Key of the rejected record.
         key: String,
-        /// Length of the rejected event type in bytes.
-        len: usize,
-        /// The limit.
-        max: usize,
+        /// The rejected event type (its first 64 characters).
+        event_type: String,
+        /// What is wrong with it.
+        reason: &'static str,
     },
     /// The payload is larger than the configured `max_payload_bytes`, or than the database takes in one
     /// statement (MySQL's `max_allowed_packet`, with the payload in base64).

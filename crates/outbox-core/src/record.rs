@@ -121,9 +121,19 @@ impl NewRecord {
                 "starts or ends with whitespace, which headers lose on the way (the consumer would see another key)";
             return Err(Error::BadKey { key: key.clone(), reason });
         }
-        let len = self.event_type.len();
-        if len == 0 || len > MAX_EVENT_TYPE_BYTES || self.event_type.chars().any(char::is_control) {
-            return Err(Error::BadEventType { key: key.clone(), len, max: MAX_EVENT_TYPE_BYTES });
+        let event_type = &self.event_type;
+        let reason = if event_type.is_empty() || event_type.len() > MAX_EVENT_TYPE_BYTES {
+            Some("must be 1 to 256 bytes")
+        } else if event_type.chars().any(char::is_control) {
+            Some("has a control character")
+        } else if event_type.starts_with(char::is_whitespace) || event_type.ends_with(char::is_whitespace) {
+            Some("starts or ends with whitespace, which headers lose on the way")
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            let event_type = event_type.chars().take(64).collect();
+            return Err(Error::BadEventType { key: key.clone(), event_type, reason });
         }
         if self.payload.len() > max_payload_bytes {
             return Err(Error::PayloadTooLarge { key: key.clone(), len: self.payload.len(), max: max_payload_bytes });
@@ -311,6 +321,11 @@ mod tests {
         assert!(matches!(&err, Error::BadHeader { name, .. } if name == "i"), "{err:?}");
         assert!(check(NewRecord::new("k".repeat(MAX_KEY_BYTES), "t", "")).is_ok());
         assert!(matches!(check(NewRecord::new("k", "", "")), Err(Error::BadEventType { .. })));
+        for event_type in ["order.paid ".to_string(), " order.paid".into(), "t\n".into(), "t".repeat(257)] {
+            let err = check(NewRecord::new("k", event_type.as_str(), "")).unwrap_err();
+            assert!(matches!(err, Error::BadEventType { .. }), "{event_type:?}: {err:?}");
+        }
+        assert!(check(NewRecord::new("k", "t".repeat(256), "")).is_ok());
         assert!(matches!(check(NewRecord::new("k", "t", vec![0u8; 17])), Err(Error::PayloadTooLarge { len: 17, .. })));
         assert!(check(NewRecord::new("k", "t", vec![0u8; 16])).is_ok());
         for name in ["", "a b", "a:b", "é"] {
