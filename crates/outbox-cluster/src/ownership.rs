@@ -63,6 +63,8 @@ struct Rounds {
     started: bool,
     /// Whether a round has run since the instance began to leave.
     leaving: bool,
+    /// When the end of a quiet period last woke the task: periods that ended before are not waited for.
+    quiet_seen: Instant,
 }
 
 impl Rounds {
@@ -74,6 +76,7 @@ impl Rounds {
             reaped: None,
             started: false,
             leaving: false,
+            quiet_seen: Instant::now(),
         }
     }
 }
@@ -86,16 +89,19 @@ impl Ownership {
         let mut busy = self.busy.clone();
         let mut rounds = Rounds::new(self.assign.borrow().instance);
         loop {
-            // Only the quiet periods still to end: one that has ended stays (the next round hands its
-            // partition on), but its timer, already past, would fire on every pass while the lease is
-            // out or rounds fail, a spin.
-            let now = Instant::now();
-            let quiet_ends = rounds.quiet.values().map(|&(_, until)| until).filter(|&until| until > now).min();
+            // Each quiet period's end fires once: a period that has ended stays (the next round hands its
+            // partition on), but its timer, already past, fired on every pass while the lease was out
+            // or rounds failed, a spin.
+            let seen = rounds.quiet_seen;
+            let quiet_ends = rounds.quiet.values().map(|&(_, until)| until).filter(|&until| until > seen).min();
             let whole_round = tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => true,
                 // A stolen partition's quiet period is over: hand it to the processor now.
-                () = sleep_until_opt(quiet_ends) => true,
+                () = sleep_until_opt(quiet_ends) => {
+                    rounds.quiet_seen = Instant::now();
+                    true
+                }
                 nudge = nudges.next() => {
                     if !nudge.names(self.assign.borrow().instance) {
                         continue;

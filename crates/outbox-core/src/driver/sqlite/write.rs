@@ -65,18 +65,9 @@ impl DerefMut for Write<'_> {
 /// SQLite's busy error after as long for the lock): a transaction of this process held it that long,
 /// maybe the caller's own.
 pub async fn write(pool: &SqlitePool) -> Result<Write<'static>> {
-    loop {
-        let turn = take_turn(pool).await?;
-        if let Some(tx) = pool.try_begin_with("BEGIN IMMEDIATE").await? {
-            return Ok(Write { tx, _turn: turn });
-        }
-        // Every pooled connection is lent out (to the application, to fetches): the turn is not held
-        // while one is waited for, or a writer on a connection of its own (the heartbeat) would wait
-        // behind this one's wait for the pool, past its lease. Back in the queue once one comes free.
-        drop(turn);
-        drop(pool.acquire().await?);
-        tokio::task::yield_now().await;
-    }
+    let turn = take_turn(pool).await?;
+    let tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    Ok(Write { tx, _turn: turn })
 }
 
 /// [`write()`] on a connection of the caller's own (to the file `pool` opens), for a writer that must not
@@ -138,33 +129,6 @@ mod tests {
         let mut again = write(&a).await.unwrap();
         sqlx::query("SELECT 1").execute(&mut *again).await.unwrap();
         again.commit().await.unwrap();
-    }
-
-    /// A writer waiting for a pooled connection does not hold the turn meanwhile: a heartbeat on its own
-    /// connection writes at once. Before, it waited behind that writer until the application gave a
-    /// connection back, past its lease.
-    #[tokio::test]
-    async fn a_writer_waiting_for_the_pool_holds_no_turn() {
-        let dir = tempfile::tempdir().unwrap();
-        let options = super::super::options(&format!("sqlite://{}", dir.path().join("a.db").display())).unwrap();
-        let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
-        let lent = pool.acquire().await.unwrap();
-        let waiting = tokio::spawn({
-            let pool = pool.clone();
-            async move { write(&pool).await.map(drop) }
-        });
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let mut own = SqliteConnection::connect_with(pool.connect_options().as_ref()).await.unwrap();
-        let renewal = tokio::time::timeout(Duration::from_secs(1), write_on(&pool, &mut own)).await;
-        renewal
-            .expect("the writer on its own connection waited behind one waiting for the pool")
-            .unwrap()
-            .commit()
-            .await
-            .unwrap();
-        assert!(!waiting.is_finished(), "the pool's one connection is still lent");
-        drop(lent);
-        tokio::time::timeout(Duration::from_secs(5), waiting).await.unwrap().unwrap().unwrap();
     }
 
     /// A second transaction begun in one process while the first is open waits for its turn as long as
