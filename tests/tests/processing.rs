@@ -805,24 +805,14 @@ async fn cancelled_under_a_new_id(db: TestDb, handed_over: bool) {
 /// flight: its first record is not fetched and delivered again after the later ones.
 #[sqlx::test(migrations = false)]
 async fn a_key_waits_for_its_outcome_left_to_retry(pool: sqlx::PgPool) {
-    let db = TestDb::postgres(pool);
-    let (sink, refusals) = refuse_completing(&db, &["P0001", "40001"]).await;
-    assert!(refusals >= 3, "the first record's completion was refused twice, then written ({refusals})");
-    assert_eq!(sink.ranks_of("k"), [1, 2, 3], "delivered once each, in order");
-    assert_eq!(failed_count(&db).await, 0);
-    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'delivered'").await, 3);
+    completes_despite_refusals(TestDb::postgres(pool), &["P0001", "40001"]).await;
 }
 
 /// A completion cut short by `lock_timeout` or `statement_timeout` is retried: the delivered record is
 /// completed, never written as FAILED.
 #[sqlx::test(migrations = false)]
 async fn a_completion_that_timed_out_is_retried(pool: sqlx::PgPool) {
-    let db = TestDb::postgres(pool);
-    let (sink, refusals) = refuse_completing(&db, &["55P03", "57014"]).await;
-    assert!(refusals >= 3, "the first record's completion was refused twice, then written ({refusals})");
-    assert_eq!(failed_count(&db).await, 0, "a timeout is not the database rejecting the outcome");
-    assert_eq!(sink.ranks_of("k"), [1, 2, 3]);
-    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'delivered'").await, 3);
+    completes_despite_refusals(TestDb::postgres(pool), &["55P03", "57014"]).await;
 }
 
 /// A database that takes no writes for a while (a primary turned read-only, a pool's connections now
@@ -830,12 +820,7 @@ async fn a_completion_that_timed_out_is_retried(pool: sqlx::PgPool) {
 /// not written as FAILED once writes come back.
 #[sqlx::test(migrations = false)]
 async fn a_read_only_database_is_waited_out(pool: sqlx::PgPool) {
-    let db = TestDb::postgres(pool);
-    let (sink, refusals) = refuse_completing(&db, &["25006", "25006", "25006"]).await;
-    assert!(refusals >= 4, "the first record's completion was refused three times, then written ({refusals})");
-    assert_eq!(failed_count(&db).await, 0, "a read-only database is not the database rejecting the outcome");
-    assert_eq!(sink.ranks_of("k"), [1, 2, 3]);
-    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'delivered'").await, 3);
+    completes_despite_refusals(TestDb::postgres(pool), &["25006", "25006", "25006"]).await;
 }
 
 /// An outcome the database rejects in its batch and alone, whose FAILED stand-in it rejects as well, is
@@ -844,11 +829,18 @@ async fn a_read_only_database_is_waited_out(pool: sqlx::PgPool) {
 /// passing refusal.
 #[sqlx::test(migrations = false)]
 async fn an_outcome_is_retried_as_it_was_when_its_failed_stand_in_is_refused_too(pool: sqlx::PgPool) {
-    let db = TestDb::postgres(pool);
-    let (sink, refusals) = refuse_completing(&db, &["P0001", "P0001", "P0001"]).await;
-    assert!(refusals >= 4, "the batch, the outcome alone and FAILED were refused, then it was written ({refusals})");
-    assert_eq!(failed_count(&db).await, 0, "FAILED written for a record whose handler succeeded");
-    assert_eq!(sink.ranks_of("k"), [1, 2, 3]);
+    completes_despite_refusals(TestDb::postgres(pool), &["P0001", "P0001", "P0001"]).await;
+}
+
+/// Three records of key `k` are delivered once each, in order, and completed, none written FAILED,
+/// though the first record's writes were refused with `codes` one after another (see
+/// [`refuse_completing`]).
+async fn completes_despite_refusals(db: TestDb, codes: &[&str]) {
+    let (sink, refusals) = refuse_completing(&db, codes).await;
+    let refused = i64::try_from(codes.len()).unwrap();
+    assert!(refusals > refused, "the first record's writes were refused {codes:?}, then written ({refusals} seen)");
+    assert_eq!(sink.ranks_of("k"), [1, 2, 3], "delivered once each, in order");
+    assert_eq!(failed_count(&db).await, 0, "FAILED written for a record whose handler succeeded ({codes:?})");
     assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE outcome = 'delivered'").await, 3);
 }
 

@@ -463,9 +463,7 @@ async fn a_count_the_database_refuses_is_taken_back_and_tried_again_later(pool: 
     let db = TestDb::postgres(pool);
     let outbox = outbox(&db, |_| {}).await;
     let scheduled = commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
-    let dead = register_instance(&db).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60} WHERE id = $1", dead);
-    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    owner_of_all_dead_since_a_minute(&db, 100).await;
     refuse_until_the_gate_opens(&db, "UPDATE", "true", "P0001").await;
     let sink = Sink::new();
     let node = start(&outbox, &db, recording(&sink)).await;
@@ -496,9 +494,7 @@ async fn a_record_that_failed_in_the_usual_way_reaches_its_fallback_after_a_take
     let outbox = outbox(&db, |_| {}).await;
     let scheduled = commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
     exec!(db, "UPDATE {s}records SET attempts = 3, last_error = 'the broker is down'");
-    let dead = register_instance(&db).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60} WHERE id = $1", dead);
-    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    owner_of_all_dead_since_a_minute(&db, 100).await;
     let (calls, rescued) = (Sink::new(), Sink::new());
     let (called, fallback) = (calls.clone(), rescued.clone());
     let failing = handler_fn(move |r: Record| {
