@@ -119,7 +119,7 @@ impl RetryPolicy {
         if !(0.0..=1.0).contains(&self.jitter) {
             return bad(format!("retry.jitter must be within 0..=1, got {}", self.jitter));
         }
-        if self.max_delay.is_zero() || self.max_delay > crate::config::MAX_DURATION {
+        if self.max_delay.is_zero() || self.max_delay > crate::MAX_DELAY {
             return bad(format!("retry.max_delay must be above 0 and at most 100 years, got {:?}", self.max_delay));
         }
         if let Backoff::Exponential { multiplier, .. } = self.backoff
