@@ -19,8 +19,9 @@ pub struct Migration {
 }
 
 /// A migration's checksum, stored when it is applied: a known migration whose text changed is refused.
+/// Line endings do not count: a checkout that turned them into CRLF builds the same migrations.
 pub(crate) fn checksum(sql: &str) -> i64 {
-    i64::from_ne_bytes(xxh3_64(sql.as_bytes()).to_ne_bytes())
+    i64::from_ne_bytes(xxh3_64(sql.replace("\r\n", "\n").as_bytes()).to_ne_bytes())
 }
 
 /// The migrations of `known` still to apply, in order; refuses a database holding a migration this
@@ -39,4 +40,20 @@ pub(crate) fn pending<'a>(schema: &str, applied: &[(i64, i64)], known: &'a [Migr
         }
     }
     Ok(known.iter().filter(|m| !applied.iter().any(|&(v, _)| v == m.version)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A database migrated from a checkout with LF line endings is not refused by a build from one
+    /// with CRLF, nor the other way round; any other change to the text still is.
+    #[test]
+    fn line_endings_do_not_change_a_checksum() {
+        let lf = "CREATE TABLE t (\n    id bigint\n);\n";
+        assert_eq!(checksum(lf), checksum(&lf.replace('\n', "\r\n")));
+        assert_ne!(checksum(lf), checksum(&lf.replace("bigint", "int")));
+        let known = [Migration { version: 1, name: "t", sql: "CREATE TABLE t (\r\n    id bigint\r\n);\r\n" }];
+        assert_eq!(pending("s", &[(1, checksum(lf))], &known).unwrap().len(), 0);
+    }
 }
