@@ -41,15 +41,30 @@ const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
 const END_LEASE: &str =
     "UPDATE {s}_instances SET expires_at = {now}, heartbeat_ms = GREATEST(heartbeat_ms, ?) WHERE id = ?";
 
-const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - INTERVAL (? * 1000) MICROSECOND";
+/// The instances whose lease expired more than `?` ms ago, read without locks: the reap then deletes
+/// them by their ids ([`REAP`]). A `DELETE` that chose its rows itself scanned the table, and at
+/// REPEATABLE READ kept every row it read locked while it waited for one (an owner's row a renewal or
+/// an acquisition held), holding up the renewals of live instances as long.
+const EXPIRED: &str = "SELECT HEX(id) FROM {s}_instances WHERE expires_at < {now} - INTERVAL (? * 1000) MICROSECOND";
 
-/// Locks the rows of the instances owning partitions targeted at `?` (bound twice) elsewhere, before
-/// [`ACQUIRABLE`] judges their leases: a renewal written but not yet committed is waited for, and the
-/// next statement's snapshot sees it, where it would otherwise find the lease expired and take the
+/// Deletes the instances of `?` (JSON array of hex ids) whose lease expired more than `?` ms ago.
+const REAP: &str = "DELETE i FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$')) t
+STRAIGHT_JOIN {s}_instances i FORCE INDEX (PRIMARY) ON i.id = UNHEX(t.id)
+WHERE i.expires_at < {now} - INTERVAL (? * 1000) MICROSECOND";
+
+/// The instances owning partitions targeted at `?` (bound twice) elsewhere, hex ids in id order, read
+/// without locks; [`LOCK_OWNERS`] then locks them by id. Locking them here, through `IN (SELECT …)`,
+/// scanned the instances and kept every row it read locked while it waited for one.
+const OWNERS: &str = "SELECT DISTINCT HEX(owner) FROM {s}_partitions
+WHERE target_owner = ? AND NOT (owner <=> ?) AND owner IS NOT NULL ORDER BY 1";
+
+/// Locks the rows of the instances of `?` (JSON array of hex ids, in id order) before [`ACQUIRABLE`]
+/// judges their leases: a renewal written but not yet committed is waited for, and the next
+/// statement's snapshot sees it, where it would otherwise find the lease expired and take the
 /// partitions of an instance that goes on delivering them. Locked for update, as [`MARK_TAKEN_OVER`]
-/// writes them: two acquisitions from one owner then queue rather than deadlock.
-const LOCK_OWNERS: &str = "SELECT i.id FROM {s}_instances i
-WHERE i.id IN (SELECT p.owner FROM {s}_partitions p WHERE p.target_owner = ? AND NOT (p.owner <=> ?))
+/// writes them, and in id order: two acquisitions from one owner then queue rather than deadlock.
+const LOCK_OWNERS: &str = "SELECT i.id FROM JSON_TABLE(?, '$[*]' COLUMNS (owner CHAR(32) PATH '$')) t
+STRAIGHT_JOIN {s}_instances i FORCE INDEX (PRIMARY) ON i.id = UNHEX(t.owner)
 FOR UPDATE";
 
 /// Partitions targeted at `?` (bound twice) that are free or whose owner has no live lease, with that
@@ -125,7 +140,9 @@ pub(super) struct MySqlStatements {
     heartbeat: Arc<str>,
     deregister: Arc<str>,
     end_lease: Arc<str>,
+    expired: Arc<str>,
     reap: Arc<str>,
+    owners: Arc<str>,
     lock_owners: Arc<str>,
     acquirable: Arc<str>,
     take: Arc<str>,
@@ -150,7 +167,9 @@ impl MySqlStatements {
             heartbeat: build(HEARTBEAT),
             deregister: build(DEREGISTER),
             end_lease: build(END_LEASE),
+            expired: build(EXPIRED),
             reap: build(REAP),
+            owners: build(OWNERS),
             lock_owners: build(LOCK_OWNERS),
             acquirable: build(ACQUIRABLE),
             take: build(TAKE),
@@ -223,12 +242,22 @@ impl MySqlStatements {
     }
 
     pub(super) async fn reap(&self, conn: &mut MySqlConnection, grace: Duration) -> Result<u64> {
-        Ok(sqlx::query(statement(&self.reap)).bind(millis(grace)).execute(conn).await?.rows_affected())
+        let expired: Vec<String> =
+            sqlx::query_scalar(statement(&self.expired)).bind(millis(grace)).fetch_all(&mut *conn).await?;
+        if expired.is_empty() {
+            return Ok(0);
+        }
+        let reap = sqlx::query(statement(&self.reap)).bind(json(&expired)?).bind(millis(grace));
+        Ok(reap.execute(conn).await?.rows_affected())
     }
 
     pub(super) async fn acquire(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<Vec<Taken>> {
         transaction(conn, &self.begin, async |tx| {
-            sqlx::query(statement(&self.lock_owners)).bind(me).bind(me).execute(&mut *tx).await?;
+            let owners: Vec<String> =
+                sqlx::query_scalar(statement(&self.owners)).bind(me).bind(me).fetch_all(&mut *tx).await?;
+            if !owners.is_empty() {
+                sqlx::query(statement(&self.lock_owners)).bind(json(&owners)?).execute(&mut *tx).await?;
+            }
             let taken: Vec<Taken> =
                 sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).fetch_all(&mut *tx).await?;
             if !taken.is_empty() {

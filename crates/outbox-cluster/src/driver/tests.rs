@@ -280,6 +280,53 @@ async fn a_renewal_that_waited_out_its_lease_behind_a_takeover_revives_nothing(p
     }
 }
 
+/// A reap or an acquisition that waits for one instance's row (here an owner's, held as a renewal in
+/// flight or an acquisition whose host vanished would hold it) holds no other instance's: a live
+/// bystander renews its lease meanwhile. A statement that scanned the instances at MySQL's REPEATABLE
+/// READ kept every row it read locked while it waited, so the bystander's renewal waited as long, past
+/// its lease if the wait was long enough. SQLite has one writer at a time.
+#[sqlx::test(migrations = false)]
+async fn a_wait_for_one_instance_row_holds_up_no_other_renewal(pool: PgPool) {
+    for store in stores(pool).await {
+        let backend = store.db().backend();
+        let hold = match store.db() {
+            Db::Postgres(_) => "SELECT id FROM outbox.instances WHERE id = $1 FOR UPDATE",
+            Db::MySql(_) => "SELECT id FROM outbox_instances WHERE id = $1 FOR UPDATE",
+            _ => continue,
+        };
+        // Ids grow with time: a scan in id order meets the bystander's row first.
+        let bystander = registered(&store, DAY).await;
+        let expired = registered(&store, GONE).await;
+        let (owner, taker) = (registered(&store, DAY).await, registered(&store, DAY).await);
+        target(&store, [7], owner).await;
+        assert_eq!(store.acquire(owner).await.unwrap().len(), 1, "{backend}");
+        target(&store, [7], taker).await;
+        for waiting in ["reap", "acquisition"] {
+            let mut holder = store.db().begin().await.unwrap();
+            holder.execute(hold, &[owner.into()]).await.unwrap();
+            let store2 = store.clone();
+            let waiter = tokio::spawn(async move {
+                match waiting {
+                    "reap" => store2.reap(Duration::ZERO).await.map(|n| vec![n as usize]),
+                    _ => store2.acquire(taker).await.map(|t| vec![t.len()]),
+                }
+            });
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut heartbeat = super::HeartbeatConnection::default();
+            let renewal = heartbeat.renew(&store, bystander, DAY, 0);
+            let renewed = tokio::time::timeout(Duration::from_secs(3), renewal).await;
+            holder.commit().await.unwrap();
+            assert!(
+                matches!(renewed, Ok(Ok(Some(_)))),
+                "{backend}: the bystander's renewal waited behind the {waiting}: {renewed:?}"
+            );
+            let done = waiter.await.unwrap().unwrap();
+            let expected = if waiting == "reap" { 1 } else { 0 };
+            assert_eq!(done, [expected], "{backend}: {waiting} reaped {expired} / took from a live owner");
+        }
+    }
+}
+
 /// An owner whose partitions were taken because its lease ran out is never renewed again, even when
 /// its expiry reads live once more (the database's clock stepped back; on SQLite, the host's): it
 /// would go on delivering them beside their new owner.
