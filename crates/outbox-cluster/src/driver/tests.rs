@@ -282,9 +282,9 @@ async fn a_renewal_that_waited_out_its_lease_behind_a_takeover_revives_nothing(p
 
 /// A reap or an acquisition that waits for one instance's row (here an owner's, held as a renewal in
 /// flight or an acquisition whose host vanished would hold it) holds no other instance's: a live
-/// bystander renews its lease meanwhile. A statement that scanned the instances at MySQL's REPEATABLE
-/// READ kept every row it read locked while it waited, so the bystander's renewal waited as long, past
-/// its lease if the wait was long enough. SQLite has one writer at a time.
+/// bystander renews its lease meanwhile. On MySQL a statement that chose the rows while locking them kept
+/// rows it had read locked while it waited for one, so the bystander's renewal waited as long, past its
+/// lease if the wait was long enough. SQLite has one writer at a time.
 #[sqlx::test(migrations = false)]
 async fn a_wait_for_one_instance_row_holds_up_no_other_renewal(pool: PgPool) {
     for store in stores(pool).await {
