@@ -206,14 +206,14 @@ impl NatsConfig {
     }
 
     /// The server URLs with any user info replaced by `<redacted>`, with a scheme or without (the client
-    /// takes `alice:pw@host:4222` too).
+    /// takes `alice:pw@host:4222` too). Everything up to the last `@` goes: a password may hold a `/`
+    /// that was not percent-encoded, and a server URL has no path to keep.
     pub fn redacted_servers(&self) -> String {
         self.servers
             .iter()
             .map(|url| {
                 let start = url.find("://").map_or(0, |scheme| scheme + 3);
-                let end = url[start..].find('/').map_or(url.len(), |slash| start + slash);
-                match url[start..end].rfind('@') {
+                match url[start..].rfind('@') {
                     Some(at) => format!("{}<redacted>{}", &url[..start], &url[start + at..]),
                     None => url.clone(),
                 }
@@ -239,6 +239,9 @@ mod tests {
         assert!(shown.contains("nats://<redacted>@n1:4222,nats://n2:4222"), "{shown}");
         let bare = NatsConfig { servers: vec!["alice:hunter2@n1:4222".into()], ..NatsConfig::default() };
         assert_eq!(bare.redacted_servers(), "<redacted>@n1:4222");
+        // A password with `/` in it (base64 passwords often have one), not percent-encoded.
+        let slash = NatsConfig { servers: vec!["nats://svc:ab/cd+ef==@n1:4222".into()], ..NatsConfig::default() };
+        assert_eq!(slash.redacted_servers(), "nats://<redacted>@n1:4222");
         for auth in [Auth::Token { token: "s3cret".into() }, Auth::Nkey { seed: "SUAB".into() }] {
             let shown = format!("{:?}", NatsConfig { auth, ..NatsConfig::default() });
             assert!(!shown.contains("s3cret") && !shown.contains("SUAB"), "{shown}");
