@@ -78,6 +78,14 @@ impl NatsServer {
         }
     }
 
+    /// Sends `signal` (`"STOP"`, `"CONT"`) to the server: a stopped server keeps its connections open and
+    /// answers nothing, as a frozen host does.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("the server runs").id();
+        let status = Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status().unwrap();
+        assert!(status.success(), "kill -{signal} {pid}");
+    }
+
     /// Stops and starts again on the same port with the same store.
     pub fn restart(&mut self) {
         self.stop();

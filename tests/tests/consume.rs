@@ -103,3 +103,104 @@ async fn a_consumer_applies_each_message_once_through_its_inbox(db: TestDb) {
     })
     .await;
 }
+
+/// A consumer set up as the outbox's: a server, its stream, a publisher of records and a durable pull
+/// consumer with `ack_policy`, and an empty read model in `pool`'s database.
+async fn consuming(
+    server: &NatsServer,
+    db: &TestDb,
+    ack_policy: async_nats::jetstream::consumer::AckPolicy,
+) -> (async_nats::Client, JetStreamHandler, PullConsumer) {
+    let config = NatsConfig { servers: vec![server.url()], ..NatsConfig::default() };
+    let client = outbox_nats::connect(&config).await.unwrap();
+    let stream = ensure_stream(&client, &config.stream).await.unwrap();
+    let publisher = JetStreamHandler::new(client.clone(), &config).unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let consumer: PullConsumer = js
+        .get_stream(&stream.config.name)
+        .await
+        .unwrap()
+        .create_consumer(pull::Config {
+            durable_name: Some("read-model".into()),
+            ack_wait: Duration::from_secs(1),
+            ack_policy,
+            ..pull::Config::default()
+        })
+        .await
+        .unwrap();
+    db.db.execute("CREATE TABLE read_model (body VARCHAR(16) NOT NULL)", &[]).await.unwrap();
+    (client, publisher, consumer)
+}
+
+/// A broker that stops answering for a while (a frozen host; a leader election reads as "no
+/// responders") makes the consumer's message stream report errors it reads on after: the consumer
+/// reads on too, and applies what comes after. It used to end at the first such error.
+#[sqlx::test(migrations = false)]
+async fn a_consumer_reads_on_through_a_broker_that_stopped_answering(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let server = NatsServer::start();
+    let (_client, publisher, consumer) = consuming(&server, &db, Default::default()).await;
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    // Heartbeats every second: one missing for two seconds is reported.
+    let messages = consumer.stream().heartbeat(Duration::from_secs(1)).messages().await.unwrap();
+    let consuming = tokio::spawn({
+        let (db, inbox) = (db.db.clone(), inbox.clone());
+        async move { apply_once(messages, &db, &inbox, "orders", apply).await }
+    });
+    for i in 1..=2 {
+        publisher.handle(&record(i)).await.unwrap();
+    }
+    wait_for("two applied", Duration::from_secs(10), || async {
+        count(&db, "SELECT count(*) FROM read_model").await == 2
+    })
+    .await;
+    server.signal("STOP");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    server.signal("CONT");
+    for i in 3..=4 {
+        publisher.handle(&record(i)).await.unwrap();
+    }
+    wait_for("four applied", Duration::from_secs(30), || async {
+        count(&db, "SELECT count(*) FROM read_model").await == 4
+    })
+    .await;
+    assert!(!consuming.is_finished(), "the consumer ended: {:?}", consuming.await);
+    consuming.abort();
+}
+
+/// A consumer whose acks are not message by message is refused before anything is applied: with
+/// `AckPolicy::All` the ack of a later message settles a failed one JetStream was to deliver again,
+/// and with `AckPolicy::None` nothing is delivered again.
+#[sqlx::test(migrations = false)]
+async fn a_consumer_without_explicit_acks_is_refused(pool: sqlx::PgPool) {
+    use async_nats::jetstream::consumer::AckPolicy;
+    let db = TestDb::postgres(pool);
+    let server = NatsServer::start();
+    let (_client, publisher, consumer) = consuming(&server, &db, AckPolicy::All).await;
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    publisher.handle(&record(1)).await.unwrap();
+    let messages = consumer.messages().await.unwrap().take(1);
+    let refused = apply_once(messages, &db.db, &inbox, "orders", apply).await.unwrap_err();
+    assert!(
+        matches!(&refused, outbox_nats::Error::AckPolicy { consumer, policy: AckPolicy::All, .. } if consumer == "read-model"),
+        "{refused:?}"
+    );
+    assert_eq!(count(&db, "SELECT count(*) FROM read_model").await, 0);
+}
+
+/// A message whose `Nats-Msg-Id` is longer than an inbox id (another publisher's, on a shared stream)
+/// is applied once, by a digest of its id, instead of failing on every delivery.
+#[sqlx::test(migrations = false)]
+async fn a_message_id_longer_than_an_inbox_id_is_applied_once(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let server = NatsServer::start();
+    let (client, _publisher, consumer) = consuming(&server, &db, Default::default()).await;
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    let js = async_nats::jetstream::new(client);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "x".repeat(300).as_str());
+    js.publish_with_headers("outbox.order.placed.k", headers, "1".into()).await.unwrap().await.unwrap();
+    let messages = consumer.messages().await.unwrap().take(1);
+    let consumed = apply_once(messages, &db.db, &inbox, "orders", apply).await.unwrap();
+    assert_eq!(consumed, Consumed { applied: 1, duplicates: 0, failed: 0 });
+}

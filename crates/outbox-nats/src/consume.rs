@@ -8,11 +8,17 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::pull::{self, MessagesError, MessagesErrorKind};
+use async_nats::jetstream::consumer::AckPolicy;
 use async_nats::jetstream::{AckKind, Message};
+use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::{Stream, StreamExt};
-use outbox_core::inbox::Inbox;
+use outbox_core::inbox::{Inbox, MAX_INBOX_ID_BYTES};
 use outbox_core::{BoxError, Db, Tx};
 use tracing::{debug, warn};
+use xxhash_rust::xxh3::xxh3_128;
+
+use crate::{Error, Result};
 
 /// What [`apply_once`] did with the messages it read.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -25,20 +31,44 @@ pub struct Consumed {
     pub failed: u64,
 }
 
-/// Reads `messages` (a JetStream consumer's, say `consumer.messages().await?`) until the stream ends,
-/// applying each once through `inbox` under `source` (see the [module docs](self)). A message's inbox id
-/// is its `Nats-Msg-Id` header (the outbox record's id, for messages the outbox published), else its
-/// stream sequence. `apply` runs inside the transaction; its error, or the database's, rolls the
-/// message back and naks it. An error reading the stream ends the loop and is returned.
-pub async fn apply_once<S, E, F>(messages: S, db: &Db, inbox: &Inbox, source: &str, mut apply: F) -> Result<Consumed, E>
+/// Reads `messages` (a JetStream pull consumer's, say `consumer.messages().await?`) until the stream
+/// ends, applying each once through `inbox` under `source` (see the [module docs](self)). A message's
+/// inbox id is its `Nats-Msg-Id` header (the outbox record's id, for messages the outbox published; a
+/// digest of it if longer than an inbox id), else its stream sequence. `apply` runs inside the
+/// transaction; its error, or the database's, rolls the message back and naks it.
+///
+/// The consumer must acknowledge message by message (`AckPolicy::Explicit`, the default): another
+/// policy is refused at the first message ([`Error::AckPolicy`]), as failed messages would be lost.
+/// Errors the message stream reads on after (a missed heartbeat, no responders during a leader
+/// election, a pull that failed while the client reconnected) are logged and read past, after a short
+/// pause that grows while they repeat; one that ends the stream (the consumer was deleted) is returned.
+pub async fn apply_once<S, F>(messages: S, db: &Db, inbox: &Inbox, source: &str, mut apply: F) -> Result<Consumed>
 where
-    S: Stream<Item = Result<Message, E>>,
+    S: Stream<Item = Result<Message, MessagesError>>,
     F: AsyncFnMut(&mut Tx, &Message) -> Result<(), BoxError>,
 {
     let mut consumed = Consumed::default();
     let mut messages = std::pin::pin!(messages);
+    let mut acks_checked = false;
+    let mut pauses = read_on_pauses();
     while let Some(message) = messages.next().await {
-        let message = message?;
+        let message = match message {
+            Ok(message) => {
+                pauses = read_on_pauses();
+                message
+            }
+            Err(e) if reads_on_after(&e) => {
+                let pause = pauses.next().unwrap_or(READ_ON_MAX);
+                warn!(source, error = %e, retry_in = ?pause, "reading JetStream messages failed; reading on");
+                tokio::time::sleep(pause).await;
+                continue;
+            }
+            Err(e) => return Err(Error::Messages(e)),
+        };
+        if !acks_checked {
+            explicit_acks(&message, source).await?;
+            acks_checked = true;
+        }
         let id = message_id(&message);
         match apply_in_transaction(db, inbox, source, &id, &message, &mut apply).await {
             Ok(applied) => {
@@ -65,6 +95,45 @@ where
         }
     }
     Ok(consumed)
+}
+
+/// Whether the message stream goes on after `error` (async-nats ends it after the others).
+fn reads_on_after(error: &MessagesError) -> bool {
+    matches!(
+        error.kind(),
+        MessagesErrorKind::MissingHeartbeat
+            | MessagesErrorKind::NoResponders
+            | MessagesErrorKind::Pull
+            | MessagesErrorKind::Other
+    )
+}
+
+/// The pauses after errors in a row: 50 ms, doubling up to 2 s.
+fn read_on_pauses() -> impl Iterator<Item = Duration> {
+    ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(50))
+        .with_max_delay(READ_ON_MAX)
+        .without_max_times()
+        .build()
+}
+
+const READ_ON_MAX: Duration = Duration::from_secs(2);
+
+/// Refuses a consumer that does not acknowledge message by message. A consumer whose settings cannot be
+/// read (the account may not allow asking) is taken as it is, with a warning.
+async fn explicit_acks(message: &Message, source: &str) -> Result<()> {
+    let Ok(info) = message.info() else { return Ok(()) };
+    let (stream, consumer) = (info.stream.to_string(), info.consumer.to_string());
+    match message.context.get_consumer_from_stream::<pull::Config, _, _>(&consumer, &stream).await {
+        Ok(found) => match found.cached_info().config.ack_policy {
+            AckPolicy::Explicit => Ok(()),
+            policy => Err(Error::AckPolicy { stream, consumer, policy }),
+        },
+        Err(e) => {
+            warn!(source, %stream, %consumer, error = %e, "cannot read the consumer's ack policy; it must be explicit");
+            Ok(())
+        }
+    }
 }
 
 /// How long JetStream waits before delivering a failed message again: 100 ms after its first delivery,
@@ -109,11 +178,12 @@ pub fn key_and_seq(message: &Message) -> Option<(&str, i64)> {
     Some((key, seq))
 }
 
-/// The message's `Nats-Msg-Id`, or its stream sequence.
+/// The message's `Nats-Msg-Id` (a digest of it if an inbox id cannot hold it), or its stream sequence.
 fn message_id(message: &Message) -> String {
     let header = message.headers.as_ref().and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID));
-    match (header, message.info()) {
-        (Some(id), _) => id.to_string(),
+    match (header.map(|id| id.as_str()).filter(|id| !id.is_empty()), message.info()) {
+        (Some(id), _) if id.len() <= MAX_INBOX_ID_BYTES && !id.contains('\0') => id.to_string(),
+        (Some(id), _) => format!("xxh3-128:{:032x}", xxh3_128(id.as_bytes())),
         (None, Ok(info)) => format!("{}:{}", info.stream, info.stream_sequence),
         (None, Err(_)) => String::new(),
     }

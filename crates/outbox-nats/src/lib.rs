@@ -75,6 +75,21 @@ pub enum Error {
         /// What failed.
         message: String,
     },
+    /// Reading a consumer's messages ended with an error it does not read on after (the consumer was
+    /// deleted, is push based, or refused the pull's size).
+    #[error("reading JetStream messages: {0}")]
+    Messages(#[source] async_nats::jetstream::consumer::pull::MessagesError),
+    /// [`apply_once`] was given a consumer whose acks are not message by message: with `AckPolicy::All`
+    /// the ack of a later message settles a failed one, with `AckPolicy::None` nothing comes again.
+    #[error("JetStream consumer {consumer:?} of stream {stream:?} acks with {policy:?}; apply_once needs AckPolicy::Explicit")]
+    AckPolicy {
+        /// Stream name.
+        stream: String,
+        /// Consumer name.
+        consumer: String,
+        /// Its ack policy.
+        policy: async_nats::jetstream::consumer::AckPolicy,
+    },
     /// The stream exists with settings that differ from the configured ones.
     #[error("JetStream stream {stream:?} exists but differs from the configuration: {}", differences.join("; "))]
     StreamMismatch {
