@@ -45,6 +45,22 @@ impl NatsServer {
         Self::start_with("")
     }
 
+    /// Starts `size` JetStream servers routed to each other as one cluster (a stream of 3 replicas
+    /// stays available while one of 3 servers is down).
+    pub fn cluster(size: usize) -> Vec<NatsServer> {
+        let routes: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let urls = routes.iter().map(|p| format!("nats://127.0.0.1:{p}")).collect::<Vec<_>>().join(", ");
+        routes
+            .iter()
+            .enumerate()
+            .map(|(i, route)| {
+                Self::start_with(&format!(
+                    "server_name: n{i}\ncluster {{ name: outbox, listen: 127.0.0.1:{route}, routes: [{urls}] }}"
+                ))
+            })
+            .collect()
+    }
+
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }

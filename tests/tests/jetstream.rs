@@ -194,6 +194,51 @@ async fn a_broker_outage_delays_but_loses_nothing(pool: PgPool) {
     }
 }
 
+/// A server of a cluster that stops answering without closing its connections (a frozen host, a
+/// network that drops everything) is left for another in time: every record written meanwhile is
+/// delivered with the default retries (82-102 s), none FAILED. The client took a server for dead after
+/// three unanswered pings a minute apart; until then every publish waited out its ack timeout.
+#[sqlx::test(migrations = false)]
+async fn a_server_that_stops_answering_is_left_for_another_of_its_cluster(pool: PgPool) {
+    let db = TestDb::postgres(pool.clone());
+    let servers = NatsServer::cluster(3);
+    let stream = StreamSettings { replicas: 3, ..StreamSettings::default() };
+    let config = NatsConfig { servers: servers.iter().map(|s| s.url()).collect(), stream, ..NatsConfig::default() };
+    let client = outbox_nats::connect(&config).await.unwrap();
+    // The cluster elects its JetStream leader after the servers start.
+    let mut ready = Err(NatsError::Config("not tried".into()));
+    for _ in 0..60 {
+        ready = ensure_stream(&client, &config.stream).await.map(|_| ());
+        if ready.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    ready.unwrap();
+    let handler = JetStreamHandler::new(client.clone(), &config).unwrap();
+    let outbox = outbox(&db, |_| {}).await;
+    let node = start(&outbox, &db, Handlers::new().default_route(Route::new(handler))).await;
+    let produce = |round: usize| {
+        let (outbox, db) = (outbox.clone(), db.clone());
+        async move {
+            commit(&outbox, &db, (0..20).map(|k| NewRecord::new(format!("k{k}"), "t", format!("{round}"))).collect())
+                .await;
+        }
+    };
+    produce(0).await;
+    drained(&db, LONG).await;
+    let port = client.server_info().port;
+    let frozen = servers.iter().find(|s| s.port == port).expect("connected to one of the cluster");
+    frozen.signal("STOP");
+    for round in 1..4 {
+        produce(round).await;
+    }
+    wait_for("every record delivered", Duration::from_secs(150), || async { pending(&db).await == 0 }).await;
+    node.shutdown().await.unwrap();
+    assert_ne!(client.server_info().port, port, "the client moved to another server");
+    frozen.signal("CONT");
+}
+
 /// A payload over the server's max_payload or over its stream's largest message, and a subject no stream
 /// captures, are permanent: the record goes to its fallback, or to FAILED with the reason stored.
 #[sqlx::test(migrations = false)]

@@ -1,6 +1,8 @@
 //! Connecting: one or many servers, credentials and TLS as async-nats supports them. Reconnects are
 //! automatic and unbounded after the first connection; the first one fails fast with a typed error.
 
+use std::time::Duration;
+
 use async_nats::{Client, ConnectOptions};
 use tracing::info;
 
@@ -10,9 +12,14 @@ use crate::{Error, Result};
 /// Connects with `config` (validated first).
 pub async fn connect(config: &NatsConfig) -> Result<Client> {
     config.validate()?;
+    // A server that stops answering without closing the connection (a frozen host, a network that
+    // drops everything) is taken for dead after about three pings go unanswered: a ping every publish
+    // timeout leaves it within seconds for another server, where the client's minute-long default kept
+    // every publish waiting out its ack for minutes, past the retries of a record.
     let mut options = ConnectOptions::new()
         .name(&config.connection_name)
         .request_timeout(Some(config.publish_timeout))
+        .ping_interval(config.publish_timeout.max(Duration::from_secs(1)))
         .max_reconnects(None::<usize>);
     options = match &config.auth {
         Auth::None => options,
