@@ -515,3 +515,34 @@ async fn a_publish_made_while_disconnected_never_reaches_the_stream_later() {
     let stored: Vec<_> = read_stream(&client, "OUTBOX").await.into_iter().map(|r| r.id).collect();
     assert_eq!(stored, [first.id, second.id]);
 }
+
+/// A message JetStream refuses for its headers, whatever the attempt (over its 64 KiB of headers, or
+/// with a `Nats-Expected-*` header of the record's that the stream does not meet), fails permanently
+/// at its first attempt with the server's reason, where it was retried for the whole retry budget.
+#[sqlx::test(migrations = false)]
+async fn messages_the_stream_refuses_for_their_headers_fail_permanently(pool: PgPool) {
+    let db = TestDb::postgres(pool.clone());
+    let server = NatsServer::start();
+    let (_client, handler, _) = jetstream(&server).await;
+    let outbox = outbox(&db, |_| {}).await;
+    let big =
+        NewRecord::new("big-headers", "t", "{}").header("Big", "v".repeat(60_000)).header("More", "v".repeat(5_500));
+    let expecting = NewRecord::new("expecting", "t", "{}").header("Nats-Expected-Last-Sequence", "999");
+    commit(&outbox, &db, vec![big, expecting, NewRecord::new("fine", "t", "{}")]).await;
+    let node = start(&outbox, &db, Handlers::new().default_route(Route::new(handler))).await;
+    wait_failed(&db, 2).await;
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    let failed = outbox.failed(&db, &Default::default()).await.unwrap();
+    let reason = |key: &str| {
+        let f = failed.iter().find(|f| f.key == key).unwrap();
+        (f.attempts, f.last_error.clone().unwrap())
+    };
+    let (attempts, big) = reason("big-headers");
+    assert!(attempts == 1 && big.starts_with("permanent") && big.contains("header size"), "{attempts}: {big}");
+    let (attempts, expecting) = reason("expecting");
+    assert!(
+        attempts == 1 && expecting.starts_with("permanent") && expecting.contains("last sequence"),
+        "{attempts}: {expecting}"
+    );
+}

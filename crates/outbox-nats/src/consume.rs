@@ -8,8 +8,8 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::pull::{self, MessagesError, MessagesErrorKind};
 use async_nats::jetstream::consumer::AckPolicy;
+use async_nats::jetstream::consumer::pull::{self, MessagesError, MessagesErrorKind};
 use async_nats::jetstream::{AckKind, Message};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::{Stream, StreamExt};

@@ -11,8 +11,9 @@
 //!   unacknowledged record per key and many keys in flight, and the handler sends the publishes of the
 //!   keys in flight to the connection together.
 //! - Failures are classified by kind: unreachable broker, timeouts, no responders, a full stream are
-//!   retryable; a message over the server's `max_payload` or its stream's `max_msg_size`, or a subject
-//!   no stream captures, are permanent.
+//!   retryable; a message over the server's `max_payload`, its stream's `max_msg_size` or JetStream's
+//!   64 KiB of headers, a record's `Nats-Expected-*` header the stream does not meet, or a subject no
+//!   stream captures, are permanent.
 //! - On the consuming side, [`apply_once`] applies each message of a JetStream consumer once to a
 //!   database, through the consumer's [`Inbox`](outbox_core::inbox::Inbox).
 //!
@@ -81,7 +82,9 @@ pub enum Error {
     Messages(#[source] async_nats::jetstream::consumer::pull::MessagesError),
     /// [`apply_once`] was given a consumer whose acks are not message by message: with `AckPolicy::All`
     /// the ack of a later message settles a failed one, with `AckPolicy::None` nothing comes again.
-    #[error("JetStream consumer {consumer:?} of stream {stream:?} acks with {policy:?}; apply_once needs AckPolicy::Explicit")]
+    #[error(
+        "JetStream consumer {consumer:?} of stream {stream:?} acks with {policy:?}; apply_once needs AckPolicy::Explicit"
+    )]
     AckPolicy {
         /// Stream name.
         stream: String,

@@ -74,20 +74,32 @@ impl JetStreamHandler {
         }
     }
 
-    /// Retryable unless retrying cannot help: a message over the server's or its stream's limit, or a
-    /// subject that no stream captures. "No responders" means either no stream or a stream without a
-    /// leader right now; asking the server which stream captures the subject tells them apart.
+    /// Retryable unless retrying cannot help: a message over the server's or its stream's limit, over
+    /// JetStream's 64 KiB of headers, a `Nats-Expected-*` header of the record's that the stream does
+    /// not meet (it never will: the stream only moves on), or a subject that no stream captures. "No
+    /// responders" means either no stream or a stream without a leader right now; asking the server
+    /// which stream captures the subject tells them apart.
     async fn classify(&self, record: &Record, subject: &str, error: PublishError) -> HandlerError {
         let context = about(record, subject);
         match error.kind() {
             PublishErrorKind::MaxPayloadExceeded => HandlerError::permanent(format!(
                 "{context}: {error} (raise the server's max_payload or shrink the event)"
             )),
-            PublishErrorKind::Other if api_error(&error) == Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => {
-                HandlerError::permanent(format!(
-                    "{context}: {error} (raise the stream's max_msg_size or shrink the event)"
-                ))
+            PublishErrorKind::WrongLastSequence | PublishErrorKind::WrongLastMessageId => {
+                HandlerError::permanent(format!("{context}: {error} (the record's Nats-Expected-* header was not met)"))
             }
+            PublishErrorKind::Other => match api_error(&error) {
+                Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => HandlerError::permanent(format!(
+                    "{context}: {error} (raise the stream's max_msg_size or shrink the event)"
+                )),
+                Some(ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM) => {
+                    HandlerError::permanent(format!("{context}: {error} (shrink the record's headers)"))
+                }
+                Some(ErrorCode::STREAM_NOT_MATCH) => HandlerError::permanent(format!(
+                    "{context}: {error} (the record's Nats-Expected-Stream header was not met)"
+                )),
+                _ => HandlerError::retryable(format!("{context}: {error}")),
+            },
             PublishErrorKind::StreamNotFound => match self.js.stream_by_subject(subject).await {
                 Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
                     HandlerError::permanent(format!("{context}: no JetStream stream captures this subject"))
