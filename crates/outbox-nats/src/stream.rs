@@ -1,5 +1,6 @@
 //! Stream provisioning: create the stream, or check that the existing one matches the configuration
-//! (subjects, storage, replicas, duplicate window) and say precisely what differs. Uses only settings
+//! (subjects, storage, replicas, duplicate window; neither `no_ack` nor sealed) and say precisely what
+//! differs. Uses only settings
 //! nats-server 2.9 knows, so it works there and on newer servers.
 
 use async_nats::Client;
@@ -62,6 +63,14 @@ fn differences(wanted: &stream::Config, actual: &stream::Config) -> Vec<String> 
     if wanted.num_replicas != actual.num_replicas {
         out.push(format!("replicas: configured {}, stream has {}", wanted.num_replicas, actual.num_replicas));
     }
+    // Set by an operator on an existing stream: with either, no publish is ever acknowledged, so every
+    // record would be retried until FAILED although the messages may be stored.
+    if actual.no_ack {
+        out.push("no_ack: the stream acknowledges no publish".into());
+    }
+    if actual.sealed {
+        out.push("sealed: the stream takes no more messages".into());
+    }
     if wanted.duplicate_window != actual.duplicate_window {
         out.push(format!(
             "duplicate_window: configured {:?}, stream has {:?}",
@@ -69,4 +78,22 @@ fn differences(wanted: &stream::Config, actual: &stream::Config) -> Vec<String> 
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream that never acknowledges a publish, or takes none, is named as differing.
+    #[test]
+    fn a_stream_that_acknowledges_nothing_differs() {
+        let wanted = stream::Config { name: "OUTBOX".into(), ..Default::default() };
+        assert!(differences(&wanted, &wanted).is_empty());
+        let silent = stream::Config { no_ack: true, sealed: true, ..wanted.clone() };
+        let found = differences(&wanted, &silent);
+        assert!(
+            found.iter().any(|d| d.starts_with("no_ack")) && found.iter().any(|d| d.starts_with("sealed")),
+            "{found:?}"
+        );
+    }
 }
