@@ -41,7 +41,8 @@ impl Outbox {
     }
 
     /// Purges completed records (with `completion = "keep"`) and prunes key rows every `purge_interval`
-    /// until `shutdown`.
+    /// until `shutdown`, which also ends a pass under way (each batch is a statement of its own, so the
+    /// rest is left for the next pass).
     pub async fn run_purge(self, db: impl Into<Db>, shutdown: CancellationToken) {
         let db = db.into();
         let config = self.config().clone();
@@ -51,13 +52,19 @@ impl Outbox {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
             }
-            match self.purge_completed(&db, config.completed_retention, config.purge_batch_size).await {
-                Ok(n) => debug!(purged = n, "purged completed records"),
-                Err(e) => warn!(error = %e, "purge failed; will retry at the next interval"),
-            }
-            match self.prune_keys(&db, config.purge_batch_size).await {
-                Ok(n) => debug!(pruned = n, "pruned key rows of keys with no record left"),
-                Err(e) => warn!(error = %e, "pruning key rows failed; will retry at the next interval"),
+            let pass = async {
+                match self.purge_completed(&db, config.completed_retention, config.purge_batch_size).await {
+                    Ok(n) => debug!(purged = n, "purged completed records"),
+                    Err(e) => warn!(error = %e, "purge failed; will retry at the next interval"),
+                }
+                match self.prune_keys(&db, config.purge_batch_size).await {
+                    Ok(n) => debug!(pruned = n, "pruned key rows of keys with no record left"),
+                    Err(e) => warn!(error = %e, "pruning key rows failed; will retry at the next interval"),
+                }
+            };
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = pass => {}
             }
         }
     }
