@@ -72,11 +72,18 @@ pub(super) async fn deliver_run(
 }
 
 /// The outcomes of the records of `run` whose calls were counted but will not be made: their counts
-/// taken back (`careful.rs`).
+/// taken back (`careful.rs`). A suspect stays one, its call that did not finish still its last: taken
+/// back as uncalled, its next owner called it side by side with others, and counted them all again if
+/// it ended that process too.
 pub(super) fn not_called(run: impl IntoIterator<Item = Fetched>) -> impl Iterator<Item = Outcome> {
     run.into_iter().filter(|f| f.careful).map(|f| {
         let attempts = f.record.attempts;
-        outcome(f, Verdict::NotCalled, attempts)
+        let verdict = if f.unfinished {
+            Verdict::Retry { delay: Duration::ZERO, error: super::careful::UNFINISHED_CALL.to_string() }
+        } else {
+            Verdict::NotCalled
+        };
+        outcome(f, verdict, attempts)
     })
 }
 
@@ -245,6 +252,38 @@ mod tests {
         let stored = storable_error(&long);
         assert!(stored.len() <= MAX_ERROR_BYTES && stored.ends_with('…'), "{}", stored.len());
         assert!(stored.starts_with("éé"));
+    }
+
+    /// Counts taken back leave each record as fetched: attempts and, for a suspect, its unfinished call.
+    #[test]
+    fn a_suspect_taken_back_stays_a_suspect() {
+        let fetched = |unfinished| Fetched {
+            record: Record {
+                id: uuid::Uuid::now_v7(),
+                partition: 3,
+                key: "k".into(),
+                seq: 1,
+                event_type: "t".into(),
+                payload: Default::default(),
+                headers: Default::default(),
+                attempts: 2,
+                created_at: chrono::Utc::now(),
+                deliver_at: None,
+                epoch: crate::Epoch(1),
+            },
+            instance: crate::InstanceId::new(),
+            requeues: 0,
+            careful: true,
+            unfinished,
+        };
+        let outcomes: Vec<Outcome> = not_called([fetched(true), fetched(false)]).collect();
+        let [suspect, other] = &outcomes[..] else { panic!("{outcomes:?}") };
+        assert!(
+            matches!(&suspect.verdict, Verdict::Retry { delay, error } if delay.is_zero() && error == super::super::careful::UNFINISHED_CALL),
+            "{suspect:?}"
+        );
+        assert!(matches!(other.verdict, Verdict::NotCalled), "{other:?}");
+        assert_eq!((suspect.attempts, other.attempts), (2, 2));
     }
 
     #[test]
