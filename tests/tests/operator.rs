@@ -14,6 +14,7 @@ every_backend!(
     stats_count_pending_and_failed_per_partition_with_the_oldest_age,
     purge_deletes_only_expired_completed_records_in_bounded_batches,
     a_stop_ends_a_purge_pass_between_batches,
+    a_requeue_waiting_for_a_row_holds_up_no_writer,
     delete_on_complete_keeps_no_completed_rows,
     operator_calls_refuse_bad_keys_and_limits_with_typed_errors,
 );
@@ -74,6 +75,42 @@ async fn a_stop_ends_a_purge_pass_between_batches(db: TestDb) {
     tokio::time::timeout(Duration::from_secs(60), purging).await.expect("the purge ended").unwrap();
     let left = count(&db, "SELECT count(*) FROM {s}completed").await;
     assert!(left > 0, "the pass went on to its end after the stop");
+}
+
+/// A requeue of a key, or of everything, that waits for a row another transaction holds (here the
+/// FAILED record of another key, as a skip holds it) keeps no other row locked meanwhile: a producer's
+/// schedule goes on. On MySQL both ran at the server's REPEATABLE READ and chose their rows by
+/// scanning the table, so every row read, and the gaps between them, stayed locked while they waited:
+/// schedules and completions waited as long. SQLite has one writer at a time.
+async fn a_requeue_waiting_for_a_row_holds_up_no_writer(db: TestDb) {
+    if db.db.backend() == "sqlite" {
+        return;
+    }
+    let outbox = outbox(&db, |_| {}).await;
+    for requeue_all in [false, true] {
+        commit(&outbox, &db, ["a", "b", "c"].map(|k| NewRecord::new(k, "t", "")).to_vec()).await;
+        exec!(db, "UPDATE {s}records SET failed_at = {now} WHERE key IN ('a', 'b')");
+        let b: uuid::Uuid = db.scalar(&db.sql("SELECT id FROM {s}records WHERE key = 'b'"), &[]).await;
+        let mut holder = db.begin().await;
+        let hold = db.sql("SELECT id FROM {s}records WHERE id = $1 FOR UPDATE");
+        holder.execute(sqlx::AssertSqlSafe(hold), &[b.into()]).await.unwrap();
+        let requeue = tokio::spawn({
+            let (outbox, db) = (outbox.clone(), db.db.clone());
+            async move { if requeue_all { outbox.requeue_all(&db).await } else { outbox.requeue_key(&db, "a").await } }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let scheduled = tokio::time::timeout(Duration::from_secs(3), async {
+            let mut tx = db.begin().await;
+            outbox.schedule(&mut tx, NewRecord::new("d", "t", "")).await.unwrap();
+            tx.commit().await.unwrap();
+        })
+        .await;
+        holder.commit().await.unwrap();
+        let requeued = requeue.await.unwrap().unwrap();
+        assert!(scheduled.is_ok(), "requeue_all {requeue_all}: a schedule waited behind the requeue");
+        assert_eq!(requeued, if requeue_all { 2 } else { 1 }, "requeue_all {requeue_all}");
+        exec!(db, "DELETE FROM {s}records");
+    }
 }
 
 async fn delete_on_complete_keeps_no_completed_rows(db: TestDb) {

@@ -507,13 +507,19 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             .await?)
     }
 
+    /// At READ COMMITTED, as the purges below: at the server's REPEATABLE READ a requeue of a key or of
+    /// everything scans the records and keeps every row it read, and the gaps between them, locked
+    /// while it waits for one, holding up every schedule and completion as long.
     pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
         let query = match which {
             Requeue::All => sqlx::query(statement(&self.statements.requeue_all)),
             Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
             Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
         };
-        Ok(query.execute(self.pool).await?.rows_affected())
+        super::finishing(self.pool, async |conn| {
+            transaction(conn, &self.statements.begin, async |tx| Ok(query.execute(tx).await?.rows_affected())).await
+        })
+        .await
     }
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
@@ -539,12 +545,18 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 
     pub(crate) async fn purge(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge)).bind(millis(retention)).bind(count(limit));
-        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
+        super::finishing(self.pool, async |conn| {
+            transaction(conn, &self.statements.begin, async |tx| Ok(query.execute(tx).await?.rows_affected())).await
+        })
+        .await
     }
 
     pub(crate) async fn purge_inbox(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge_inbox)).bind(millis(retention)).bind(count(limit));
-        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
+        super::finishing(self.pool, async |conn| {
+            transaction(conn, &self.statements.begin, async |tx| Ok(query.execute(tx).await?.rows_affected())).await
+        })
+        .await
     }
 
     pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
