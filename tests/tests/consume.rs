@@ -43,27 +43,11 @@ async fn apply(tx: &mut Tx, message: &async_nats::jetstream::Message) -> Result<
 
 async fn a_consumer_applies_each_message_once_through_its_inbox(db: TestDb) {
     let server = NatsServer::start();
-    let config = NatsConfig { servers: vec![server.url()], ..NatsConfig::default() };
-    let client = outbox_nats::connect(&config).await.unwrap();
-    let stream = ensure_stream(&client, &config.stream).await.unwrap();
-    let publisher = JetStreamHandler::new(client.clone(), &config).unwrap();
+    let (_client, publisher, consumer) = consuming(&server, &db, Default::default()).await;
     for i in 1..=5 {
         publisher.handle(&record(i)).await.unwrap();
     }
-    let js = async_nats::jetstream::new(client.clone());
-    let consumer: PullConsumer = js
-        .get_stream(&stream.config.name)
-        .await
-        .unwrap()
-        .create_consumer(pull::Config {
-            durable_name: Some("read-model".into()),
-            ack_wait: Duration::from_secs(1),
-            ..pull::Config::default()
-        })
-        .await
-        .unwrap();
     let inbox = outbox(&db, |_| {}).await.inbox();
-    db.db.execute("CREATE TABLE read_model (body VARCHAR(16) NOT NULL)", &[]).await.unwrap();
 
     // A consumer that crashes after committing its first three messages, before acknowledging them.
     let mut first = consumer.fetch().max_messages(3).messages().await.unwrap();
@@ -105,7 +89,7 @@ async fn a_consumer_applies_each_message_once_through_its_inbox(db: TestDb) {
 }
 
 /// A consumer set up as the outbox's: a server, its stream, a publisher of records and a durable pull
-/// consumer with `ack_policy`, and an empty read model in `pool`'s database.
+/// consumer with `ack_policy`, and an empty read model in `db`.
 async fn consuming(
     server: &NatsServer,
     db: &TestDb,

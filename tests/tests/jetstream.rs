@@ -148,6 +148,11 @@ async fn each_keys_records_are_in_sequence_order_in_the_stream(pool: PgPool) {
     }
 }
 
+/// Commits one record of each of 20 keys `k0`..`k19`, with `round` as its payload.
+async fn produce(outbox: &outbox_core::Outbox, db: &TestDb, round: usize) {
+    commit(outbox, db, (0..20).map(|k| NewRecord::new(format!("k{k}"), "t", format!("{round}"))).collect()).await;
+}
+
 /// The broker goes away mid-run while the service keeps writing; when it is back, everything arrives,
 /// in per-key order, and nothing went to FAILED (the outage is shorter than the retry budget).
 #[sqlx::test(migrations = false)]
@@ -157,20 +162,13 @@ async fn a_broker_outage_delays_but_loses_nothing(pool: PgPool) {
     let (client, handler, _) = jetstream(&server).await;
     let outbox = outbox(&db, |_| {}).await;
     let node = start(&outbox, &db, Handlers::new().default_route(Route::new(handler))).await;
-    let produce = |round: usize| {
-        let (outbox, db) = (outbox.clone(), db.clone());
-        async move {
-            commit(&outbox, &db, (0..20).map(|k| NewRecord::new(format!("k{k}"), "t", format!("{round}"))).collect())
-                .await;
-        }
-    };
     for round in 0..3 {
-        produce(round).await;
+        produce(&outbox, &db, round).await;
     }
     drained(&db, LONG).await;
     server.stop();
     for round in 3..8 {
-        produce(round).await;
+        produce(&outbox, &db, round).await;
     }
     // While the broker is down, deliveries fail and wait for their retries.
     wait_for("a failed publish recorded", LONG, || async {
@@ -218,20 +216,13 @@ async fn a_server_that_stops_answering_is_left_for_another_of_its_cluster(pool: 
     let handler = JetStreamHandler::new(client.clone(), &config).unwrap();
     let outbox = outbox(&db, |_| {}).await;
     let node = start(&outbox, &db, Handlers::new().default_route(Route::new(handler))).await;
-    let produce = |round: usize| {
-        let (outbox, db) = (outbox.clone(), db.clone());
-        async move {
-            commit(&outbox, &db, (0..20).map(|k| NewRecord::new(format!("k{k}"), "t", format!("{round}"))).collect())
-                .await;
-        }
-    };
-    produce(0).await;
+    produce(&outbox, &db, 0).await;
     drained(&db, LONG).await;
     let port = client.server_info().port;
     let frozen = servers.iter().find(|s| s.port == port).expect("connected to one of the cluster");
     frozen.signal("STOP");
     for round in 1..4 {
-        produce(round).await;
+        produce(&outbox, &db, round).await;
     }
     wait_for("every record delivered", Duration::from_secs(150), || async { pending(&db).await == 0 }).await;
     node.shutdown().await.unwrap();
