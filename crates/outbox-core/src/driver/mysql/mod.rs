@@ -108,9 +108,12 @@ pub async fn transaction<T, E: From<sqlx::Error>>(
 /// Deadlock (1213), lock wait timeout (1205), a row changed since the transaction's snapshot (MariaDB's
 /// snapshot isolation, 1020), too many connections for the server or the user (1040, 1203, 1226),
 /// server shutdown (1053), connection killed (1927), query interrupted (1317), a statement time limit
-/// (MariaDB 1969, MySQL 3024), a full disk (1021), exhausted memory or resources (1037, 1038, 1041) and
-/// a server running read-only (1290, as a failed-over primary does) are worth retrying, as PostgreSQL's
-/// classes 40, 53, 57014 and 25006 are. `None`: not a MySQL error.
+/// (MariaDB 1969, MySQL 3024), a full disk (1021), exhausted memory or resources (1037, 1038, 1041), a
+/// server or transaction running read-only (1290, as a failed-over primary does; 1792, 1836), a Galera
+/// node not yet in the primary component (1047), a commit the server failed (1180) or a replication
+/// plugin rolled back (Group Replication's certification, 3100, 3101) and a connection the server
+/// closed as idle (4031) are worth retrying, as PostgreSQL's classes 40, 53, 57014 and 25006 are.
+/// `None`: not a MySQL error.
 pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     let db = db.try_downcast_ref::<MySqlDatabaseError>()?;
     Some(matches!(
@@ -120,16 +123,22 @@ pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
             | 1038
             | 1040
             | 1041
+            | 1047
             | 1053
+            | 1180
             | 1203
             | 1205
             | 1213
             | 1226
             | 1290
             | 1317
+            | 1792
+            | 1836
             | 1927
             | 1969
             | 3024
+            | 3100
+            | 3101
             | 4031
     ))
 }
@@ -731,19 +740,18 @@ mod tests {
 
     /// A server running read-only (1290, as a primary turned read-only in a failover answers every
     /// write) is worth waiting out: a delivered record's completion that met it is not written FAILED.
-    /// The error is raised as the server sends it, without making the shared server read-only.
+    /// The errors are raised as the server sends them, without making the shared server read-only.
     #[tokio::test]
     async fn a_read_only_server_is_a_transient_error() {
         let base = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".into());
         let mut conn = MySqlConnection::connect(&base).await.unwrap();
-        let refused = sqlx::raw_sql(
-            "SIGNAL SQLSTATE 'HY000' SET MYSQL_ERRNO = 1290, \
-             MESSAGE_TEXT = 'The MariaDB server is running with the --read-only option'",
-        )
-        .execute(&mut conn)
-        .await
-        .unwrap_err();
-        assert!(crate::Error::Database(refused).is_transient());
+        // Read-only server or transaction (MySQL's --innodb-read-only, transaction_read_only), a Galera
+        // node outside the primary component, a commit the server failed, Group Replication's rollbacks.
+        for errno in [1290, 1792, 1836, 1047, 1180, 3100, 3101] {
+            let signal = format!("SIGNAL SQLSTATE 'HY000' SET MYSQL_ERRNO = {errno}, MESSAGE_TEXT = 'failing over'");
+            let refused = sqlx::raw_sql(AssertSqlSafe(signal)).execute(&mut conn).await.unwrap_err();
+            assert!(crate::Error::Database(refused).is_transient(), "{errno}");
+        }
     }
 
     /// One line of MariaDB's `EXPLAIN`: query kind, table, access type, index, extra.
