@@ -427,22 +427,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 
     /// One statement, one snapshot; the byte budget holds while the rows stream in ([`Runs`]).
     pub(crate) async fn fetch(&self, request: &Request) -> Result<Found> {
-        let served: Vec<(i16, i64, &str, bool)> = request
-            .partitions
-            .iter()
-            .map(|(p, epoch, after)| (i16::from(*p), epoch.0, after.as_deref().unwrap_or(""), after.is_some()))
-            .collect();
-        let partitions: Vec<i16> = served.iter().map(|s| s.0).collect();
-        // MariaDB and MySQL stop a recursion after 1,000 steps by default; a run is cut shorter instead.
-        let followers = count(request.followers.min(999));
-        let mut query = sqlx::query_as::<_, FetchedRow>(statement(&self.statements.fetch))
-            .bind(json(&served)?)
-            .bind(request.instance)
-            .bind(request.instance);
-        for partition in fetch_partitions(&partitions) {
-            query = query.bind(partition);
-        }
-        let query = query.bind(json(&request.exclude)?).bind(count(request.limit)).bind(followers);
+        let query = fetch_query(self.statements, request)?;
         super::finishing(self.pool, async |conn| Runs::collect(query.fetch(conn), request).await).await
     }
 
@@ -594,6 +579,29 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
 /// A fresh, empty database on the test server (`MYSQL_URL`, by default MariaDB on loopback as root),
 /// for the test suites of this workspace; `./scripts/test.sh` drops the `outbox_t_…` databases of
 /// earlier runs. Panics when the server does not answer.
+/// The fetch statement bound for `request`.
+fn fetch_query<'q>(
+    s: &'q MySqlStatements,
+    request: &Request,
+) -> Result<sqlx::query::QueryAs<'q, sqlx::MySql, FetchedRow, sqlx::mysql::MySqlArguments>> {
+    let served: Vec<(i16, i64, &str, bool)> = request
+        .partitions
+        .iter()
+        .map(|(p, epoch, after)| (i16::from(*p), epoch.0, after.as_deref().unwrap_or(""), after.is_some()))
+        .collect();
+    let partitions: Vec<i16> = served.iter().map(|s| s.0).collect();
+    // MariaDB and MySQL stop a recursion after 1,000 steps by default; a run is cut shorter instead.
+    let followers = count(request.followers.min(999));
+    let mut query = sqlx::query_as::<_, FetchedRow>(statement(&s.fetch))
+        .bind(json(&served)?)
+        .bind(request.instance)
+        .bind(request.instance);
+    for partition in fetch_partitions(&partitions) {
+        query = query.bind(partition);
+    }
+    Ok(query.bind(json(&request.exclude)?).bind(count(request.limit)).bind(followers).bind(count(request.budget)))
+}
+
 #[doc(hidden)]
 #[allow(clippy::unwrap_used)]
 pub async fn test_database() -> super::Db {
@@ -754,6 +762,35 @@ mod tests {
         }
     }
 
+    /// Only what a run's byte budget admits crosses the wire: for keys of ten 40 KiB records and a
+    /// 100 KiB budget, each key's first two records. The statement sent every follower, and the client
+    /// cut the runs after they had come (five times what it kept here; 32 times for runs of the default
+    /// lookahead whose payloads fill the budget alone).
+    #[tokio::test]
+    async fn a_fetch_sends_only_what_the_byte_budget_admits() {
+        let db = super::test_database().await;
+        let Db::MySql(pool) = &db else { unreachable!("a MySQL database") };
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&db).await.unwrap();
+        let records: Vec<crate::NewRecord> = (0..10)
+            .flat_map(|_| (0..3).map(|k| crate::NewRecord::new(format!("k{k}"), "t", vec![7_u8; 40 * 1024])))
+            .collect();
+        let mut tx = db.begin().await.unwrap();
+        outbox.schedule_batch(&mut tx, &records).await.unwrap();
+        tx.commit().await.unwrap();
+        let instance = crate::driver::tests::hold_all(&db).await;
+        let request = Request {
+            instance,
+            partitions: crate::partition::all_partitions().map(|p| (p, Epoch(1), None)).collect(),
+            exclude: vec![],
+            limit: 100,
+            followers: 31,
+            budget: 100 * 1024,
+        };
+        let sent = super::fetch_query(&outbox.statements().mysql, &request).unwrap().fetch_all(pool).await.unwrap();
+        assert_eq!(sent.len(), 3 * 2, "rows sent for 3 keys");
+    }
+
     /// One line of MariaDB's `EXPLAIN`: query kind, table, access type, index, extra.
     #[derive(Debug)]
     struct Step {
@@ -885,7 +922,7 @@ mod tests {
             let sql = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
             let served = r#"[[0, 1, "", false], [1, 1, "key-500", true], [2, 1, "", false]]"#;
             let fetch = explain_fetch(&sql, served, instance, &[0, 1, 2]);
-            let plan = plan(&mut conn, fetch.bind("[]").bind(100_i64).bind(7_i64)).await;
+            let plan = plan(&mut conn, fetch.bind("[]").bind(100_i64).bind(7_i64).bind(65_536_i64)).await;
             assert!(
                 plan.iter().any(|s| records(s) && s.extra.contains("Using index for group-by")),
                 "keys not found by a loose index scan: {plan:#?}"
@@ -926,7 +963,7 @@ mod tests {
             for stop_on_first_failure in [true, false] {
                 let sql = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
                 let fetch = explain_fetch(&sql, &served, instance, &all).bind(&in_flight);
-                let plan = plan(&mut conn, fetch.bind(200_i64).bind(7_i64)).await;
+                let plan = plan(&mut conn, fetch.bind(200_i64).bind(7_i64).bind(65_536_i64)).await;
                 assert!(
                     !plan.iter().any(|s| s.kind.contains("LATERAL")),
                     "keys read per partition ({per_key} per key): {plan:#?}"

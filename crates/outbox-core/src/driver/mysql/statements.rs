@@ -58,7 +58,10 @@ const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next
 
 /// The fetch (see `Db::fetch`): `?` served partitions (JSON `[[partition, epoch, start key, wraps], …]`
 /// in serving order), `?` `?` the instance (fence and lease), 256 `?` the requested partitions (see
-/// [`fetch_partitions`]), `?` keys in flight (JSON), `?` heads at most, `?` followers per head.
+/// [`fetch_partitions`]), `?` keys in flight (JSON), `?` heads at most, `?` followers per head, `?`
+/// payload bytes per run (a head always comes). The runs' payloads are measured in a derived table
+/// without them, and only those within the budget are sent: the client cut the runs alone before, after
+/// every follower's payload had come over the wire (32 times what it kept, for runs of large payloads).
 ///
 /// MariaDB has no lateral join and cannot seek by a correlated value, so the keys come from its loose
 /// index scan (`GROUP BY` on the index prefix: one probe per key, so the cost grows with the keys of the
@@ -98,9 +101,14 @@ const FETCH: &str = "WITH RECURSIVE served AS (
         WHERE x.`partition` = c.`partition` AND x.`key` = c.`key` AND x.seq > c.seq ORDER BY x.seq LIMIT 1),
         c.walk, c.depth + 1
     FROM chain c WHERE c.seq IS NOT NULL AND c.depth < ?
+), bounded AS (
+    SELECT c.`partition`, c.`key`, c.seq, c.walk, c.depth,
+        SUM(LENGTH(x.payload)) OVER (PARTITION BY c.`partition`, c.`key` ORDER BY c.seq) AS run_bytes
+    FROM chain c JOIN {s}_records x ON x.`partition` = c.`partition` AND x.`key` = c.`key` AND x.seq = c.seq
 )
-SELECT {cols}, {due} AS due, IF(c.depth = 0, c.walk, NULL) AS walk
-FROM chain c JOIN {s}_records r ON r.`partition` = c.`partition` AND r.`key` = c.`key` AND r.seq = c.seq";
+SELECT {cols}, {due} AS due, IF(b.depth = 0, b.walk, NULL) AS walk
+FROM bounded b JOIN {s}_records r ON r.`partition` = b.`partition` AND r.`key` = b.`key` AND r.seq = b.seq
+WHERE b.depth = 0 OR b.run_bytes <= ?";
 
 /// With stop-on-first-failure, a key's head is its lowest sequence, served if due.
 const HEAD_LOWEST: &str = "k.seq";
