@@ -109,11 +109,12 @@ pub async fn transaction<T, E: From<sqlx::Error>>(
 /// snapshot isolation, 1020), too many connections for the server or the user (1040, 1203, 1226),
 /// server shutdown (1053), connection killed (1927), query interrupted (1317), a statement time limit
 /// (MariaDB 1969, MySQL 3024), a full disk (1021), exhausted memory or resources (1037, 1038, 1041), a
-/// server or transaction running read-only (1290, as a failed-over primary does; 1792, 1836), a Galera
-/// node not yet in the primary component (1047), a commit the server failed (1180) or a replication
-/// plugin rolled back (Group Replication's certification, 3100, 3101) and a connection the server
-/// closed as idle (4031) are worth retrying, as PostgreSQL's classes 40, 53, 57014 and 25006 are.
-/// `None`: not a MySQL error.
+/// server or transaction running read-only (1290, as a failed-over primary does; 1792, 1836), a commit
+/// Group Replication's certification rolled back (3101) and a connection the server closed as idle
+/// (4031) are worth retrying, as PostgreSQL's classes 40, 53, 57014 and 25006 are. Not 1047, 1180 nor
+/// 3100: a Galera node outside the primary component answers them, but so do a command the server does
+/// not know and a transaction over the cluster's size limit, which no retry helps. `None`: not a MySQL
+/// error.
 pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     let db = db.try_downcast_ref::<MySqlDatabaseError>()?;
     Some(matches!(
@@ -123,9 +124,7 @@ pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
             | 1038
             | 1040
             | 1041
-            | 1047
             | 1053
-            | 1180
             | 1203
             | 1205
             | 1213
@@ -137,7 +136,6 @@ pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
             | 1927
             | 1969
             | 3024
-            | 3100
             | 3101
             | 4031
     ))
@@ -576,9 +574,6 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     }
 }
 
-/// A fresh, empty database on the test server (`MYSQL_URL`, by default MariaDB on loopback as root),
-/// for the test suites of this workspace; `./scripts/test.sh` drops the `outbox_t_…` databases of
-/// earlier runs. Panics when the server does not answer.
 /// The fetch statement bound for `request`.
 fn fetch_query<'q>(
     s: &'q MySqlStatements,
@@ -602,6 +597,9 @@ fn fetch_query<'q>(
     Ok(query.bind(json(&request.exclude)?).bind(count(request.limit)).bind(followers).bind(count(request.budget)))
 }
 
+/// A fresh, empty database on the test server (`MYSQL_URL`, by default MariaDB on loopback as root),
+/// for the test suites of this workspace; `./scripts/test.sh` drops the `outbox_t_…` databases of
+/// earlier runs. Panics when the server does not answer.
 #[doc(hidden)]
 #[allow(clippy::unwrap_used)]
 pub async fn test_database() -> super::Db {
@@ -753,9 +751,9 @@ mod tests {
     async fn a_read_only_server_is_a_transient_error() {
         let base = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".into());
         let mut conn = MySqlConnection::connect(&base).await.unwrap();
-        // Read-only server or transaction (MySQL's --innodb-read-only, transaction_read_only), a Galera
-        // node outside the primary component, a commit the server failed, Group Replication's rollbacks.
-        for errno in [1290, 1792, 1836, 1047, 1180, 3100, 3101] {
+        // Read-only server or transaction (MySQL's --innodb-read-only, transaction_read_only), a commit
+        // Group Replication's certification rolled back.
+        for errno in [1290, 1792, 1836, 3101] {
             let signal = format!("SIGNAL SQLSTATE 'HY000' SET MYSQL_ERRNO = {errno}, MESSAGE_TEXT = 'failing over'");
             let refused = sqlx::raw_sql(AssertSqlSafe(signal)).execute(&mut conn).await.unwrap_err();
             assert!(crate::Error::Database(refused).is_transient(), "{errno}");
