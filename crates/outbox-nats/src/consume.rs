@@ -6,7 +6,7 @@
 //! fails is rolled back and negatively acknowledged with a growing delay, so JetStream delivers it
 //! again.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::AckPolicy;
 use async_nats::jetstream::consumer::pull::{self, MessagesError, MessagesErrorKind};
@@ -41,7 +41,8 @@ pub struct Consumed {
 /// policy is refused at the first message ([`Error::AckPolicy`]), as failed messages would be lost.
 /// Errors the message stream reads on after (a missed heartbeat, no responders during a leader
 /// election, a pull that failed while the client reconnected) are logged and read past, after a short
-/// pause that grows while they repeat; one that ends the stream (the consumer was deleted) is returned.
+/// pause that grows while they repeat, for up to a minute without a message; then, and at once for one
+/// that ends the stream (the consumer was deleted while connected), the error is returned.
 pub async fn apply_once<S, F>(messages: S, db: &Db, inbox: &Inbox, source: &str, mut apply: F) -> Result<Consumed>
 where
     S: Stream<Item = Result<Message, MessagesError>>,
@@ -51,13 +52,15 @@ where
     let mut messages = std::pin::pin!(messages);
     let mut acks_checked = false;
     let mut pauses = read_on_pauses();
+    let mut failing_since = None;
     while let Some(message) = messages.next().await {
         let message = match message {
             Ok(message) => {
                 pauses = read_on_pauses();
+                failing_since = None;
                 message
             }
-            Err(e) if reads_on_after(&e) => {
+            Err(e) if reads_on_after(&e) && failing_since.get_or_insert_with(Instant::now).elapsed() < READ_ON_FOR => {
                 let pause = pauses.next().unwrap_or(READ_ON_MAX);
                 warn!(source, error = %e, retry_in = ?pause, "reading JetStream messages failed; reading on");
                 tokio::time::sleep(pause).await;
@@ -118,6 +121,11 @@ fn read_on_pauses() -> impl Iterator<Item = Duration> {
 }
 
 const READ_ON_MAX: Duration = Duration::from_secs(2);
+
+/// How long errors may follow one another, without a message between them, before the last one is
+/// returned: a consumer deleted while the client was away answers every pull with "no responders", and
+/// a pull the server refuses is refused again.
+const READ_ON_FOR: Duration = Duration::from_secs(60);
 
 /// Refuses a consumer that does not acknowledge message by message. A consumer whose settings cannot be
 /// read (the account may not allow asking) is taken as it is, with a warning.
