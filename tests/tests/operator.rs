@@ -13,7 +13,7 @@ use outbox_core::{Completion, Error, NewRecord, partition_of};
 every_backend!(
     stats_count_pending_and_failed_per_partition_with_the_oldest_age,
     purge_deletes_only_expired_completed_records_in_bounded_batches,
-    a_stop_ends_a_purge_pass_between_batches,
+    a_stop_ends_a_purge_pass_under_way,
     a_requeue_waiting_for_a_row_holds_up_no_writer,
     delete_on_complete_keeps_no_completed_rows,
     operator_calls_refuse_bad_keys_and_limits_with_typed_errors,
@@ -53,10 +53,11 @@ async fn purge_deletes_only_expired_completed_records_in_bounded_batches(db: Tes
     assert_eq!(outbox.purge_completed(&db, Duration::from_secs(3600), 5).await.unwrap(), 0);
 }
 
-/// A stop ends the purge between two batches, not at the end of its pass: a stopping node waits for
-/// its background tasks before it hands its partitions over, and its lease may run out meanwhile.
+/// A stop ends a purge pass under way (its statement is dropped), not at the end of the pass: a
+/// stopping node waits for its background tasks before it hands its partitions over, and its lease may
+/// run out meanwhile.
 /// Before, a pass over a backlog of completed records ran to its end (here 2,000 statements).
-async fn a_stop_ends_a_purge_pass_between_batches(db: TestDb) {
+async fn a_stop_ends_a_purge_pass_under_way(db: TestDb) {
     let outbox = outbox(&db, |c| {
         c.completed_retention = Duration::ZERO;
         c.purge_batch_size = 1;
