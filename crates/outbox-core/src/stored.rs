@@ -309,6 +309,22 @@ pub(crate) struct Outcome {
 }
 
 impl Outcome {
+    /// What completing a delivered record needs, taken from the record (its key moved, not copied).
+    pub(crate) fn of(fetched: Fetched, verdict: Verdict, attempts: i32) -> Outcome {
+        let Fetched { record, instance, requeues, .. } = fetched;
+        Outcome {
+            id: record.id,
+            partition: record.partition,
+            instance,
+            epoch: record.epoch,
+            key: record.key,
+            attempts,
+            requeues,
+            due_since: record.deliver_at.unwrap_or(record.created_at),
+            verdict,
+        }
+    }
+
     /// What fences its completion.
     pub(crate) fn grant(&self) -> (Partition, InstanceId, Epoch) {
         (self.partition, self.instance, self.epoch)

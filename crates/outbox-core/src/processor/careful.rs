@@ -32,7 +32,6 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tracing::debug;
 
-use super::deliver::outcome;
 use crate::assignment::{Assignment, Epoch, InstanceId};
 use crate::config::Config;
 use crate::partition::Partition;
@@ -143,5 +142,5 @@ pub(super) fn turns(config: &Config) -> u32 {
 pub(super) fn counts<'a>(runs: impl IntoIterator<Item = &'a Vec<Fetched>>) -> Vec<Outcome> {
     let unfinished = || Verdict::Retry { delay: Duration::ZERO, error: UNFINISHED_CALL.to_string() };
     let careful = runs.into_iter().flatten().filter(|f| f.careful);
-    careful.map(|f| outcome(f.clone(), unfinished(), f.record.attempts.saturating_add(1))).collect()
+    careful.map(|f| Outcome::of(f.clone(), unfinished(), f.record.attempts.saturating_add(1))).collect()
 }

@@ -62,7 +62,7 @@ pub(super) async fn deliver_run(
             delivered = deliver(&ctx.handlers, &ctx.config, &fetched) => delivered,
         };
         let completed = verdict.completes();
-        outcomes.push(outcome(fetched, verdict, attempts));
+        outcomes.push(Outcome::of(fetched, verdict, attempts));
         if !completed {
             break;
         }
@@ -83,7 +83,7 @@ pub(super) fn not_called(run: impl IntoIterator<Item = Fetched>) -> impl Iterato
         } else {
             Verdict::NotCalled
         };
-        outcome(f, verdict, attempts)
+        Outcome::of(f, verdict, attempts)
     })
 }
 
@@ -125,22 +125,6 @@ pub(super) fn out_of_unfinished_calls(handlers: &Handlers, config: &Config, reco
 /// The route's retry policy, or the configured default.
 fn policy<'a>(route: Option<&'a Route>, config: &'a Config) -> &'a crate::RetryPolicy {
     route.and_then(|r| r.retry.as_ref()).unwrap_or(&config.retry)
-}
-
-/// What completing a delivered record needs, taken from the record (its key moved, not copied).
-pub(super) fn outcome(fetched: Fetched, verdict: Verdict, attempts: i32) -> Outcome {
-    let Fetched { record, instance, requeues, .. } = fetched;
-    Outcome {
-        id: record.id,
-        partition: record.partition,
-        instance,
-        epoch: record.epoch,
-        key: record.key,
-        attempts,
-        requeues,
-        due_since: record.deliver_at.unwrap_or(record.created_at),
-        verdict,
-    }
 }
 
 /// The verdict and the attempt count after this delivery.

@@ -58,7 +58,7 @@ pub use deliver::MAX_ERROR_BYTES;
 
 use self::careful::{Calls, TakenOver};
 use self::complete::{Completed, complete, write};
-use self::deliver::{Context, deliver_run, not_called, out_of_unfinished_calls, outcome};
+use self::deliver::{Context, deliver_run, not_called, out_of_unfinished_calls};
 use self::fetch::Fetches;
 use crate::Outbox;
 use crate::assignment::{Assignment, Epoch, InstanceId};
@@ -453,7 +453,7 @@ impl State {
                 return true;
             };
             let attempts = run[0].record.attempts;
-            self.outcomes.push(outcome(run.swap_remove(0), verdict, attempts));
+            self.outcomes.push(Outcome::of(run.swap_remove(0), verdict, attempts));
             false
         });
         if runs.is_empty() {
