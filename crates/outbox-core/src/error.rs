@@ -167,7 +167,7 @@ pub enum Error {
     },
     /// A database error.
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(#[source] sqlx::Error),
     /// A round trip to the database got no answer within the configured `query_timeout`: the connection
     /// stopped answering (its host gone, a half-open connection), the database is overloaded, or (SQLite)
     /// another process held the write lock that long. The work was given up and its transaction rolled

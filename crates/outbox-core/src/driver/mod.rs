@@ -22,8 +22,9 @@ pub mod sqlite;
 #[cfg(all(test, feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod tests;
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
 
 use sqlx::{AssertSqlSafe, SqlSafeStr};
 use tokio::sync::watch;
@@ -159,11 +160,15 @@ impl Db {
     pub async fn new_pool(&self, options: &ConnectOptions) -> Result<Db> {
         Ok(match self {
             #[cfg(feature = "postgres")]
-            Db::Postgres(p) => Db::Postgres(sized(options).connect_with(p.connect_options().as_ref().clone()).await?),
+            Db::Postgres(p) => {
+                Db::Postgres(sized(options, true).connect_with(p.connect_options().as_ref().clone()).await?)
+            }
             #[cfg(feature = "sqlite")]
-            Db::Sqlite(p) => Db::Sqlite(sized(options).connect_with(p.connect_options().as_ref().clone()).await?),
+            Db::Sqlite(p) => {
+                Db::Sqlite(sized(options, false).connect_with(p.connect_options().as_ref().clone()).await?)
+            }
             #[cfg(feature = "mysql")]
-            Db::MySql(p) => Db::MySql(sized(options).connect_with(p.connect_options().as_ref().clone()).await?),
+            Db::MySql(p) => Db::MySql(sized(options, true).connect_with(p.connect_options().as_ref().clone()).await?),
         })
     }
 
@@ -410,16 +415,21 @@ fn server(backend: &str, database: Option<&str>, host: &str, port: u16) -> Strin
 pub const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 
 /// A pool of `options`' size and wait, for any backend, pinging only connections idle for
-/// [`PING_IF_IDLE_FOR`].
-fn sized<DB: sqlx::Database>(options: &ConnectOptions) -> sqlx::pool::PoolOptions<DB> {
+/// [`PING_IF_IDLE_FOR`]; a pool of a server that can fail over also closes the connections opened
+/// before a read-only answer ([`retire_before`]). Not SQLite's: its file has no other server to reach,
+/// and an in-memory database lives only as long as its connections.
+fn sized<DB: sqlx::Database>(options: &ConnectOptions, fails_over: bool) -> sqlx::pool::PoolOptions<DB> {
     use futures::FutureExt;
     use sqlx::Connection;
     sqlx::pool::PoolOptions::new()
         .max_connections(options.max_connections)
         .acquire_timeout(options.acquire_timeout)
         .test_before_acquire(false)
-        .before_acquire(|conn: &mut DB::Connection, meta| {
+        .before_acquire(move |conn: &mut DB::Connection, meta| {
             async move {
+                if fails_over && opened_before_read_only(&meta) {
+                    return Ok(false);
+                }
                 if meta.idle_for >= PING_IF_IDLE_FOR {
                     conn.ping().await?;
                 }
@@ -1098,6 +1108,70 @@ fn is_transient(e: &sqlx::Error) -> bool {
         }
         _ => false,
     }
+}
+
+impl From<sqlx::Error> for Error {
+    /// Every database error of the library passes here, so that an answer of a server that takes no
+    /// writes retires the connections opened before it ([`retire_before`]) whichever path met it.
+    fn from(e: sqlx::Error) -> Self {
+        if is_read_only(&e) {
+            retire_before(Instant::now());
+        }
+        Error::Database(e)
+    }
+}
+
+/// Whether a database error says the server (or the session) takes no writes, as a primary turned
+/// replica in a failover answers on the connections it keeps open.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unused_variables, reason = "SQLite has no such answer")
+)]
+fn is_read_only(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else { return false };
+    #[cfg(feature = "postgres")]
+    if let Some(read_only) = postgres::is_read_only(db.as_ref()) {
+        return read_only;
+    }
+    #[cfg(feature = "mysql")]
+    if let Some(read_only) = mysql::is_read_only(db.as_ref()) {
+        return read_only;
+    }
+    false
+}
+
+/// When the process's pools were last told that a server takes no writes, in nanoseconds since
+/// [`EPOCH`] (0: never).
+static READ_ONLY_SINCE: AtomicU64 = AtomicU64::new(0);
+static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+/// Has the PostgreSQL and MySQL pools of [`Db::connect_with`] close, rather than hand out, every
+/// connection opened before `instant`. After a failover the old primary's open connections answer
+/// "read-only" to every write (MySQL keeps them, and so do poolers and proxies), while a new connection
+/// reaches the new primary by its address; a pool would keep handing the old ones out until their
+/// `max_lifetime`, 30 minutes. The mark is the process's, not one pool's: the error that sets it does
+/// not know its pool, and a pool of a healthy server only reconnects once.
+fn retire_before(instant: Instant) {
+    let since = u64::try_from(instant.saturating_duration_since(*EPOCH).as_nanos()).unwrap_or(u64::MAX);
+    READ_ONLY_SINCE.fetch_max(since.max(1), Ordering::Relaxed);
+}
+
+/// Whether a pooled connection was opened before the last answer of a server that takes no writes
+/// (PostgreSQL 25006; MySQL 1290, 1792, 1836) that reached this process's outbox, and so may lead to a
+/// primary turned replica. The pools of [`Db::connect_with`] close such connections rather than hand
+/// them out; a pool of the application's does the same with this in its `before_acquire`:
+///
+/// ```
+/// fn failing_over<DB: sqlx::Database>(pool: sqlx::pool::PoolOptions<DB>) -> sqlx::pool::PoolOptions<DB> {
+///     pool.before_acquire(|_conn, meta| {
+///         Box::pin(async move { Ok(!outbox_core::driver::opened_before_read_only(&meta)) })
+///     })
+/// }
+/// ```
+pub fn opened_before_read_only(meta: &sqlx::pool::PoolConnectionMetadata) -> bool {
+    let since = READ_ONLY_SINCE.load(Ordering::Relaxed);
+    let opened = EPOCH.elapsed().saturating_sub(meta.age);
+    since != 0 && u64::try_from(opened.as_nanos()).unwrap_or(u64::MAX) <= since
 }
 
 /// Whether a database error says the outbox's tables or schema do not exist: `migrate` first.

@@ -494,6 +494,38 @@ async fn a_new_pool_keeps_the_connection_settings() {
     assert_eq!(tables, 1, "the same database file");
 }
 
+/// After a failover the old primary's open connections answer every write "read-only", while a new
+/// connection reaches the new primary by its address. The pool closes the connections opened before
+/// that answer instead of handing them out again (until their `max_lifetime`, half an hour), so the
+/// retried write gets a new one. A session turned read-only stands in for the server, which other
+/// tests share.
+#[sqlx::test]
+async fn a_read_only_answer_retires_the_connections_opened_before_it(pool: PgPool) {
+    for db in [Db::Postgres(pool), super::mysql::test_database().await] {
+        let (session, read_only) = match db {
+            Db::Postgres(_) => ("SELECT pg_backend_pid()::bigint", "SET SESSION default_transaction_read_only = on"),
+            Db::MySql(_) => ("SELECT CAST(CONNECTION_ID() AS SIGNED)", "SET SESSION TRANSACTION READ ONLY"),
+            Db::Sqlite(_) => unreachable!(),
+        };
+        let one = db.new_pool(&ConnectOptions { max_connections: 1, ..ConnectOptions::default() }).await.unwrap();
+        let outbox = migrated(&one, Config::default()).await;
+        let (old,): (i64,) = one.fetch_one(session, &[]).await.unwrap();
+        one.execute(read_only, &[]).await.unwrap();
+        let record = [NewRecord::new("k", "t", b"x".to_vec())];
+
+        let mut tx = one.begin().await.unwrap();
+        let refused = outbox.schedule_batch(&mut tx, &record).await.unwrap_err();
+        drop(tx);
+        assert!(refused.is_transient(), "{}: {refused:?}", db.backend());
+
+        let mut tx = one.begin().await.unwrap();
+        outbox.schedule_batch(&mut tx, &record).await.unwrap();
+        tx.commit().await.unwrap();
+        let (new,): (i64,) = one.fetch_one(session, &[]).await.unwrap();
+        assert_ne!(old, new, "{}: a new connection", db.backend());
+    }
+}
+
 /// A `begin` dropped at any point, even while its `BEGIN` is in flight, leaves no transaction open on
 /// the pooled connection: the pool's next statement commits as it runs, so another connection sees its
 /// row (inside a transaction left open it would not, and would hold its locks). Both the application's

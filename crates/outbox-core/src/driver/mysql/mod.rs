@@ -58,7 +58,7 @@ const MIGRATION_LOCK_WAIT_SECS: i64 = 300;
 pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<MySqlPool> {
     let server = MySqlConnectOptions::from_str(url).map_err(Error::BadUrl)?;
     let database = super::server("MySQL", server.get_database(), server.get_host(), server.get_port());
-    super::sized(options).connect_with(server).await.map_err(|source| Error::Connect { database, source })
+    super::sized(options, true).connect_with(server).await.map_err(|source| Error::Connect { database, source })
 }
 
 /// Runs `work` in one of the outbox's own transactions on `conn` (completions, ownership rounds,
@@ -139,6 +139,13 @@ pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
             | 3101
             | 4031
     ))
+}
+
+/// A server running read-only (1290, MariaDB's 1836) or a read-only transaction (1792), as a primary
+/// turned replica answers (see `driver::retire_before`). `None`: not a MySQL error.
+pub(super) fn is_read_only(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
+    let db = db.try_downcast_ref::<MySqlDatabaseError>()?;
+    Some(matches!(db.number(), 1290 | 1792 | 1836))
 }
 
 /// 1146 no such table. `None`: not a MySQL error.
@@ -756,6 +763,9 @@ mod tests {
         for errno in [1290, 1792, 1836, 3101] {
             let signal = format!("SIGNAL SQLSTATE 'HY000' SET MYSQL_ERRNO = {errno}, MESSAGE_TEXT = 'failing over'");
             let refused = sqlx::raw_sql(AssertSqlSafe(signal)).execute(&mut conn).await.unwrap_err();
+            let sqlx::Error::Database(answer) = &refused else { panic!("{refused:?}") };
+            // A read-only server's answer also retires the pools' older connections (3101 is not one).
+            assert_eq!(super::is_read_only(answer.as_ref()), Some(errno != 3101), "{errno}");
             assert!(crate::Error::Database(refused).is_transient(), "{errno}");
         }
     }

@@ -61,7 +61,7 @@ const LOCK_NAMESPACE: i32 = 0x6f75_7462;
 pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<PgPool> {
     let server = PgConnectOptions::from_str(url).map_err(Error::BadUrl)?;
     let database = super::server("PostgreSQL", server.get_database(), server.get_host(), server.get_port());
-    super::sized(options).connect_with(server).await.map_err(|source| Error::Connect { database, source })
+    super::sized(options, true).connect_with(server).await.map_err(|source| Error::Connect { database, source })
 }
 
 /// SQLSTATE classes 08 (connection), 40 (serialisation failure, deadlock), 53 (insufficient
@@ -75,6 +75,13 @@ pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
         ["08", "40", "53", "57P"].iter().any(|class| code.starts_with(class))
             || matches!(code, "57014" | "55P03" | "25006"),
     )
+}
+
+/// 25006: a write in a read-only transaction, as a standby answers (see `driver::retire_before`).
+/// `None`: not a PostgreSQL error.
+pub(super) fn is_read_only(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
+    let db = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
+    Some(db.code() == "25006")
 }
 
 /// 42P01 undefined table, 3F000 undefined schema. `None`: not a PostgreSQL error.
@@ -118,7 +125,7 @@ pub(super) async fn schedule(
 /// `Db::fetch_pool`); opened at the first fetch, and again after it is lost.
 pub(super) fn fetch_pool(pool: &PgPool) -> PgPool {
     let options = ConnectOptions { max_connections: 1, acquire_timeout: pool.options().get_acquire_timeout() };
-    super::sized(&options).connect_lazy_with((*pool.connect_options()).clone().options([("jit", "off")]))
+    super::sized(&options, true).connect_lazy_with((*pool.connect_options()).clone().options([("jit", "off")]))
 }
 
 /// Accepts a message on the caller's connection (see `Conn::accept`).
@@ -488,7 +495,7 @@ mod tests {
     async fn a_connection_closed_while_idle_is_replaced(pool: PgPool) {
         let options = crate::driver::ConnectOptions { max_connections: 1, ..Default::default() };
         let ours: PgPool =
-            crate::driver::sized(&options).connect_with(pool.connect_options().as_ref().clone()).await.unwrap();
+            crate::driver::sized(&options, true).connect_with(pool.connect_options().as_ref().clone()).await.unwrap();
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&ours).await.unwrap();
         sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&pool).await.unwrap();
         tokio::time::sleep(crate::driver::PING_IF_IDLE_FOR + std::time::Duration::from_millis(200)).await;

@@ -102,7 +102,7 @@ pub(super) async fn connect(url: &str, connect: &ConnectOptions) -> Result<Sqlit
         .with_jitter()
         .without_max_times()
         .with_total_delay(Some(BUSY_TIMEOUT));
-    (|| super::sized(connect).connect_with(file.clone()))
+    (|| super::sized(connect, false).connect_with(file.clone()))
         .retry(backoff)
         .when(|e| matches!(e, sqlx::Error::Database(db) if is_transient(db.as_ref()) == Some(true)))
         .await
