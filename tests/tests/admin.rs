@@ -13,6 +13,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use common::*;
 use outbox_cluster::admin::{Admin, AdminConfig, FailedPage, PartitionView, StatusView};
+use outbox_core::operator::FAILED_PAGE_PAYLOAD_BYTES;
 use outbox_core::{HandlerError, Handlers, NewRecord, Route, handler_fn};
 use serde_json::Value;
 use tower::ServiceExt;
@@ -213,6 +214,25 @@ async fn payloads_are_listed_only_when_enabled(db: TestDb) {
             assert!(!format!("{r:?}").contains("payload of"), "Debug leaves the payload out");
         }
     }
+
+    // A page of payloads ends at their byte budget, and says where the next one starts.
+    let mib = vec![b'x'; 1024 * 1024];
+    commit(&outbox, &db, (0..5).map(|_| NewRecord::new("large", "t", mib.clone())).collect()).await;
+    exec!(db, "UPDATE {s}records SET failed_at = {now} WHERE key = 'large'");
+    let (mut seen, mut uri, mut pages) = (0, "/api/failed?key=large".to_string(), Vec::new());
+    loop {
+        let (status, body) = call(&shown, "GET", &uri, Some(TOKEN), None).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let page: FailedPage = serde_json::from_value(body).unwrap();
+        let bytes: usize = page.records.iter().map(|r| r.payload.as_ref().map_or(0, String::len)).sum();
+        assert!(bytes <= FAILED_PAGE_PAYLOAD_BYTES, "{bytes}");
+        seen += page.records.len();
+        pages.push(page.records.len());
+        let Some(next) = page.next else { break };
+        uri =
+            format!("/api/failed?key=large&after_partition={}&after_key=large&after_seq={}", next.partition, next.seq);
+    }
+    assert_eq!((seen, pages), (5, vec![4, 1]), "every record once, four MiB to a page");
 }
 
 async fn mutations_need_a_configured_token_and_act(db: TestDb) {

@@ -9,13 +9,20 @@ use crate::error::{Error, Result};
 use crate::notice::{Partitions, Wake};
 use crate::record::check_key;
 use crate::stored::Requeue;
-pub use crate::stored::{BacklogTotals, FailedFilter, FailedPosition, FailedRecord, PartitionStats};
+pub use crate::stored::{
+    BacklogTotals, FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedPosition, FailedRecord, PartitionStats,
+};
 
 /// The most FAILED records one call of [`Outbox::failed`] lists.
 pub const MAX_FAILED_PAGE: i64 = 10_000;
 
 impl Outbox {
     /// Lists FAILED records in (partition, key, seq) order, at most [`MAX_FAILED_PAGE`] at a time.
+    ///
+    /// With payloads ([`FailedFilter::payloads`]) a page also ends after the record whose payload takes
+    /// the page's payloads to [`FAILED_PAGE_PAYLOAD_BYTES`] (the first record always comes): a page
+    /// whose payloads add up to that much may have more after it, read by a next page that starts after
+    /// its last record ([`FailedFilter::after`]), as after a page of the full limit.
     #[instrument(skip_all)]
     pub async fn failed(&self, db: impl Into<Db>, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
         for key in filter.key.iter().chain(filter.after.as_ref().map(|after| &after.key)) {

@@ -474,9 +474,15 @@ pub struct FailedFilter {
     /// Only records after this one (the previous page's last [`FailedRecord::position`]): pages stay
     /// stable while records before them are requeued or skipped.
     pub after: Option<FailedPosition>,
-    /// Include payloads (callers decide who may see them; they are never logged).
+    /// Include payloads (callers decide who may see them; they are never logged); the page then ends at
+    /// [`FAILED_PAGE_PAYLOAD_BYTES`] of them.
     pub payloads: bool,
 }
+
+/// The payload bytes a page of [`Outbox::failed`](crate::Outbox::failed) reaches before it ends: a
+/// page of large payloads (10,000 of up to 256 MiB each) would otherwise be read into memory whole, on
+/// every refresh of the operator's page.
+pub const FAILED_PAGE_PAYLOAD_BYTES: usize = 4 * 1024 * 1024;
 
 /// Backlog of one partition.
 #[derive(Debug, Clone, PartialEq)]

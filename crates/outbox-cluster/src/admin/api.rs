@@ -8,7 +8,7 @@ use std::time::Duration;
 use axum::Json;
 use axum::extract::{Path, Query, State};
 use base64::Engine;
-use outbox_core::operator::{FailedFilter, FailedPosition, FailedRecord};
+use outbox_core::operator::{FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedPosition, FailedRecord};
 use outbox_core::{Epoch, InstanceId, Partition};
 use serde::{Deserialize, Serialize};
 use tracing::info;
@@ -239,7 +239,10 @@ pub(super) async fn failed(
         let (first, last) = (records.first().map(|r| r.id), records.last().map(|r| r.id));
         info!(token = %token, records = records.len(), ?first, ?last, "admin: payloads of FAILED records read");
     }
-    let next = (records.len() as i64 == limit).then(|| records.last().map(FailedRecord::position)).flatten();
+    // A page ends at its limit or, with payloads, at their byte budget: either way more may follow.
+    let bytes: usize = records.iter().filter_map(|r| r.payload.as_ref()).map(Vec::len).sum();
+    let more = records.len() as i64 == limit || bytes >= FAILED_PAGE_PAYLOAD_BYTES;
+    let next = more.then(|| records.last().map(FailedRecord::position)).flatten();
     Ok(Json(FailedPage { records: records.into_iter().map(FailedView::from).collect(), next }))
 }
 

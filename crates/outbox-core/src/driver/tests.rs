@@ -303,7 +303,12 @@ fn model(case: &Case, followers: usize, stop_on_first_failure: bool) -> Expected
 }
 
 async fn insert(db: &Db, partition: i16, key: &str, seq: i64, state: State) {
-    let payload = vec![b'x'; size(key, seq)];
+    insert_sized(db, partition, key, seq, state, size(key, seq)).await;
+}
+
+/// A record of `bytes` payload bytes.
+async fn insert_sized(db: &Db, partition: i16, key: &str, seq: i64, state: State, bytes: usize) {
+    let payload = vec![b'x'; bytes];
     let (id, failed, backing_off) =
         (uuid::Uuid::now_v7(), matches!(state, State::Failed), matches!(state, State::BackingOff));
     let sql = match db {
@@ -324,6 +329,32 @@ async fn insert(db: &Db, partition: i16, key: &str, seq: i64, state: State) {
     let args =
         [id.into(), partition.into(), key.into(), seq.into(), (&payload).into(), backing_off.into(), failed.into()];
     db.execute(sql, &args).await.unwrap();
+}
+
+/// A page of FAILED records with their payloads ends after the record that takes its payloads to
+/// `FAILED_PAGE_PAYLOAD_BYTES`, the first record always coming; the next page goes on after it. Without
+/// payloads the limit alone ends a page.
+#[sqlx::test]
+async fn a_page_of_payloads_ends_at_its_byte_budget(pool: PgPool) {
+    const BUDGET: usize = crate::stored::FAILED_PAGE_PAYLOAD_BYTES;
+    let sizes = [BUDGET * 3 / 4, BUDGET / 4 - 1, 10, BUDGET + 1, 10];
+    for db in backends(pool).await {
+        let outbox = migrated(&db, Config::default()).await;
+        for (seq, bytes) in (1..).zip(sizes) {
+            insert_sized(&db, 7, "k", seq, State::Failed, bytes).await;
+        }
+        let page = async |after: Option<i64>, payloads| {
+            let after = after.map(|seq| crate::FailedPosition { partition: 7, key: "k".into(), seq });
+            let filter = crate::FailedFilter { after, payloads, ..Default::default() };
+            let listed = outbox.failed(&db, &filter).await.unwrap();
+            listed.iter().map(|r| (r.seq, r.payload.as_ref().map(Vec::len))).collect::<Vec<_>>()
+        };
+        let backend = db.backend();
+        assert_eq!(page(None, true).await, [(1, Some(sizes[0])), (2, Some(sizes[1])), (3, Some(10))], "{backend}");
+        assert_eq!(page(Some(3), true).await, [(4, Some(sizes[3]))], "{backend}");
+        assert_eq!(page(Some(4), true).await, [(5, Some(10))], "{backend}");
+        assert_eq!(page(None, false).await, (1..=5).map(|seq| (seq, None)).collect::<Vec<_>>(), "{backend}");
+    }
 }
 
 /// Checks one case on `db` in both modes; `Err` describes the first difference.

@@ -22,8 +22,8 @@ use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
-    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, Runs, StatsRow,
-    Written, grants_list,
+    FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
+    Requeue, Runs, StatsRow, Written, grants_list,
 };
 
 /// The migrations of the MySQL schema, in order (`{s}` is the table prefix, `{bin}` the key collation).
@@ -502,6 +502,8 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             .bind(filter.after.as_ref().map(|a| a.key.as_str()))
             .bind(filter.after.as_ref().map(|a| a.seq))
             .bind(filter.limit.unwrap_or(100))
+            .bind(count(FAILED_PAGE_PAYLOAD_BYTES))
+            .bind(filter.payloads)
             .fetch_all(self.pool)
             .await?)
     }

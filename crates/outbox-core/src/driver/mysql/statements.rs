@@ -166,15 +166,22 @@ SET r.attempts = j.attempts, r.last_error = j.err,
     r.failed_at = IF(j.failed, UTC_TIMESTAMP(6), NULL)
 WHERE {still_failing}";
 
-/// Binds: payloads, key, key, partition, partition, after partition, after partition, after key, after
-/// seq, limit.
-const LIST_FAILED: &str =
-    "SELECT id, `partition`, `key`, seq, event_type, attempts, requeues, last_error, created_at, failed_at,
+/// Lists FAILED records as PostgreSQL's statement does. Binds: payloads, key, key, partition,
+/// partition, after partition, after partition, after key, after seq, limit, payload bytes, payloads.
+const LIST_FAILED: &str = "WITH page AS (
+    SELECT id, `partition`, `key`, seq, CASE WHEN ? THEN LENGTH(payload) ELSE 0 END AS bytes
+    FROM {s}_records
+    WHERE failed_at IS NOT NULL AND (? IS NULL OR `key` = ?) AND (? IS NULL OR `partition` = ?)
+        AND (? IS NULL OR (`partition`, `key`, seq) > (?, ?, ?))
+    ORDER BY `partition`, `key`, seq LIMIT ?
+), listed AS (
+    SELECT id FROM (SELECT id, SUM(bytes) OVER (ORDER BY `partition`, `key`, seq) - bytes AS bytes_before FROM page) w
+    WHERE bytes_before < ?
+)
+SELECT id, `partition`, `key`, seq, event_type, attempts, requeues, last_error, created_at, failed_at,
     CASE WHEN ? THEN payload END AS payload
-FROM {s}_records
-WHERE failed_at IS NOT NULL AND (? IS NULL OR `key` = ?) AND (? IS NULL OR `partition` = ?)
-    AND (? IS NULL OR (`partition`, `key`, seq) > (?, ?, ?))
-ORDER BY `partition`, `key`, seq LIMIT ?";
+FROM listed JOIN {s}_records USING (id)
+ORDER BY `partition`, `key`, seq";
 
 /// Binds: id, key.
 const REQUEUE: &str =

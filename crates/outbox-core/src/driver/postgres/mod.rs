@@ -20,8 +20,8 @@ use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
 use crate::notice::{Channel, Wakeups};
 use crate::stored::{
-    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, Runs, StatsRow,
-    Written,
+    FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
+    Requeue, Runs, StatsRow, Written,
 };
 
 /// The migrations of the PostgreSQL schema, in order.
@@ -335,6 +335,7 @@ impl Driver<'_, PgPool, PgStatements> {
             .bind(filter.after.as_ref().map(|a| a.key.as_str()))
             .bind(filter.after.as_ref().map(|a| a.seq))
             .bind(filter.payloads)
+            .bind(count(FAILED_PAGE_PAYLOAD_BYTES))
             .fetch_all(self.pool)
             .await?)
     }

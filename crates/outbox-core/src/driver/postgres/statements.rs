@@ -189,11 +189,21 @@ const FAILED_COLUMNS: &str =
     "id, partition, key, seq, event_type, attempts, requeues, last_error, created_at, failed_at";
 
 /// Lists FAILED records, optionally of one key (`$1`) or partition (`$2`), at most `$3`, after the
-/// (partition, key, seq) `($4, $5, $6)` if given, with their payloads if `$7`.
-const LIST_FAILED: &str = "SELECT {failed_cols}, CASE WHEN $7 THEN payload END AS payload FROM {s}.records
-WHERE failed_at IS NOT NULL AND ($1::text IS NULL OR key = $1) AND ($2::smallint IS NULL OR partition = $2)
-    AND ($4::smallint IS NULL OR (partition, key, seq) > ($4, $5::text, $6::bigint))
-ORDER BY partition, key, seq LIMIT $3";
+/// (partition, key, seq) `($4, $5, $6)` if given, with their payloads if `$7`, and then only up to the
+/// one that takes their bytes to `$8` (the payloads' lengths come from their TOAST headers; only the
+/// payloads listed are read).
+const LIST_FAILED: &str = "WITH page AS (
+    SELECT id, partition, key, seq, CASE WHEN $7 THEN octet_length(payload) ELSE 0 END AS bytes
+    FROM {s}.records
+    WHERE failed_at IS NOT NULL AND ($1::text IS NULL OR key = $1) AND ($2::smallint IS NULL OR partition = $2)
+        AND ($4::smallint IS NULL OR (partition, key, seq) > ($4, $5::text, $6::bigint))
+    ORDER BY partition, key, seq LIMIT $3
+), listed AS (
+    SELECT id FROM (SELECT id, sum(bytes) OVER (ORDER BY partition, key, seq) - bytes AS bytes_before FROM page) w
+    WHERE bytes_before < $8::bigint
+)
+SELECT {failed_cols}, CASE WHEN $7 THEN payload END AS payload FROM listed JOIN {s}.records USING (id)
+ORDER BY partition, key, seq";
 
 /// Requeues FAILED records (one id `$1`, or all of key `$2`) with a fresh retry budget, counting the
 /// requeue. Not fenced: owners never write FAILED rows (nor rows requeued since they fetched them), so

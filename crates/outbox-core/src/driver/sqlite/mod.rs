@@ -24,8 +24,8 @@ use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
-    FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request, Requeue, Runs, StatsRow,
-    Written, grants_list,
+    FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
+    Requeue, Runs, StatsRow, Written, grants_list,
 };
 
 /// The migrations of the SQLite schema, in order (`{s}` is the table prefix).
@@ -297,6 +297,7 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             .bind(filter.after.as_ref().map(|a| a.key.as_str()))
             .bind(filter.after.as_ref().map(|a| a.seq))
             .bind(filter.payloads)
+            .bind(count(FAILED_PAGE_PAYLOAD_BYTES))
             .fetch_all(self.pool)
             .await?)
     }

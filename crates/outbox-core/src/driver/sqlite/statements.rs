@@ -121,12 +121,22 @@ const FAIL: &str = "UPDATE {s}_records SET attempts = $2, last_error = $3,
     failed_at = CASE WHEN $4 THEN {now} END
 WHERE id = $1 AND failed_at IS NULL AND requeues = $6 RETURNING id";
 
-const LIST_FAILED: &str = "SELECT id, partition, key, seq, event_type, attempts, requeues, last_error,
+/// Lists FAILED records as PostgreSQL's statement does, found again by their rowid (`seq`); `length`
+/// of a payload reads no overflow page.
+const LIST_FAILED: &str = "WITH page AS (
+    SELECT seq, partition, key, CASE WHEN $7 THEN length(payload) ELSE 0 END AS bytes
+    FROM {s}_records
+    WHERE failed_at IS NOT NULL AND ($1 IS NULL OR key = $1) AND ($2 IS NULL OR partition = $2)
+        AND ($4 IS NULL OR (partition, key, seq) > ($4, $5, $6))
+    ORDER BY partition, key, seq LIMIT $3
+), listed AS (
+    SELECT seq FROM (SELECT seq, sum(bytes) OVER (ORDER BY partition, key, seq) - bytes AS bytes_before FROM page)
+    WHERE bytes_before < $8
+)
+SELECT id, partition, key, seq, event_type, attempts, requeues, last_error,
     {time:created_at} AS created_at, {time:failed_at} AS failed_at, CASE WHEN $7 THEN payload END AS payload
-FROM {s}_records
-WHERE failed_at IS NOT NULL AND ($1 IS NULL OR key = $1) AND ($2 IS NULL OR partition = $2)
-    AND ($4 IS NULL OR (partition, key, seq) > ($4, $5, $6))
-ORDER BY partition, key, seq LIMIT $3";
+FROM listed JOIN {s}_records USING (seq)
+ORDER BY partition, key, seq";
 
 const REQUEUE: &str =
     "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
