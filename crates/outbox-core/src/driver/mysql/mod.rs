@@ -378,29 +378,34 @@ fn applied_in_part(e: Error, schema: &str, m: &Migration) -> Error {
 
 impl Driver<'_, MySqlPool, MySqlStatements> {
     /// Applies the missing migrations, one migrator of the schema at a time (`GET_LOCK`, held by this
-    /// connection). MySQL commits each DDL statement on its own, so a migration that fails half way is
-    /// not rolled back: its error names it, and it must be finished by hand.
+    /// connection's session, so the connection is closed if the migrate is cut short: `finishing`).
+    /// MySQL commits each DDL statement on its own, so a migration that fails half way is not rolled
+    /// back: its error names it, and it must be finished by hand.
     pub(crate) async fn migrate(&self) -> Result<()> {
         let schema = self.statements.schema.as_str();
-        let mut conn = self.pool.acquire().await?;
-        // Named after database and schema (lock names are server-wide, at most 64 characters).
-        let lock = "CONCAT('outbox_migrate_', MD5(CONCAT(DATABASE(), '.', ?)))";
-        let locked: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT GET_LOCK({lock}, ?)")))
-            .bind(schema)
-            .bind(MIGRATION_LOCK_WAIT_SECS)
-            .fetch_one(&mut *conn)
-            .await?;
-        if locked != Some(1) {
-            return Err(Error::Database(sqlx::Error::Protocol(format!(
-                "another migrator of schema {schema} held its lock for {MIGRATION_LOCK_WAIT_SECS} s"
-            ))));
-        }
-        let applied = self.apply(&mut conn, schema).await;
-        let released =
-            sqlx::query(AssertSqlSafe(format!("SELECT RELEASE_LOCK({lock})"))).bind(schema).execute(&mut *conn).await;
-        applied?;
-        released?;
-        Ok(())
+        super::finishing(self.pool, async |conn| {
+            // Named after database and schema (lock names are server-wide, at most 64 characters).
+            let lock = "CONCAT('outbox_migrate_', MD5(CONCAT(DATABASE(), '.', ?)))";
+            let locked: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT GET_LOCK({lock}, ?)")))
+                .bind(schema)
+                .bind(MIGRATION_LOCK_WAIT_SECS)
+                .fetch_one(&mut *conn)
+                .await?;
+            if locked != Some(1) {
+                return Err(Error::Database(sqlx::Error::Protocol(format!(
+                    "another migrator of schema {schema} held its lock for {MIGRATION_LOCK_WAIT_SECS} s"
+                ))));
+            }
+            let applied = self.apply(conn, schema).await;
+            let released = sqlx::query(AssertSqlSafe(format!("SELECT RELEASE_LOCK({lock})")))
+                .bind(schema)
+                .execute(&mut *conn)
+                .await;
+            applied?;
+            released?;
+            Ok(())
+        })
+        .await
     }
 
     async fn apply(&self, conn: &mut MySqlConnection, schema: &str) -> Result<()> {
@@ -687,6 +692,46 @@ mod tests {
         let outbox = Outbox::new(Config::default()).unwrap();
         outbox.migrate(&pool).await.unwrap();
         (pool, outbox)
+    }
+
+    /// A migrate cut short (its future dropped, as by a start-up time limit) while it holds the
+    /// migrators' lock leaves the lock free once its statement ends: the connection is closed, where it
+    /// went back to the pool with its session, and the lock, alive, and every other migrator of the
+    /// schema waited for it (300 s) and failed.
+    #[tokio::test]
+    async fn a_migrate_cut_short_leaves_the_lock_free() {
+        let (pool, outbox) = migrated().await;
+        let mut blocker = MySqlConnection::connect_with(&pool.connect_options()).await.unwrap();
+        sqlx::raw_sql("LOCK TABLES outbox_schema_migrations WRITE").execute(&mut blocker).await.unwrap();
+        let holder = "SELECT IS_USED_LOCK(CONCAT('outbox_migrate_', MD5(CONCAT(DATABASE(), '.', 'outbox'))))";
+        let cut = tokio::time::timeout(Duration::from_secs(5), async {
+            let migrating = outbox.migrate(&pool);
+            tokio::pin!(migrating);
+            // Past GET_LOCK, waiting for the table.
+            loop {
+                tokio::select! {
+                    done = &mut migrating => panic!("migrate ended while the table was locked: {done:?}"),
+                    () = tokio::time::sleep(Duration::from_millis(20)) => {}
+                }
+                let (held,): (Option<i64>,) = sqlx::query_as(holder).fetch_one(&mut blocker).await.unwrap();
+                if held.is_some() {
+                    return;
+                }
+            }
+        })
+        .await;
+        assert!(cut.is_ok(), "the migrator took the lock");
+        sqlx::raw_sql("UNLOCK TABLES").execute(&mut blocker).await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (held,): (Option<i64>,) = sqlx::query_as(holder).fetch_one(&mut blocker).await.unwrap();
+            if held.is_none() {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the lock is still held by connection {held:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        outbox.migrate(&pool).await.unwrap();
     }
 
     /// A migration MySQL applied only in part (each DDL statement commits on its own; here the last one,
