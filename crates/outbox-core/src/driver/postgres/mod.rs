@@ -7,10 +7,11 @@ mod statements;
 use std::str::FromStr;
 use std::time::Duration;
 
+use backon::{ExponentialBuilder, Retryable};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::watch;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 use uuid::Uuid;
 
 pub use self::statements::{PgStatements, quoted};
@@ -57,6 +58,19 @@ pub const MIGRATIONS: &[Migration] = &[
 
 /// Arbitrary constant namespacing the migrators' advisory lock (ASCII "outbox").
 const LOCK_NAMESPACE: i32 = 0x6f75_7462;
+
+/// How long a migration's statement waits for a table lock before the migration steps out of the
+/// table's lock queue (see `migrate`): well inside a worker's lease (6 s at the defaults).
+const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long a migration keeps trying for its table locks before it fails.
+const MIGRATION_PATIENCE: Duration = Duration::from_secs(300);
+
+/// Whether `e` is a statement that waited `lock_timeout` for a lock (SQLSTATE 55P03).
+fn is_lock_timeout(e: &Error) -> bool {
+    matches!(e, Error::Database(sqlx::Error::Database(db))
+        if db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some_and(|db| db.code() == "55P03"))
+}
 
 pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<PgPool> {
     let server = PgConnectOptions::from_str(url).map_err(Error::BadUrl)?;
@@ -208,16 +222,43 @@ impl Driver<'_, PgPool, PgStatements> {
         }
     }
 
+    /// Applies the missing migrations in one transaction, one migrator of the schema at a time. A
+    /// statement that waits [`MIGRATION_LOCK_TIMEOUT`] for a table lock gives up, and with it the whole
+    /// transaction, which is tried again after a pause, for up to [`MIGRATION_PATIENCE`]: while its
+    /// request waits in the table's lock queue, every statement on the table waits behind it, the
+    /// workers' heartbeats included.
     pub(crate) async fn migrate(&self) -> Result<()> {
         let schema = self.statements.schema();
+        let pauses = ExponentialBuilder::new()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(Duration::from_secs(5))
+            .with_jitter()
+            .without_max_times()
+            .with_total_delay(Some(MIGRATION_PATIENCE));
+        (|| self.migrate_once())
+            .retry(pauses)
+            .when(is_lock_timeout)
+            .notify(|e, pause| {
+                warn!(schema, error = %e, ?pause, "migration gave up waiting for a table lock another transaction holds; trying again");
+            })
+            .await
+    }
+
+    async fn migrate_once(&self) -> Result<()> {
+        let schema = self.statements.schema();
         let mut conn = self.pool.acquire().await?;
-        let mut tx = conn.begin().await?;
+        // READ COMMITTED whatever the database's default, so that each statement sees what a migrator
+        // that held the lock before committed: at REPEATABLE READ the snapshot is taken by the lock's
+        // own statement, before it waits.
+        let mut tx = conn.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await?;
         // Serialise migrators of this schema across the cluster; released at commit.
         sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
             .bind(LOCK_NAMESPACE)
             .bind(schema)
             .execute(&mut *tx)
             .await?;
+        let timeout = MIGRATION_LOCK_TIMEOUT.as_millis();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("SET LOCAL lock_timeout = {timeout}"))).execute(&mut *tx).await?;
         let ident = self.statements.schema_ident();
         // Created only if missing: `CREATE SCHEMA IF NOT EXISTS` wants the right to create schemas even
         // when the schema is there, which a role that does not own the database seldom has.
@@ -419,6 +460,8 @@ fn fence_arguments(outcomes: &[&Outcome]) -> (Vec<i16>, Vec<InstanceId>, Vec<Epo
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use sqlx::PgPool;
 
     use super::MIGRATIONS;
@@ -462,6 +505,75 @@ mod tests {
         let kept: i64 =
             sqlx::query_scalar("SELECT count(*) FROM outbox.records WHERE seq = 41").fetch_one(&pool).await.unwrap();
         assert_eq!(kept, 1, "pending records are kept");
+    }
+
+    /// The last migration undone, as on a database the new release has not migrated yet.
+    async fn one_migration_behind(pool: &PgPool) -> Outbox {
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(pool).await.unwrap();
+        let last = MIGRATIONS.last().unwrap();
+        assert!(last.sql.contains("ALTER TABLE instances ADD COLUMN taken_over_at"), "the undo below is the last's");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE outbox.instances DROP COLUMN taken_over_at; DELETE FROM outbox.schema_migrations WHERE version = {}",
+            last.version
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
+        outbox
+    }
+
+    /// A migration that waits for a table lock another transaction holds (a `pg_dump`, a long report,
+    /// a transaction left open) gives up its place in the lock queue after a while and tries again:
+    /// waiting on, it held up every statement on the table behind it, the workers' heartbeats and
+    /// fetches and the application's `schedule`, for as long as the other transaction lasted.
+    #[sqlx::test(migrations = false)]
+    async fn a_migration_waiting_for_a_table_lock_lets_the_others_through(pool: PgPool) {
+        let outbox = one_migration_behind(&pool).await;
+        let mut reader = pool.acquire().await.unwrap();
+        sqlx::raw_sql("BEGIN; SELECT count(*) FROM outbox.instances").execute(&mut *reader).await.unwrap();
+        let migrating = tokio::spawn({
+            let (outbox, pool) = (outbox.clone(), pool.clone());
+            async move { outbox.migrate(&pool).await }
+        });
+        let waiting = "SELECT count(*) FROM pg_locks WHERE relation = 'outbox.instances'::regclass AND NOT granted";
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while sqlx::query_scalar::<_, i64>(waiting).fetch_one(&pool).await.unwrap() == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the migration never asked for the table");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // A heartbeat's statement, queued behind the migration's request.
+        let renewal = sqlx::query("UPDATE outbox.instances SET name = name").execute(&pool);
+        tokio::time::timeout(Duration::from_secs(30), renewal)
+            .await
+            .expect("a statement on the table waited for as long as the reader lasted")
+            .unwrap();
+        sqlx::raw_sql("COMMIT").execute(&mut *reader).await.unwrap();
+        migrating.await.unwrap().unwrap();
+        let column: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM information_schema.columns WHERE table_schema = 'outbox' AND table_name = 'instances'
+                AND column_name = 'taken_over_at'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(column, 1, "migrated once the reader was done");
+    }
+
+    /// Migrators that start together each see what the one before them applied, whatever the
+    /// database's default isolation: at REPEATABLE READ the second one's snapshot, taken as it asked for
+    /// the migrators' lock, predated the first one's commit, and it applied the migration again.
+    #[sqlx::test(migrations = false)]
+    async fn migrators_see_each_others_work_at_any_default_isolation(pool: PgPool) {
+        let outbox = one_migration_behind(&pool).await;
+        let database: String = sqlx::query_scalar("SELECT current_database()").fetch_one(&pool).await.unwrap();
+        let isolation = format!("ALTER DATABASE \"{database}\" SET default_transaction_isolation = 'repeatable read'");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(isolation)).execute(&pool).await.unwrap();
+        let options = pool.connect_options().as_ref().clone();
+        let fresh = sqlx::postgres::PgPoolOptions::new().max_connections(4).connect_with(options).await.unwrap();
+        let (first, second) = tokio::join!(outbox.migrate(&fresh), outbox.migrate(&fresh));
+        first.unwrap();
+        second.unwrap();
     }
 
     /// The processor's statements run with JIT off (fetches on a connection of their own, completions in
