@@ -89,9 +89,9 @@ impl Inbox {
     /// can be delivered again (the broker's redelivery window), or a late duplicate is applied twice.
     #[instrument(skip(self, db))]
     pub async fn purge(&self, db: impl Into<Db>, retention: Duration, batch_size: usize) -> Result<u64> {
-        let (db, outbox) = (db.into(), &self.outbox);
-        crate::purge::in_batches(batch_size, || async {
-            let purge = db.purge_inbox(outbox.statements(), retention, batch_size);
+        let (db, outbox) = (&db.into(), &self.outbox);
+        crate::purge::in_batches(batch_size, |limit| async move {
+            let purge = db.purge_inbox(outbox.statements(), retention, limit);
             answered_within(outbox.config().query_timeout, "purging the inbox", purge)
                 .await
                 .map_err(|e| outbox.not_migrated(e))

@@ -15,9 +15,9 @@ impl Outbox {
     /// left; returns how many.
     #[instrument(skip(self, db))]
     pub async fn purge_completed(&self, db: impl Into<Db>, retention: Duration, batch_size: usize) -> Result<u64> {
-        let db = db.into();
-        in_batches(batch_size, || async {
-            let purge = db.purge(self.statements(), retention, batch_size);
+        let db = &db.into();
+        in_batches(batch_size, |limit| async move {
+            let purge = db.purge(self.statements(), retention, limit);
             answered_within(self.config().query_timeout, "purging completed records", purge)
                 .await
                 .map_err(|e| self.not_migrated(e))
@@ -30,9 +30,9 @@ impl Outbox {
     /// numbers go on growing: they come from one database-wide sequence, not from the row.
     #[instrument(skip(self, db))]
     pub async fn prune_keys(&self, db: impl Into<Db>, batch_size: usize) -> Result<u64> {
-        let db = db.into();
-        in_batches(batch_size, || async {
-            let prune = db.prune_keys(self.statements(), batch_size);
+        let db = &db.into();
+        in_batches(batch_size, |limit| async move {
+            let prune = db.prune_keys(self.statements(), limit);
             answered_within(self.config().query_timeout, "pruning key rows", prune)
                 .await
                 .map_err(|e| self.not_migrated(e))
@@ -70,22 +70,35 @@ impl Outbox {
     }
 }
 
-/// Runs `batch` (one bounded delete, answering how many rows it deleted) until a run deletes fewer than
-/// `batch_size`; returns how many in all. A `batch_size` of 0 is an error (it would never finish).
+/// Runs `batch` (one delete of at most the size it is given, answering how many rows it deleted)
+/// until a run deletes fewer than it was given; returns how many in all. A `batch_size` of 0 is an
+/// error (it would never finish).
+///
+/// A batch given up at `query_timeout` is tried again at half the size, down to one row: a batch
+/// too slow for the limit (large payloads, a busy disk) was given up again at every pass, and where
+/// the database rolls back what its client gave up (MySQL's transactions) the table never shrank.
 pub(crate) async fn in_batches<F, Fut>(batch_size: usize, mut batch: F) -> Result<u64>
 where
-    F: FnMut() -> Fut,
+    F: FnMut(usize) -> Fut,
     Fut: Future<Output = Result<u64>>,
 {
     if batch_size == 0 {
         return Err(Error::Config("a purge's batch_size must be > 0".into()));
     }
-    let mut total = 0;
+    let (mut size, mut total) = (batch_size, 0);
     loop {
-        let done = batch().await?;
-        total += done;
-        if done < batch_size as u64 {
-            return Ok(total);
+        match batch(size).await {
+            Ok(done) => {
+                total += done;
+                if done < size as u64 {
+                    return Ok(total);
+                }
+            }
+            Err(e @ Error::QueryTimeout { .. }) if size > 1 => {
+                size /= 2;
+                warn!(error = %e, batch_size = size, "a batch took too long; going on in smaller ones");
+            }
+            Err(e) => return Err(e),
         }
     }
 }
@@ -96,12 +109,40 @@ mod tests {
     #[tokio::test]
     async fn a_batch_size_of_zero_is_refused_rather_than_looped_on() {
         let mut calls = 0;
-        let result = super::in_batches(0, || {
+        let result = super::in_batches(0, |_| {
             calls += 1;
             async { Ok(0) }
         })
         .await;
         assert!(matches!(result, Err(crate::Error::Config(_))), "{result:?}");
         assert_eq!(calls, 0);
+    }
+
+    /// A batch given up at the time limit is tried again at half its size until one fits; then the rest
+    /// goes at that size. One that is given up even at a single row is an error.
+    #[tokio::test]
+    async fn a_batch_too_slow_for_the_time_limit_is_halved_until_it_fits() {
+        let timeout = || crate::Error::QueryTimeout { work: "test", after: std::time::Duration::from_secs(1) };
+        let (mut left, mut sizes) = (1000_u64, Vec::new());
+        let purged = super::in_batches(1000, |limit| {
+            sizes.push(limit);
+            let done = (limit as u64).min(left);
+            let result = if limit > 300 { Err(timeout()) } else { Ok(done) };
+            left -= result.as_ref().map_or(0, |n| *n);
+            async move { result }
+        })
+        .await
+        .unwrap();
+        assert_eq!(purged, 1000);
+        assert_eq!(sizes, [1000, 500, 250, 250, 250, 250, 250]);
+
+        let mut calls = 0;
+        let result = super::in_batches(4, |_| {
+            calls += 1;
+            async { Err::<u64, _>(timeout()) }
+        })
+        .await;
+        assert!(matches!(result, Err(crate::Error::QueryTimeout { .. })), "{result:?}");
+        assert_eq!(calls, 3, "4, 2, then 1 row");
     }
 }

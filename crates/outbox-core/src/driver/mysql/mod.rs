@@ -694,6 +694,31 @@ mod tests {
         (pool, outbox)
     }
 
+    /// A purge whose batches each take longer than `query_timeout` (deleting large payloads, logged
+    /// whole in the binary log) still empties the table: the batch is halved until it fits. At full
+    /// size every batch was given up at the time limit and rolled back, pass after pass, and the table
+    /// only grew. A trigger slows each deleted row, so a full batch of 1,000 takes about 2 s (the rows
+    /// come from MariaDB's sequence engine).
+    #[tokio::test]
+    async fn a_purge_too_slow_for_the_time_limit_goes_on_in_smaller_batches() {
+        let (pool, _) = migrated().await;
+        let outbox = Outbox::new(Config { query_timeout: Duration::from_secs(1), ..Config::default() }).unwrap();
+        sqlx::raw_sql(
+            "INSERT INTO outbox_completed (id, `partition`, `key`, seq, event_type, payload, headers, created_at,
+                 attempts, outcome, completed_at)
+             SELECT UNHEX(MD5(seq)), 0, 'k', seq, 't', '', '{}', UTC_TIMESTAMP(6), 1, 'delivered',
+                 UTC_TIMESTAMP(6) - INTERVAL 2 HOUR
+             FROM seq_1_to_1500;
+             CREATE TRIGGER slow_purge BEFORE DELETE ON outbox_completed FOR EACH ROW DO SLEEP(0.002)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let purged = outbox.purge_completed(&pool, Duration::from_secs(3600), 1000).await.unwrap();
+        let (left,): (i64,) = sqlx::query_as("SELECT count(*) FROM outbox_completed").fetch_one(&pool).await.unwrap();
+        assert_eq!((purged, left), (1500, 0));
+    }
+
     /// A migrate cut short (its future dropped, as by a start-up time limit) while it holds the
     /// migrators' lock leaves the lock free once its statement ends: the connection is closed, where it
     /// went back to the pool with its session, and the lock, alive, and every other migrator of the
