@@ -89,6 +89,7 @@ impl Inbox {
     /// can be delivered again (the broker's redelivery window), or a late duplicate is applied twice.
     #[instrument(skip(self, db))]
     pub async fn purge(&self, db: impl Into<Db>, retention: Duration, batch_size: usize) -> Result<u64> {
+        crate::purge::check_retention(retention)?;
         let (db, outbox) = (&db.into(), &self.outbox);
         crate::purge::in_batches(batch_size, |limit| async move {
             let purge = db.purge_inbox(outbox.statements(), retention, limit);

@@ -15,6 +15,7 @@ impl Outbox {
     /// left; returns how many.
     #[instrument(skip(self, db))]
     pub async fn purge_completed(&self, db: impl Into<Db>, retention: Duration, batch_size: usize) -> Result<u64> {
+        check_retention(retention)?;
         let db = &db.into();
         in_batches(batch_size, |limit| async move {
             let purge = db.purge(self.statements(), retention, limit);
@@ -70,6 +71,19 @@ impl Outbox {
     }
 }
 
+/// A purge's retention within [`MAX_DURATION`](crate::config::MAX_DURATION), as the configuration's
+/// are: beyond it the backends disagreed (PostgreSQL and MySQL refused the interval, SQLite purged
+/// nothing).
+pub(crate) fn check_retention(retention: Duration) -> Result<()> {
+    use crate::config::MAX_DURATION;
+    if retention > MAX_DURATION {
+        return Err(Error::Config(format!(
+            "a purge's retention must be at most 100 years ({MAX_DURATION:?}), got {retention:?}"
+        )));
+    }
+    Ok(())
+}
+
 /// Runs `batch` (one delete of at most the size it is given, answering how many rows it deleted)
 /// until a run deletes fewer than it was given; returns how many in all. A `batch_size` of 0 is an
 /// error (it would never finish).
@@ -116,6 +130,18 @@ mod tests {
         .await;
         assert!(matches!(result, Err(crate::Error::Config(_))), "{result:?}");
         assert_eq!(calls, 0);
+    }
+
+    /// A retention past 100 years is refused before any statement, alike on every backend.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn a_retention_past_a_century_is_refused() {
+        let db = crate::Db::Sqlite(crate::driver::sqlite::memory().await);
+        let outbox = crate::Outbox::new(crate::Config::default()).unwrap();
+        let err = outbox.purge_completed(&db, std::time::Duration::MAX, 10).await.unwrap_err();
+        assert!(matches!(&err, crate::Error::Config(m) if m.contains("retention")), "{err:?}");
+        let err = outbox.inbox().purge(&db, std::time::Duration::MAX, 10).await.unwrap_err();
+        assert!(matches!(&err, crate::Error::Config(m) if m.contains("retention")), "{err:?}");
     }
 
     /// A batch given up at the time limit is tried again at half its size until one fits; then the rest
