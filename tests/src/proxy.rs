@@ -95,6 +95,13 @@ impl DelayProxy {
         self.silent.store(true, Ordering::SeqCst);
         self.stall();
     }
+
+    /// [`DelayProxy::vanish`] for connections opened later too: the database stopped answering
+    /// anybody.
+    pub fn blackhole(&self) {
+        self.silent.store(true, Ordering::SeqCst);
+        self.stalled_below.store(u64::MAX, Ordering::SeqCst);
+    }
 }
 
 /// One forwarded connection: its number, the delay each way, and the proxy's stall mark.

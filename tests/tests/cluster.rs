@@ -26,6 +26,7 @@ every_backend!(
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
     a_stop_with_a_call_that_outlasts_it_ends_within_the_shutdown_timeout,
+    a_stop_while_the_database_answers_nobody_ends_in_bounded_time,
     a_node_declared_dead_while_leaving_still_leaves,
     a_failing_reap_holds_no_round_up,
     an_acquisition_whose_host_vanished_kills_no_other_instance,
@@ -818,6 +819,31 @@ async fn an_acquisition_whose_host_vanished_kills_no_other_instance(db: TestDb) 
     }
     db.end_other_sessions().await;
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
+}
+
+/// A graceful stop while the database answers nobody (it hangs, or the network to it went) ends
+/// within `shutdown_timeout`, and `query_timeout` more for the last release and deregistration: the
+/// steps around the handover each waited their own time limits, rounds and renewals under way
+/// theirs, and the stop outlasted a grace period set to `shutdown_timeout`, so the pod was killed in
+/// the middle of it. What is left moves on when the lease runs out, as after a crash.
+async fn a_stop_while_the_database_answers_nobody_ends_in_bounded_time(db: TestDb) {
+    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let outbox = outbox(&far, |c| {
+        c.shutdown_timeout = Duration::from_secs(1);
+        c.query_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let node = Node::start(outbox.clone(), &far, Handlers::new(), fast_cluster()).await.unwrap();
+    let assignment = node.assignment();
+    wait_for("every partition owned", LONG, || async { assignment.borrow().epochs.len() == 256 }).await;
+    proxy.blackhole();
+    let stopping = Instant::now();
+    let stopped = node.shutdown().await;
+    let took = stopping.elapsed();
+    assert!(stopped.is_err(), "nothing could be handed over: {stopped:?}");
+    // 1 s, then 2 s for the last release; each step's own limit made at least 4 (the draining mark's
+    // and the release's first statement's, 2 s each).
+    assert!(took < Duration::from_millis(3500), "the stop took {took:?} for timeouts of 1 s and 2 s");
 }
 
 /// A graceful stop whose handler call outlasts it ends within `shutdown_timeout` as a whole, as the

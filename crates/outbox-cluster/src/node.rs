@@ -159,28 +159,33 @@ impl Node {
     }
 
     /// Graceful stop: hand each partition over as soon as its records in flight are completed, then
-    /// stop, release whatever is left and deregister (all bounded by the outbox `shutdown_timeout`). A
-    /// partition taken from a dead owner and still in its quiet period is left to its next owner to
-    /// take as from a dead owner, after the rest of the period.
-    /// Every task is stopped whatever a step returns; the first error is returned.
+    /// stop, release whatever is left and deregister. It ends within the outbox `shutdown_timeout`, and
+    /// `query_timeout` more for the last release and deregistration, whatever the database does: set
+    /// the service's grace period to their sum. What it could not hand over in that time moves on when
+    /// the lease runs out, as after a crash. A partition taken from a dead owner and still in its quiet
+    /// period is left to its next owner to take as from a dead owner, after the rest of the period.
+    /// Every task is stopped whatever a step returns; the first error is returned, and each is logged.
     pub async fn shutdown(mut self) -> Result<()> {
         let id = self.id();
+        let (timeout, last) = (self.outbox.config().shutdown_timeout, self.outbox.config().query_timeout);
+        // One deadline for the steps up to the last release: each waiting its own limit made the stop
+        // outlast a grace period set to `shutdown_timeout` when the database was slow.
+        let stop_by = tokio::time::Instant::now() + timeout;
+        // The processor stops fetching now and finishes what is in flight within `shutdown_timeout`
+        // from here, its stop's own deadline; leaving, the instance is assigned nothing more.
+        self.stop_processor.cancel();
         let drained = if self.failed.is_cancelled() {
             // Its tasks are stopped: there is no handover to wait for, only what is left to release.
             Ok(())
         } else {
-            self.store.drain(id).await
+            let drain = tokio::time::timeout_at(stop_by, self.store.drain(id)).await;
+            drain.unwrap_or(Err(Error::Core(outbox_core::Error::ShutdownTimeout(timeout))))
         };
-        // The processor stops fetching now and finishes what is in flight, within `shutdown_timeout`
-        // from here: leaving, the instance is assigned nothing more, and one timeout bounds the whole
-        // stop (a second, begun after the handover's, would make it twice as long).
-        self.stop_processor.cancel();
         match &drained {
             Ok(()) => {
                 // The ownership task points the targets elsewhere and releases partition by partition,
                 // as the processor completes each one's records.
                 self.leaving.cancel();
-                let timeout = self.outbox.config().shutdown_timeout;
                 let handed_over = async {
                     tokio::select! {
                         _ = self.holds_none.wait_for(|&none| none) => {}
@@ -188,21 +193,37 @@ impl Node {
                         () = self.failed.cancelled() => {}
                     }
                 };
-                if tokio::time::timeout(timeout, handed_over).await.is_err() {
+                if tokio::time::timeout_at(stop_by, handed_over).await.is_err() {
                     warn!(instance = %id, ?timeout, "partitions not all handed over in time; releasing the rest at stop");
                 }
             }
             Err(e) => warn!(instance = %id, error = %e, "could not mark the instance draining; stopping anyway"),
         }
-        let processed = self.processor.await.map_err(|e| Error::Task(e.to_string())).and_then(|r| r);
+        // Its own deadline bounds it, and it returns only once the calls it gave up are dropped, before
+        // anything is released.
+        let processed = (&mut self.processor).await.map_err(|e| Error::Task(e.to_string())).and_then(|r| r);
         self.stop_background.cancel();
-        self.background.wait().await;
-        let id = self.assignment.borrow().instance;
-        let held = self.held.borrow().clone();
-        let handed_over = ownership::hand_over(&self.outbox, &self.store, id, &held, &self.config).await;
+        let held = self.held.clone();
+        let (outbox, store, config, background) = (&self.outbox, &self.store, &self.config, &self.background);
+        let assignment = &self.assignment;
+        let release = async {
+            // A round or renewal under way ends first, so that nothing is acquired behind the release.
+            background.wait().await;
+            let id = assignment.borrow().instance;
+            let held = held.borrow().clone();
+            ownership::hand_over(outbox, store, id, &held, config).await
+        };
+        let handed_over = tokio::time::timeout(last, release)
+            .await
+            .unwrap_or(Err(Error::Core(outbox_core::Error::QueryTimeout { work: "releasing at stop", after: last })));
         metrics::gauge!("outbox_owned_partitions").set(0.0);
-        if handed_over.is_ok() {
-            info!(instance = %id, "instance stopped and deregistered (or, holding partitions in a quiet period, its lease ended)");
+        let id = self.id();
+        match &handed_over {
+            Ok(()) => {
+                info!(instance = %id, "instance stopped and deregistered (or, holding partitions in a quiet period, its lease ended)")
+            }
+            Err(e) => warn!(instance = %id, error = %e,
+                "could not release the partitions left or deregister; they move on when the lease runs out"),
         }
         let fault = self.fault.get().map_or(Ok(()), |fault| Err(Error::Task(fault.clone())));
         drained.and(processed).and(handed_over).and(fault)
