@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use common::*;
 use outbox_cluster::Node;
-use outbox_core::{Error, HandlerError, Handlers, NewRecord, Record, RetryPolicy, Route, handler_fn, partition_of};
+use outbox_core::{
+    Error, HandlerError, Handlers, InstanceId, NewRecord, Record, RetryPolicy, Route, handler_fn, partition_of,
+};
 
 every_backend!(
     a_record_removed_before_its_completion_does_not_stop_its_partition,
@@ -22,6 +24,7 @@ every_backend!(
     an_error_text_with_nul_is_stored_and_the_rest_of_the_batch_is_completed,
     a_hot_key_set_that_sorts_low_cannot_starve_a_key_that_sorts_high,
     shutdown_stops_every_task_even_when_marking_the_instance_draining_fails,
+    a_stop_that_cannot_point_the_targets_elsewhere_still_releases_and_deregisters,
     connections_that_stop_answering_are_given_up_and_delivery_goes_on,
     a_batch_of_failures_far_from_the_database_is_written_within_its_time_limit,
     a_heartbeat_connection_that_stops_answering_costs_no_lease,
@@ -232,6 +235,27 @@ async fn shutdown_stops_every_task_even_when_marking_the_instance_draining_fails
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(sink.len(), 0);
     assert_eq!(pending(&db).await, 1);
+}
+
+/// A stop whose targets cannot be written (refused, or a lock waited for past the time limit) still
+/// releases its partitions and deregisters: the targets only speed the next owners up. Before, the
+/// last release gave up at the targets, and the partitions waited for the lease to run out.
+async fn a_stop_that_cannot_point_the_targets_elsewhere_still_releases_and_deregisters(db: TestDb) {
+    let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_secs(1)).await;
+    let node = start(&outbox, &db, Handlers::new()).await;
+    let id = node.id();
+    wait_for("partitions acquired", LONG, || async {
+        count(&db, "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL").await == 256
+    })
+    .await;
+    db.refuse_targets().await;
+    // Another live instance (that runs nothing), so that leaving means targets to write.
+    let other = register_instance(&db).await;
+    let stopped = node.shutdown().await;
+    assert!(stopped.is_ok(), "{stopped:?}");
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL").await, 0);
+    let left = rows!(db, (InstanceId,), "SELECT id FROM {s}instances");
+    assert_eq!(left, [(other,)], "{id} deregistered");
 }
 
 /// A route's retry policy is checked when the route is built: a jitter above 1 (which made the delay

@@ -393,11 +393,15 @@ pub(crate) async fn hand_over(
     held: &Held,
     config: &ClusterConfig,
 ) -> Result<()> {
-    let View { mut live, partitions: rows } = store.view().await?;
-    // Still counted live if it could not be marked draining: it takes no share all the same.
-    live.retain(|&id| id != me);
-    let targets =
-        if live.is_empty() { Targets::new() } else { rebalance_targets(outbox, store, me, &live, &rows).await? };
+    // Pointing the targets elsewhere only speeds the next owners up (the leader writes them at its next
+    // round anyway): a failure there releases all the same.
+    let targets = match leaving_targets(outbox, store, me).await {
+        Ok(targets) => targets,
+        Err(e) => {
+            warn!(instance = %me, error = %e, "could not point the targets elsewhere at stop; releasing all the same");
+            Targets::new()
+        }
+    };
     let mut owned = store.owned(me).await?;
     let now = Instant::now();
     let quiet_left = |p: &Partition, epoch: &Epoch| match held.get(p) {
@@ -427,6 +431,14 @@ pub(crate) async fn hand_over(
     let moved = freed.iter().chain(kept.keys());
     nudge(outbox, store, moved.filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
     Ok(())
+}
+
+/// The targets of the live instances other than `me`, written where they changed.
+async fn leaving_targets(outbox: &Outbox, store: &Store, me: InstanceId) -> Result<Targets> {
+    let View { mut live, partitions: rows } = store.view().await?;
+    // Still counted live if it could not be marked draining: it takes no share all the same.
+    live.retain(|&id| id != me);
+    if live.is_empty() { Ok(Targets::new()) } else { rebalance_targets(outbox, store, me, &live, &rows).await }
 }
 
 #[cfg(all(test, feature = "postgres", feature = "sqlite", feature = "mysql"))]

@@ -239,6 +239,24 @@ impl TestDb {
         .await;
     }
 
+    /// Makes every change of a partition's target fail, as a database that refuses it would (or a lock
+    /// it waits for past the time limit).
+    pub async fn refuse_targets(&self) {
+        self.refusing_trigger(
+            "CREATE TRIGGER refuse_target BEFORE UPDATE ON outbox_partitions FOR EACH ROW
+             BEGIN IF NOT (NEW.target_owner <=> OLD.target_owner) THEN
+                 SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'target refused by the test';
+             END IF; END",
+            "CREATE TRIGGER refuse_target BEFORE UPDATE OF target_owner ON {s}partitions
+             WHEN NEW.target_owner IS NOT OLD.target_owner
+             BEGIN SELECT RAISE(ABORT, 'target refused by the test'); END",
+            "CREATE TRIGGER refuse_target BEFORE UPDATE OF target_owner ON outbox.partitions
+             FOR EACH ROW WHEN (NEW.target_owner IS DISTINCT FROM OLD.target_owner)
+             EXECUTE FUNCTION outbox.refuse('target refused by the test')",
+        )
+        .await;
+    }
+
     /// Makes every deletion of an instance row named `stale` fail, as a database that refuses it would
     /// (or a lock it waits for past the time limit); [`TestDb::allow_deleting_instances`] ends it.
     pub async fn refuse_deleting_stale_instances(&self) {
