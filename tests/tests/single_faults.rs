@@ -28,6 +28,7 @@ every_backend!(
     connections_that_stop_answering_are_given_up_and_delivery_goes_on,
     a_batch_of_failures_far_from_the_database_is_written_within_its_time_limit,
     a_heartbeat_connection_that_stops_answering_costs_no_lease,
+    a_heartbeat_connection_that_stops_answering_costs_no_lease_at_the_shortest_stale_timeout,
     a_completion_whose_host_vanished_gives_its_partition_up,
     a_completion_given_up_on_a_lock_ends_on_the_server_too,
     a_processor_ended_by_a_fault_takes_its_node_out_of_the_cluster,
@@ -329,13 +330,24 @@ async fn a_batch_of_failures_far_from_the_database_is_written_within_its_time_li
 /// id and its partitions, and its handler calls are not cancelled. Before, the renewal on the dead
 /// connection was waited for until the lease had ended, every time.
 async fn a_heartbeat_connection_that_stops_answering_costs_no_lease(db: TestDb) {
+    // A lease of 2 s, renewed every 500 ms.
+    heartbeat_connection_stops_answering(db, Duration::from_secs(3)).await;
+}
+
+/// The same at the shortest stale timeout allowed, four heartbeat intervals: the lease (two intervals)
+/// then ends one interval after a renewal is sent, when the renewal on a new connection went out, so
+/// it came too late every time. It goes out after half the time the lease has left.
+async fn a_heartbeat_connection_that_stops_answering_costs_no_lease_at_the_shortest_stale_timeout(db: TestDb) {
+    heartbeat_connection_stops_answering(db, Duration::from_secs(2)).await;
+}
+
+async fn heartbeat_connection_stops_answering(db: TestDb, stale_timeout: Duration) {
     let Some((through, proxy)) = db.through_proxy().await else { return };
     let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
     let sink = Sink::new();
-    // A lease of 2 s, renewed every 500 ms.
     let config = outbox_cluster::ClusterConfig {
         heartbeat_interval: Duration::from_millis(500),
-        stale_timeout: Duration::from_secs(3),
+        stale_timeout,
         ..fast_cluster()
     };
     let node = Node::start(outbox.clone(), &through, recording(&sink), config).await.unwrap();

@@ -87,21 +87,27 @@ impl Heartbeat {
         }
     }
 
-    /// One renewal on `conn`. If it has not answered within a heartbeat interval (a connection left
-    /// half-open by a failover or a dropped NAT entry never will), the same renewal goes out again on
-    /// a new connection beside it, and the first answer counts: waiting for the first alone let the
-    /// lease end, while giving it up would lose a slow but live renewal its place (on SQLite, its turn
-    /// at the file). The connection that answered is kept.
+    /// One renewal on `conn`. If it has not answered within a heartbeat interval, or half the time the
+    /// lease has left if that is sooner (a connection left half-open by a failover or a dropped NAT
+    /// entry never will), the same renewal goes out again on a new connection beside it, and the first
+    /// answer counts: waiting for the first alone let the lease end, while giving it up would lose a
+    /// slow but live renewal its place (on SQLite, its turn at the file). The connection that answered
+    /// is kept. At the shortest stale timeout the lease ends one interval after the renewal is sent,
+    /// so one sent again after an interval came too late every time.
     async fn renew(&self, conn: &mut HeartbeatConnection, id: InstanceId, delivered: u64) -> Result<Option<Duration>> {
         let lease = lease(&self.config);
+        let left =
+            self.assign.borrow().lease.map(|d| d.instant().saturating_duration_since(tokio::time::Instant::now()));
+        let again_after =
+            left.map_or(self.config.heartbeat_interval, |left| self.config.heartbeat_interval.min(left / 2));
         let mut spare = HeartbeatConnection::default();
         let (answer, spare_answered) = {
             let first = conn.renew(&self.store, id, lease, delivered);
             tokio::pin!(first);
-            match tokio::time::timeout(self.config.heartbeat_interval, &mut first).await {
+            match tokio::time::timeout(again_after, &mut first).await {
                 Ok(answer) => (answer, false),
                 Err(_) => {
-                    warn!(instance = %id, "heartbeat not answered within an interval; renewing on a new connection too");
+                    warn!(instance = %id, waited = ?again_after, "heartbeat not answered; renewing on a new connection too");
                     tokio::select! {
                         answer = &mut first => (answer, false),
                         answer = spare.renew(&self.store, id, lease, delivered) => (answer, true),
