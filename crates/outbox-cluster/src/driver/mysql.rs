@@ -67,15 +67,16 @@ const LOCK_OWNERS: &str = "SELECT i.id FROM JSON_TABLE(?, '$[*]' COLUMNS (owner 
 STRAIGHT_JOIN {s}_instances i FORCE INDEX (PRIMARY) ON i.id = UNHEX(t.owner)
 FOR UPDATE";
 
-/// Partitions targeted at `?` (bound twice) that are free or whose owner has no live lease, with that
-/// owner and its heartbeat interval (if its row is still there), and the takeover time they will have;
-/// rows a fenced write holds are skipped.
+/// Partitions targeted at `?` (bound three times) that are free or whose owner has no live lease, with
+/// that owner and its heartbeat interval (if its row is still there), and the takeover time they will
+/// have; rows a fenced write holds are skipped. None while the acquirer's own lease has ended.
 const ACQUIRABLE: &str = "SELECT p.`partition`, p.owner AS previous,
     (SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner) AS previous_heartbeat_ms, p.epoch + 1 AS epoch,
     IF(p.owner IS NULL, p.taken_over_at, UTC_TIMESTAMP(6)) AS taken_over_at
 FROM {s}_partitions p
 WHERE p.target_owner = ? AND NOT (p.owner <=> ?)
   AND (p.owner IS NULL OR NOT EXISTS (SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))
+  AND EXISTS (SELECT 1 FROM {s}_instances me WHERE me.id = ? AND me.expires_at > {now} AND me.taken_over_at IS NULL)
 FOR UPDATE SKIP LOCKED";
 
 /// Takes the (locked) partitions of `?` (JSON array of `[partition, 1 if taken from an owner]`) for `?`,
@@ -259,7 +260,7 @@ impl MySqlStatements {
                 sqlx::query(statement(&self.lock_owners)).bind(json(&owners)?).execute(&mut *tx).await?;
             }
             let taken: Vec<Taken> =
-                sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).fetch_all(&mut *tx).await?;
+                sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).bind(me).fetch_all(&mut *tx).await?;
             if !taken.is_empty() {
                 let partitions: Vec<(i16, u8)> =
                     taken.iter().map(|t| (i16::from(t.partition), u8::from(t.previous.is_some()))).collect();
@@ -358,6 +359,13 @@ mod tests {
         let Db::MySql(pool) = test_database().await else { unreachable!("a MySQL test database") };
         Outbox::new(Config::default()).unwrap().migrate(&pool).await.unwrap();
         let (a, b) = (InstanceId::new(), InstanceId::new());
+        sqlx::query(
+            "INSERT INTO outbox_instances (id, name, expires_at) VALUES (?, 'a', UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
+        )
+        .bind(a)
+        .execute(&pool)
+        .await
+        .unwrap();
         sqlx::query("UPDATE outbox_partitions SET target_owner = IF(`partition` < 8, ?, ?)")
             .bind(a)
             .bind(b)
@@ -368,8 +376,12 @@ mod tests {
         let mut own = pool.acquire().await.unwrap();
         let mut other = pool.acquire().await.unwrap();
         transaction(&mut own, &statements.begin, async |round| {
-            let found: Vec<Taken> =
-                sqlx::query_as(statement(&statements.acquirable)).bind(a).bind(a).fetch_all(&mut *round).await?;
+            let found: Vec<Taken> = sqlx::query_as(statement(&statements.acquirable))
+                .bind(a)
+                .bind(a)
+                .bind(a)
+                .fetch_all(&mut *round)
+                .await?;
             assert_eq!(found.len(), 8);
             sqlx::query("SET SESSION innodb_lock_wait_timeout = 1").execute(&mut *other).await?;
             let mut fence = other.begin().await?;

@@ -55,7 +55,8 @@ const REAP: &str = "DELETE FROM {s}.instances WHERE expires_at < now() - $1 * in
 /// goes on delivering them. An owner whose partitions are taken is stamped `taken_over_at`, which ends
 /// its lease for good (see [`HEARTBEAT`]); the lock is the update's own, so two acquisitions from one
 /// owner queue rather than deadlock.
-/// A partition taken from an owner is stamped `taken_over_at` too (see `Taken`).
+/// A partition taken from an owner is stamped `taken_over_at` too (see `Taken`). An acquirer whose own
+/// lease has ended takes nothing: its id is one nothing delivers under.
 /// Returns (partition, epoch, previous owner, the previous owner's heartbeat interval in ms if its row
 /// is still there, the partition's last takeover time).
 const ACQUIRE: &str = "WITH owners AS MATERIALIZED (
@@ -67,6 +68,7 @@ const ACQUIRE: &str = "WITH owners AS MATERIALIZED (
     FROM {s}.partitions p LEFT JOIN owners o ON o.id = p.owner
     WHERE p.target_owner = $1 AND p.owner IS DISTINCT FROM $1
       AND (p.owner IS NULL OR o.id IS NULL OR o.expires_at <= now())
+      AND EXISTS (SELECT 1 FROM {s}.instances me WHERE me.id = $1 AND me.expires_at > now() AND me.taken_over_at IS NULL)
     FOR UPDATE OF p SKIP LOCKED
 ), ended AS (
     UPDATE {s}.instances i SET taken_over_at = coalesce(i.taken_over_at, now())

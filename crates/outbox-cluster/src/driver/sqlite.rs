@@ -43,13 +43,14 @@ const END_LEASE: &str =
 const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - $1";
 
 /// Partitions targeted at `$1` that are free or whose owner has no live lease, with that owner and its
-/// heartbeat interval (if its row is still there).
+/// heartbeat interval (if its row is still there); none while `$1`'s own lease has ended.
 const ACQUIRABLE: &str = "SELECT p.partition, p.owner,
     (SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner) AS heartbeat_ms
 FROM {s}_partitions p
 WHERE p.target_owner = $1 AND p.owner IS NOT $1
   AND (p.owner IS NULL OR NOT EXISTS (
-      SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))";
+      SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))
+  AND EXISTS (SELECT 1 FROM {s}_instances me WHERE me.id = $1 AND me.expires_at > {now} AND me.taken_over_at IS NULL)";
 
 /// Ends for good the lease of the owner `$1` whose partitions are being taken (see [`HEARTBEAT`]).
 const MARK_TAKEN_OVER: &str = "UPDATE {s}_instances SET taken_over_at = coalesce(taken_over_at, {now}) WHERE id = $1";
