@@ -88,9 +88,11 @@ pub(crate) fn check_retention(retention: Duration) -> Result<()> {
 /// until a run deletes fewer than it was given; returns how many in all. A `batch_size` of 0 is an
 /// error (it would never finish).
 ///
-/// A batch given up at `query_timeout` is tried again at half the size, down to one row: a batch
-/// too slow for the limit (large payloads, a busy disk) was given up again at every pass, and where
-/// the database rolls back what its client gave up (MySQL's transactions) the table never shrank.
+/// A batch that does not fit its time (given up at `query_timeout`, or a lock not had in time, as
+/// behind the rows a batch given up a moment ago still holds on the server) is tried again at half
+/// the size, down to one row: a batch too slow for the limit (large payloads, a busy disk) was given
+/// up again at every pass, and where the database rolls back what its client gave up (MySQL's
+/// transactions) the table never shrank.
 pub(crate) async fn in_batches<F, Fut>(batch_size: usize, mut batch: F) -> Result<u64>
 where
     F: FnMut(usize) -> Fut,
@@ -108,7 +110,7 @@ where
                     return Ok(total);
                 }
             }
-            Err(e @ Error::QueryTimeout { .. }) if size > 1 => {
+            Err(e) if e.is_time_limit() && size > 1 => {
                 size /= 2;
                 warn!(error = %e, batch_size = size, "a batch took too long; going on in smaller ones");
             }

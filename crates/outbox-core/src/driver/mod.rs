@@ -1072,6 +1072,30 @@ impl Error {
         }
     }
 
+    /// Whether the work did not fit its time: no answer within `query_timeout`, a lock or the write
+    /// lock not had in time, a statement past the database's own time limit. Smaller work may fit.
+    pub(crate) fn is_time_limit(&self) -> bool {
+        match self {
+            Error::QueryTimeout { .. } | Error::WriteLockTimeout { .. } => true,
+            Error::Database(sqlx::Error::Database(db)) => {
+                #[cfg(feature = "sqlite")]
+                if let Some(late) = sqlite::is_time_limit(db.as_ref()) {
+                    return late;
+                }
+                #[cfg(feature = "postgres")]
+                if let Some(late) = postgres::is_time_limit(db.as_ref()) {
+                    return late;
+                }
+                #[cfg(feature = "mysql")]
+                if let Some(late) = mysql::is_time_limit(db.as_ref()) {
+                    return late;
+                }
+                false
+            }
+            _ => false,
+        }
+    }
+
     /// Whether the outbox's tables or schema are missing: the database needs `migrate` first.
     pub fn is_not_migrated(&self) -> bool {
         match self {

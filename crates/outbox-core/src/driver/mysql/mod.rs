@@ -141,6 +141,13 @@ pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
     ))
 }
 
+/// A lock waited for past `innodb_lock_wait_timeout` (1205) or a statement past its time limit (MariaDB
+/// 1969, MySQL 3024): the work did not fit its time. `None`: not a MySQL error.
+pub(super) fn is_time_limit(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
+    let db = db.try_downcast_ref::<MySqlDatabaseError>()?;
+    Some(matches!(db.number(), 1205 | 1969 | 3024))
+}
+
 /// A server running read-only (1290, MariaDB's 1836) or a read-only transaction (1792), as a primary
 /// turned replica answers (see `driver::retire_before`). `None`: not a MySQL error.
 pub(super) fn is_read_only(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
@@ -697,8 +704,10 @@ mod tests {
     /// A purge whose batches each take longer than `query_timeout` (deleting large payloads, logged
     /// whole in the binary log) still empties the table: the batch is halved until it fits. At full
     /// size every batch was given up at the time limit and rolled back, pass after pass, and the table
-    /// only grew. A trigger slows each deleted row, so a full batch of 1,000 takes about 2 s (the rows
-    /// come from MariaDB's sequence engine).
+    /// only grew. A trigger slows each deleted row, so a full batch of 1,000 takes about 4 s, and the
+    /// server goes on with a batch given up for a while, its rows locked: the next, smaller batch waits
+    /// for them past its lock wait limit, and is halved again (the rows come from MariaDB's sequence
+    /// engine).
     #[tokio::test]
     async fn a_purge_too_slow_for_the_time_limit_goes_on_in_smaller_batches() {
         let (pool, _) = migrated().await;
@@ -709,7 +718,7 @@ mod tests {
              SELECT UNHEX(MD5(seq)), 0, 'k', seq, 't', '', '{}', UTC_TIMESTAMP(6), 1, 'delivered',
                  UTC_TIMESTAMP(6) - INTERVAL 2 HOUR
              FROM seq_1_to_1500;
-             CREATE TRIGGER slow_purge BEFORE DELETE ON outbox_completed FOR EACH ROW DO SLEEP(0.002)",
+             CREATE TRIGGER slow_purge BEFORE DELETE ON outbox_completed FOR EACH ROW DO SLEEP(0.004)",
         )
         .execute(&pool)
         .await

@@ -91,6 +91,13 @@ pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
     )
 }
 
+/// 57014 (a statement cancelled, as by `statement_timeout`) and 55P03 (`lock_timeout`): the work did
+/// not fit its time. `None`: not a PostgreSQL error.
+pub(super) fn is_time_limit(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
+    let db = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
+    Some(matches!(db.code(), "57014" | "55P03"))
+}
+
 /// 25006: a write in a read-only transaction, as a standby answers (see `driver::retire_before`).
 /// `None`: not a PostgreSQL error.
 pub(super) fn is_read_only(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {

@@ -119,6 +119,14 @@ pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
     Some(matches!(primary, Some(5 | 6 | 7 | 10 | 13)))
 }
 
+/// Busy or locked (5, 6): the write lock was not had within the busy timeout. `None`: not a SQLite
+/// error.
+pub(super) fn is_time_limit(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
+    db.try_downcast_ref::<sqlx::sqlite::SqliteError>()?;
+    let primary = db.code().and_then(|code| code.parse::<i32>().ok()).map(|code| code & 0xff);
+    Some(matches!(primary, Some(5 | 6)))
+}
+
 /// SQLite has no code of its own for a missing table: "no such table". `None`: not a SQLite error.
 pub(super) fn is_not_migrated(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     db.try_downcast_ref::<sqlx::sqlite::SqliteError>()?;
