@@ -207,8 +207,10 @@ impl Node {
         let (outbox, store, config, background) = (&self.outbox, &self.store, &self.config, &self.background);
         let assignment = &self.assignment;
         let release = async {
-            // A round or renewal under way ends first, so that nothing is acquired behind the release.
-            background.wait().await;
+            // A round or renewal under way ends first, so that nothing is acquired behind the release,
+            // but within half the budget: the release needs the rest more (what a round under way
+            // acquires meanwhile stays with the instance, and moves on as from a dead one).
+            let _ = tokio::time::timeout(last / 2, background.wait()).await;
             let id = assignment.borrow().instance;
             let held = held.borrow().clone();
             ownership::hand_over(outbox, store, id, &held, config).await

@@ -379,13 +379,15 @@ async fn release_partitions(
     Ok(freed)
 }
 
-/// A graceful exit: points the targets at the remaining instances, releases the partitions `me` owns,
-/// deregisters `me` and nudges the partitions' new targets (so they take them now, not at their next
-/// round). A partition still in its quiet period (per `held`: the exit did not wait for it), or owned
-/// by an acquisition the rounds never heard of (its reply lost, and no round since), is not released:
-/// its next owner would take it as free and deliver at once, while the owner it was taken from may
-/// still be delivering. It stays with `me`, whose lease ends now with a declared heartbeat of half what
-/// is left of the period: the next owner takes it as from a dead owner, quiet as long.
+/// A graceful exit: releases the partitions `me` owns, deregisters `me`, then points the targets at
+/// the remaining instances and nudges the partitions' new targets (so they take them now, not at
+/// their next round). Releasing comes first: the targets only speed the next owners up (the leader
+/// writes them at its next round anyway), so a failure or a wait there costs no release. A partition
+/// still in its quiet period (per `held`: the exit did not wait for it), or owned by an acquisition
+/// the rounds never heard of (its reply lost, and no round since), is not released: its next owner
+/// would take it as free and deliver at once, while the owner it was taken from may still be
+/// delivering. It stays with `me`, whose lease ends now with a declared heartbeat of half what is left
+/// of the period: the next owner takes it as from a dead owner, quiet as long.
 pub(crate) async fn hand_over(
     outbox: &Outbox,
     store: &Store,
@@ -393,15 +395,6 @@ pub(crate) async fn hand_over(
     held: &Held,
     config: &ClusterConfig,
 ) -> Result<()> {
-    // Pointing the targets elsewhere only speeds the next owners up (the leader writes them at its next
-    // round anyway): a failure there releases all the same.
-    let targets = match leaving_targets(outbox, store, me).await {
-        Ok(targets) => targets,
-        Err(e) => {
-            warn!(instance = %me, error = %e, "could not point the targets elsewhere at stop; releasing all the same");
-            Targets::new()
-        }
-    };
     let mut owned = store.owned(me).await?;
     let now = Instant::now();
     let quiet_left = |p: &Partition, epoch: &Epoch| match held.get(p) {
@@ -428,6 +421,13 @@ pub(crate) async fn hand_over(
             store.end_lease(me, left / 2 + Duration::from_millis(1)).await?;
         }
     }
+    let targets = match leaving_targets(outbox, store, me).await {
+        Ok(targets) => targets,
+        Err(e) => {
+            warn!(instance = %me, error = %e, "could not point the targets elsewhere at stop; the leader's next round will");
+            return Ok(());
+        }
+    };
     let moved = freed.iter().chain(kept.keys());
     nudge(outbox, store, moved.filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
     Ok(())
