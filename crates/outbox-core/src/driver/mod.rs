@@ -1174,11 +1174,19 @@ static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
 /// "read-only" to every write (MySQL keeps them, and so do poolers and proxies), while a new connection
 /// reaches the new primary by its address; a pool would keep handing the old ones out until their
 /// `max_lifetime`, 30 minutes. The mark is the process's, not one pool's: the error that sets it does
-/// not know its pool, and a pool of a healthy server only reconnects once.
+/// not know its pool, and a pool of a healthy server only reconnects once. It moves at most once per
+/// [`RETIRE_AT_MOST_EVERY`]: while the answers go on (a DNS switch that lags, a planned read-only
+/// window), each connection is opened again at most that often, not at every failed write.
 fn retire_before(instant: Instant) {
-    let since = u64::try_from(instant.saturating_duration_since(*EPOCH).as_nanos()).unwrap_or(u64::MAX);
-    READ_ONLY_SINCE.fetch_max(since.max(1), Ordering::Relaxed);
+    let since = u64::try_from(instant.saturating_duration_since(*EPOCH).as_nanos()).unwrap_or(u64::MAX).max(1);
+    let every = u64::try_from(RETIRE_AT_MOST_EVERY.as_nanos()).unwrap_or(u64::MAX);
+    let _ = READ_ONLY_SINCE.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+        (last == 0 || since >= last.saturating_add(every)).then_some(since)
+    });
 }
+
+/// How often the read-only mark moves at most (see [`retire_before`]).
+const RETIRE_AT_MOST_EVERY: Duration = Duration::from_secs(1);
 
 /// Whether a pooled connection was opened before the last answer of a server that takes no writes
 /// (PostgreSQL 25006; MySQL 1290, 1792, 1836) that reached this process's outbox, and so may lead to a
