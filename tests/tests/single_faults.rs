@@ -331,25 +331,30 @@ async fn a_batch_of_failures_far_from_the_database_is_written_within_its_time_li
 /// connection was waited for until the lease had ended, every time.
 async fn a_heartbeat_connection_that_stops_answering_costs_no_lease(db: TestDb) {
     // A lease of 2 s, renewed every 500 ms.
-    heartbeat_connection_stops_answering(db, Duration::from_secs(3)).await;
+    heartbeat_connection_stops_answering(db, Duration::ZERO, Duration::from_millis(500), Duration::from_secs(3)).await;
 }
 
 /// The same at the shortest stale timeout allowed, four heartbeat intervals: the lease (two intervals)
 /// then ends one interval after a renewal is sent, when the renewal on a new connection went out, so
 /// it came too late every time. It goes out after half the time the lease has left.
 async fn a_heartbeat_connection_that_stops_answering_costs_no_lease_at_the_shortest_stale_timeout(db: TestDb) {
-    heartbeat_connection_stops_answering(db, Duration::from_secs(2)).await;
+    // A lease of 4 s, renewed every 2 s, 100 ms a round trip (a new connection takes several): the
+    // second renewal goes out after 1 s, 1 s before the end. It went out at the end, and came late.
+    let (delay, interval) = (Duration::from_millis(50), Duration::from_secs(2));
+    heartbeat_connection_stops_answering(db, delay, interval, 4 * interval).await;
 }
 
-async fn heartbeat_connection_stops_answering(db: TestDb, stale_timeout: Duration) {
-    let Some((through, proxy)) = db.through_proxy().await else { return };
-    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+async fn heartbeat_connection_stops_answering(
+    db: TestDb,
+    delay: Duration,
+    heartbeat_interval: Duration,
+    stale_timeout: Duration,
+) {
+    let Some((through, proxy)) = db.far_away(delay).await else { return };
+    // A MySQL completion far away takes a dozen round trips, a new connection first.
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1) + 40 * delay).await;
     let sink = Sink::new();
-    let config = outbox_cluster::ClusterConfig {
-        heartbeat_interval: Duration::from_millis(500),
-        stale_timeout,
-        ..fast_cluster()
-    };
+    let config = outbox_cluster::ClusterConfig { heartbeat_interval, stale_timeout, ..fast_cluster() };
     let node = Node::start(outbox.clone(), &through, recording(&sink), config).await.unwrap();
     let owned = "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL";
     wait_for("every partition owned", LONG, || async { count(&db, owned).await == 256 }).await;
@@ -357,7 +362,7 @@ async fn heartbeat_connection_stops_answering(db: TestDb, stale_timeout: Duratio
     assert_eq!(registered.len(), 1, "one instance registered");
     proxy.stall();
     // Three leases: before, the renewal on the dead connection cost the lease.
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    tokio::time::sleep(3 * (stale_timeout - 2 * heartbeat_interval)).await;
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
     wait_for("a record committed after the stall delivered", LONG, || async { sink.len() == 1 }).await;
     let now = rows!(db, (outbox_core::InstanceId,), "SELECT id FROM {s}instances");

@@ -166,7 +166,8 @@ SET r.attempts = j.attempts, r.last_error = j.err,
     r.failed_at = IF(j.failed, UTC_TIMESTAMP(6), NULL)
 WHERE {still_failing}";
 
-/// Lists FAILED records as PostgreSQL's statement does. Binds: payloads, key, key, partition,
+/// Lists FAILED records as PostgreSQL's statement does, but InnoDB reads each candidate's payload to
+/// measure it (only those listed are sent). Binds: payloads, key, key, partition,
 /// partition, after partition, after partition, after key, after seq, limit, payload bytes, payloads.
 const LIST_FAILED: &str = "WITH page AS (
     SELECT id, `partition`, `key`, seq, CASE WHEN ? THEN LENGTH(payload) ELSE 0 END AS bytes

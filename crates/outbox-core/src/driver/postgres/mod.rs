@@ -63,7 +63,7 @@ const LOCK_NAMESPACE: i32 = 0x6f75_7462;
 /// table's lock queue (see `migrate`): well inside a worker's lease (6 s at the defaults).
 const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// How long a migration keeps trying for its table locks before it fails.
+/// The pauses a migration takes between tries for its table locks before it fails (see `migrate`).
 const MIGRATION_PATIENCE: Duration = Duration::from_secs(300);
 
 /// Whether `e` is a statement that waited `lock_timeout` for a lock (SQLSTATE 55P03).
@@ -231,7 +231,8 @@ impl Driver<'_, PgPool, PgStatements> {
 
     /// Applies the missing migrations in one transaction, one migrator of the schema at a time. A
     /// statement that waits [`MIGRATION_LOCK_TIMEOUT`] for a table lock gives up, and with it the whole
-    /// transaction, which is tried again after a pause, for up to [`MIGRATION_PATIENCE`]: while its
+    /// transaction, which is tried again after a pause, for about [`MIGRATION_PATIENCE`] of pauses
+    /// (the waits add a second each, and jitter lengthens the pauses): while its
     /// request waits in the table's lock queue, every statement on the table waits behind it, the
     /// workers' heartbeats included.
     pub(crate) async fn migrate(&self) -> Result<()> {
