@@ -1136,7 +1136,8 @@ fn is_transient(e: &sqlx::Error) -> bool {
 
 impl From<sqlx::Error> for Error {
     /// Every database error of the library passes here, so that an answer of a server that takes no
-    /// writes retires the connections opened before it (see [`opened_before_read_only`]) whichever path met it.
+    /// writes retires the connections opened before it (see [`opened_before_read_only`]), whichever
+    /// path met it.
     fn from(e: sqlx::Error) -> Self {
         if is_read_only(&e) {
             retire_before(Instant::now());
