@@ -59,6 +59,23 @@ macro_rules! dispatch {
     };
 }
 
+/// What the driver of the backend `$db` came from says of it with its function `$judge` (each driver's
+/// answers `None` for another backend's error); `false` if none knows it.
+macro_rules! judged {
+    ($db:expr, $judge:ident) => {{
+        let db: &dyn sqlx::error::DatabaseError = $db;
+        let answers = [
+            #[cfg(feature = "sqlite")]
+            sqlite::$judge(db),
+            #[cfg(feature = "postgres")]
+            postgres::$judge(db),
+            #[cfg(feature = "mysql")]
+            mysql::$judge(db),
+        ];
+        answers.into_iter().flatten().next().unwrap_or(false)
+    }};
+}
+
 /// A connection pool of either backend. Cheap to clone (pools are shared handles).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -1077,21 +1094,7 @@ impl Error {
     pub(crate) fn is_time_limit(&self) -> bool {
         match self {
             Error::QueryTimeout { .. } | Error::WriteLockTimeout { .. } => true,
-            Error::Database(sqlx::Error::Database(db)) => {
-                #[cfg(feature = "sqlite")]
-                if let Some(late) = sqlite::is_time_limit(db.as_ref()) {
-                    return late;
-                }
-                #[cfg(feature = "postgres")]
-                if let Some(late) = postgres::is_time_limit(db.as_ref()) {
-                    return late;
-                }
-                #[cfg(feature = "mysql")]
-                if let Some(late) = mysql::is_time_limit(db.as_ref()) {
-                    return late;
-                }
-                false
-            }
+            Error::Database(sqlx::Error::Database(db)) => judged!(db.as_ref(), is_time_limit),
             _ => false,
         }
     }
@@ -1115,21 +1118,7 @@ fn is_transient(e: &sqlx::Error) -> bool {
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::Tls(_) => true,
-        sqlx::Error::Database(db) => {
-            #[cfg(feature = "sqlite")]
-            if let Some(transient) = sqlite::is_transient(db.as_ref()) {
-                return transient;
-            }
-            #[cfg(feature = "postgres")]
-            if let Some(transient) = postgres::is_transient(db.as_ref()) {
-                return transient;
-            }
-            #[cfg(feature = "mysql")]
-            if let Some(transient) = mysql::is_transient(db.as_ref()) {
-                return transient;
-            }
-            false
-        }
+        sqlx::Error::Database(db) => judged!(db.as_ref(), is_transient),
         _ => false,
     }
 }
@@ -1148,21 +1137,8 @@ impl From<sqlx::Error> for Error {
 
 /// Whether a database error says the server (or the session) takes no writes, as a primary turned
 /// replica in a failover answers on the connections it keeps open.
-#[cfg_attr(
-    not(any(feature = "postgres", feature = "mysql")),
-    allow(unused_variables, reason = "SQLite has no such answer")
-)]
 fn is_read_only(e: &sqlx::Error) -> bool {
-    let sqlx::Error::Database(db) = e else { return false };
-    #[cfg(feature = "postgres")]
-    if let Some(read_only) = postgres::is_read_only(db.as_ref()) {
-        return read_only;
-    }
-    #[cfg(feature = "mysql")]
-    if let Some(read_only) = mysql::is_read_only(db.as_ref()) {
-        return read_only;
-    }
-    false
+    matches!(e, sqlx::Error::Database(db) if judged!(db.as_ref(), is_read_only))
 }
 
 /// When the process's pools were last told that a server takes no writes, in nanoseconds since
@@ -1209,18 +1185,5 @@ pub fn opened_before_read_only(meta: &sqlx::pool::PoolConnectionMetadata) -> boo
 
 /// Whether a database error says the outbox's tables or schema do not exist: `migrate` first.
 fn is_not_migrated(e: &sqlx::Error) -> bool {
-    let sqlx::Error::Database(db) = e else { return false };
-    #[cfg(feature = "sqlite")]
-    if let Some(missing) = sqlite::is_not_migrated(db.as_ref()) {
-        return missing;
-    }
-    #[cfg(feature = "postgres")]
-    if let Some(missing) = postgres::is_not_migrated(db.as_ref()) {
-        return missing;
-    }
-    #[cfg(feature = "mysql")]
-    if let Some(missing) = mysql::is_not_migrated(db.as_ref()) {
-        return missing;
-    }
-    false
+    matches!(e, sqlx::Error::Database(db) if judged!(db.as_ref(), is_not_migrated))
 }

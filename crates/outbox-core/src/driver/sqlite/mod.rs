@@ -127,6 +127,12 @@ pub(super) fn is_time_limit(db: &dyn sqlx::error::DatabaseError) -> Option<bool>
     Some(matches!(primary, Some(5 | 6)))
 }
 
+/// SQLite has no read-only answer a failover gives. `None`: not a SQLite error.
+pub(super) fn is_read_only(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
+    db.try_downcast_ref::<sqlx::sqlite::SqliteError>()?;
+    Some(false)
+}
+
 /// SQLite has no code of its own for a missing table: "no such table". `None`: not a SQLite error.
 pub(super) fn is_not_migrated(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     db.try_downcast_ref::<sqlx::sqlite::SqliteError>()?;
