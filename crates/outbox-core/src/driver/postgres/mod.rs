@@ -66,12 +66,6 @@ const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 /// The pauses a migration takes between tries for its table locks before it fails (see `migrate`).
 const MIGRATION_PATIENCE: Duration = Duration::from_secs(300);
 
-/// Whether `e` is a statement that waited `lock_timeout` for a lock (SQLSTATE 55P03).
-fn is_lock_timeout(e: &Error) -> bool {
-    matches!(e, Error::Database(sqlx::Error::Database(db))
-        if db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some_and(|db| db.code() == "55P03"))
-}
-
 pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<PgPool> {
     let server = PgConnectOptions::from_str(url).map_err(Error::BadUrl)?;
     let database = super::server("PostgreSQL", server.get_database(), server.get_host(), server.get_port());
@@ -245,7 +239,7 @@ impl Driver<'_, PgPool, PgStatements> {
             .with_total_delay(Some(MIGRATION_PATIENCE));
         (|| self.migrate_once())
             .retry(pauses)
-            .when(is_lock_timeout)
+            .when(Error::is_time_limit)
             .notify(|e, pause| {
                 warn!(schema, error = %e, ?pause, "migration gave up waiting for a table lock another transaction holds; trying again");
             })
