@@ -4,7 +4,8 @@
 //! connections it already carries stop answering ([`DelayProxy::stall`]): a failover that left clients
 //! holding half-open connections; or, told nothing of a close either ([`DelayProxy::vanish`]), a host
 //! gone. Or it can close them and refuse new ones until told otherwise ([`DelayProxy::cut`],
-//! [`DelayProxy::mend`]): a link down for a while.
+//! [`DelayProxy::mend`]): a link down for a while. Or, for PostgreSQL, it can pass on everything but
+//! the server's notices ([`DelayProxy::without_notices`]): a pooler in transaction mode.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,6 +37,19 @@ pub struct DelayProxy {
 impl DelayProxy {
     /// Forwards connections to `127.0.0.1:target`, `delay` each way.
     pub async fn start(target: u16, delay: Duration) -> DelayProxy {
+        Self::open(target, delay, false).await
+    }
+
+    /// Forwards connections to the PostgreSQL server at `127.0.0.1:target`, without delay, passing on
+    /// everything it says but its notices (`NotificationResponse`): `LISTEN` is answered and nothing
+    /// sent to the channel arrives, as behind a pooler in transaction mode (PgBouncer's, Supavisor's),
+    /// which hands the server session to other clients between transactions. Its clients must not ask
+    /// for TLS (`sslmode=disable`): the proxy reads the messages.
+    pub async fn without_notices(target: u16) -> DelayProxy {
+        Self::open(target, Duration::ZERO, true).await
+    }
+
+    async fn open(target: u16, delay: Duration, deaf: bool) -> DelayProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let (accepted, stalled_below) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
@@ -59,8 +73,9 @@ impl DelayProxy {
                 if refuse.load(Ordering::SeqCst) {
                     continue;
                 }
-                tasks.push(tokio::spawn(forward(client_read, server_write, link.clone())));
-                tasks.push(tokio::spawn(forward(server_read, client_write, link)));
+                let notices = deaf.then(DropNotices::default);
+                tasks.push(tokio::spawn(forward(client_read, server_write, link.clone(), None)));
+                tasks.push(tokio::spawn(forward(server_read, client_write, link, notices)));
             }
         });
         DelayProxy { port, accept, accepted, stalled_below, silent, refusing, links }
@@ -125,9 +140,33 @@ impl Drop for DelayProxy {
     }
 }
 
-/// Copies `from` to `to`, each chunk written the link's delay after it was read, until the link is
-/// stalled; ends when either side closes.
-async fn forward(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, link: Link) {
+/// What the server says, without its notices: PostgreSQL's messages are a type byte and a length that
+/// counts itself, and a notice's type is `A`. A message is passed on once it has come whole.
+#[derive(Default)]
+struct DropNotices {
+    pending: Vec<u8>,
+}
+
+impl DropNotices {
+    fn pass(&mut self, chunk: &[u8]) -> Vec<u8> {
+        self.pending.extend_from_slice(chunk);
+        let (mut passed, mut at) = (Vec::new(), 0);
+        while let Some(header) = self.pending.get(at..at + 5) {
+            let length = 1 + u32::from_be_bytes(header[1..].try_into().unwrap()) as usize;
+            let Some(message) = self.pending.get(at..at + length) else { break };
+            if message[0] != b'A' {
+                passed.extend_from_slice(message);
+            }
+            at += length;
+        }
+        self.pending.drain(..at);
+        passed
+    }
+}
+
+/// Copies `from` to `to` (without PostgreSQL's notices if given `notices`), each chunk written the
+/// link's delay after it was read, until the link is stalled; ends when either side closes.
+async fn forward(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, link: Link, mut notices: Option<DropNotices>) {
     let delay = link.delay;
     let (chunks, mut due) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let writer = tokio::spawn(async move {
@@ -149,7 +188,14 @@ async fn forward(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, link: Link) {
     });
     let mut buffer = vec![0; 64 * 1024];
     while let Ok(read) = from.read(&mut buffer).await {
-        if read == 0 || chunks.send((Instant::now() + delay, buffer[..read].to_vec())).is_err() {
+        if read == 0 {
+            break;
+        }
+        let chunk = match &mut notices {
+            Some(notices) => notices.pass(&buffer[..read]),
+            None => buffer[..read].to_vec(),
+        };
+        if chunks.send((Instant::now() + delay, chunk)).is_err() {
             break;
         }
     }

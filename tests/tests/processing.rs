@@ -123,6 +123,37 @@ async fn a_wake_up_connection_that_stops_answering_is_made_again(pool: sqlx::PgP
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
 }
 
+/// Behind a pooler in transaction mode (PgBouncer's, Supavisor's) `LISTEN` is answered and hears
+/// nothing: the processor finds it out and polls every `poll_interval`, so a record woken from another
+/// process is delivered without waiting for the safety-net poll an hour away. Before, it counted on
+/// wake-ups that never came.
+#[sqlx::test(migrations = false)]
+async fn a_wake_up_connection_that_hears_nothing_brings_the_poll_forward(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let Some((deaf, _proxy)) = db.deaf_to_notices().await else { return };
+    let producer = outbox(&db, |_| {}).await;
+    let consumer = outbox(&db, |c| {
+        c.poll_interval = Duration::from_millis(200);
+        c.active_poll_interval = Duration::from_millis(200);
+        c.listen_poll_interval = Duration::from_secs(3600);
+        c.query_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let sink = Sink::new();
+    let node = start(&consumer, &deaf, recording(&sink)).await;
+    wait_for("the node owning every partition", LONG, || async { node.assignment().borrow().epochs.len() == 256 })
+        .await;
+    let listened = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'";
+    wait_for("the processor trying to listen", LONG, || async { count(&db, listened).await >= 1 }).await;
+    // Past the first look at every partition a new listener takes, and past a query timeout.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let woken = commit(&producer, &db, vec![NewRecord::new("k", "t", "1")]).await;
+    producer.wake(&db, &woken).await.unwrap();
+    wait_for("the woken record delivered", Duration::from_secs(20), || async { sink.len() == 1 }).await;
+    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
+}
+
 const LONG: Duration = Duration::from_secs(60);
 
 /// A processor polling once an hour delivers a record at once when its producer calls `wake` after the

@@ -62,6 +62,21 @@ impl TestDb {
         Some((TestDb { db, ..self.clone() }, proxy))
     }
 
+    /// The same database through a proxy that passes on everything the server says but its notices
+    /// (see [`DelayProxy::without_notices`]): `LISTEN` answered, `NOTIFY` never heard. `None` where the
+    /// backend has no notices (SQLite, MySQL).
+    pub async fn deaf_to_notices(&self) -> Option<(TestDb, DelayProxy)> {
+        if self.db.backend() != "postgres" {
+            return None;
+        }
+        let url = self.url().await;
+        let (server, database) = url.rsplit_once('/').unwrap();
+        let (host, port) = server.rsplit_once(':').unwrap();
+        let proxy = DelayProxy::without_notices(port.parse().unwrap()).await;
+        let db = Db::connect(&format!("{host}:{}/{database}?sslmode=disable", proxy.port)).await.unwrap();
+        Some((TestDb { db, ..self.clone() }, proxy))
+    }
+
     /// Renders a statement written for every backend: `{s}` is the outbox's table qualifier (`outbox.` on
     /// PostgreSQL, `outbox_` on SQLite and MySQL, so `{s}records`), `{now}` the database clock as the
     /// tables store it, `{ago:N}` N seconds before it; on MySQL the columns `key` and `partition`

@@ -658,26 +658,33 @@ struct CountWritten {
     written: Result<Written>,
 }
 
-/// Hears other processes' wake-ups (see `wake.rs`) until `stop`, connecting again a second after the
-/// connection is lost or cannot be made; `listening` is true while it listens.
+/// Hears other processes' wake-ups (see `wake.rs`) until `stop`, connecting again a second after a
+/// connection that listened is lost, twice as long after each attempt that could not listen, up to a
+/// minute; `listening` is true while it listens.
 async fn listen(outbox: Outbox, db: Db, listening: watch::Sender<bool>, stop: CancellationToken) {
     // Checked as often as the processor polls while it listens: a lost connection costs no more than
     // one safety-net interval of wake-ups.
     let check = (outbox.config().listen_poll_interval, outbox.config().query_timeout);
+    let mut pause = LISTEN_RETRY.0;
     loop {
         let heard = tokio::select! {
             () = stop.cancelled() => return,
             heard = db.listen(outbox.statements(), outbox.wakeups(), &listening, check) => heard,
         };
-        listening.send_replace(false);
+        // Tried again soon after a connection that listened, ever later after attempts that never did
+        // (a pooler that hears nothing stays one).
+        if listening.send_replace(false) {
+            pause = LISTEN_RETRY.0;
+        }
         match heard {
-            Ok(()) => info!("wake-up connection lost; polling every poll_interval until it is back"),
-            Err(e) => warn!(error = %e, "cannot listen for wake-ups; polling every poll_interval until it can"),
+            Ok(()) => info!(?pause, "wake-up connection lost; polling every poll_interval until it is back"),
+            Err(e) => warn!(error = %e, ?pause, "cannot listen for wake-ups; polling every poll_interval until it can"),
         }
         tokio::select! {
             () = stop.cancelled() => return,
-            () = tokio::time::sleep(LISTEN_RETRY) => {}
+            () = tokio::time::sleep(pause) => {}
         }
+        pause = (pause * 2).min(LISTEN_RETRY.1);
     }
 }
 
@@ -756,8 +763,8 @@ const ACTIVE_WINDOW: Duration = Duration::from_secs(1);
 /// Timers a processor keeps at most (see `State::timers`).
 const MAX_TIMERS: usize = 4096;
 
-/// How long the wake-up listener waits before connecting again.
-const LISTEN_RETRY: Duration = Duration::from_secs(1);
+/// How long the wake-up listener waits before connecting again: at first, and at most.
+const LISTEN_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(60));
 
 const COMPLETE_RETRY_MIN: Duration = Duration::from_millis(100);
 const COMPLETE_RETRY_MAX: Duration = Duration::from_secs(5);

@@ -8,7 +8,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgNotification, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
@@ -178,7 +178,11 @@ pub(super) async fn begin<'c>(conn: &'c mut PgConnection, s: &PgStatements) -> R
 
 impl Driver<'_, PgPool, PgStatements> {
     pub(crate) async fn notify(&self, channel: Channel, notice: &str) -> Result<()> {
-        let query = sqlx::query(statements::NOTIFY).bind(self.statements.channel(channel)).bind(notice);
+        self.notify_on(self.statements.channel(channel), notice).await
+    }
+
+    async fn notify_on(&self, channel: &str, notice: &str) -> Result<()> {
+        let query = sqlx::query(statements::NOTIFY).bind(channel).bind(notice);
         super::finishing(self.pool, async |conn| {
             query.execute(conn).await?;
             Ok(())
@@ -188,9 +192,13 @@ impl Driver<'_, PgPool, PgStatements> {
 
     /// Listens on a connection of its own until it is lost: `PgListener` keeps the connection it is
     /// given for its whole life, so it gets a one-connection pool, not one of the processor's.
+    /// It listens only once it has heard a notice sent from another connection, within `check.1`:
+    /// behind a pooler in transaction mode (PgBouncer's, Supavisor's) `LISTEN` is answered and the
+    /// server session then goes to other clients, so nothing sent later arrives, and the processor
+    /// would count on wake-ups that never come.
     /// A connection that is dropped without a word (a NAT's or load balancer's idle timeout, a host
-    /// gone) never ends `try_recv`: the processor would count on wake-ups that no longer come. So it
-    /// must answer a statement every `check.0` (which also keeps it from looking idle), within `check.1`.
+    /// gone) never ends `try_recv` either. So it must answer a statement every `check.0` (which also
+    /// keeps it from looking idle), within `check.1`.
     pub(crate) async fn listen(
         &self,
         wakeups: &Wakeups,
@@ -199,8 +207,25 @@ impl Driver<'_, PgPool, PgStatements> {
     ) -> Result<()> {
         let own = PgPoolOptions::new().max_connections(1).connect_lazy_with((*self.pool.connect_options()).clone());
         let mut listener = PgListener::connect_with(&own).await?;
+        // A channel of this connection's own, so that no other listener hears its probe.
+        let probe = format!("outbox_probe_{}", Uuid::now_v7().simple());
         let channels = [Channel::Wake, Channel::Nudge];
-        listener.listen_all(channels.map(|c| self.statements.channel(c))).await?;
+        listener.listen_all(channels.map(|c| self.statements.channel(c)).into_iter().chain([probe.as_str()])).await?;
+        let heard = async {
+            self.notify_on(&probe, "").await?;
+            loop {
+                match listener.try_recv().await? {
+                    Some(notification) if notification.channel() == probe => return Ok(true),
+                    Some(notification) => self.pass_on(wakeups, &notification),
+                    None => return Ok::<_, Error>(false),
+                }
+            }
+        };
+        let work = "hearing a notice on the wake-up connection (behind a pooler in transaction mode, such as \
+                    PgBouncer's, LISTEN hears nothing: it needs a session of its own)";
+        if !tokio::time::timeout(within, heard).await.map_err(|_| Error::QueryTimeout { work, after: within })?? {
+            return Ok(());
+        }
         listening.send_replace(true);
         // Notices sent before this connection listened are lost: look once at everything.
         wakeups.missed();
@@ -210,16 +235,22 @@ impl Driver<'_, PgPool, PgStatements> {
             tokio::select! {
                 heard = listener.try_recv() => {
                     let Some(notification) = heard? else { return Ok(()) };
-                    match channels.into_iter().find(|&c| self.statements.channel(c) == notification.channel()) {
-                        Some(channel) => wakeups.heard(channel, notification.payload()),
-                        None => debug!(channel = notification.channel(), "ignored a notice on an unknown channel"),
-                    }
+                    self.pass_on(wakeups, &notification);
                 }
                 _ = check.tick() => {
                     let answered = tokio::time::timeout(within, sqlx::query("SELECT 1").execute(&mut listener)).await;
                     answered.map_err(|_| Error::QueryTimeout { work: "checking the wake-up connection", after: within })??;
                 }
             }
+        }
+    }
+
+    /// Tells this process's processors or rounds a notice heard on one of the schema's channels.
+    fn pass_on(&self, wakeups: &Wakeups, notification: &PgNotification) {
+        let channels = [Channel::Wake, Channel::Nudge];
+        match channels.into_iter().find(|&c| self.statements.channel(c) == notification.channel()) {
+            Some(channel) => wakeups.heard(channel, notification.payload()),
+            None => debug!(channel = notification.channel(), "ignored a notice on an unknown channel"),
         }
     }
 
