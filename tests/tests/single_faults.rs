@@ -34,6 +34,7 @@ every_backend!(
     a_processor_ended_by_a_fault_takes_its_node_out_of_the_cluster,
     a_heartbeat_ended_by_a_fault_takes_its_node_out_of_the_cluster,
     a_header_value_stored_as_a_number_is_delivered_as_its_text,
+    a_start_whose_registration_answer_is_lost_leaves_no_instance_behind,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -371,6 +372,42 @@ async fn heartbeat_connection_stops_answering(
     assert_eq!(kept, vec![(256,)], "the instance lost partitions");
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
     assert_eq!(sink.len(), 1, "the record was delivered again");
+}
+
+/// A `Node::start` whose registration was written but whose answer never came (the link went down in
+/// between) fails, and takes its row back: before, it left a live instance that nothing ran, which the
+/// leader handed partitions to, so they waited a lease for it.
+async fn a_start_whose_registration_answer_is_lost_leaves_no_instance_behind(db: TestDb) {
+    let delay = Duration::from_millis(150);
+    // Room for a new connection far away, a dozen round trips on MySQL.
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(8)).await;
+    let config = outbox_cluster::ClusterConfig {
+        heartbeat_interval: Duration::from_secs(1),
+        stale_timeout: Duration::from_secs(30),
+        ..fast_cluster()
+    };
+    let registered = "SELECT count(*) FROM {s}instances";
+    // The answer is lost only if the link goes down while it is on its way, `delay` after the row is
+    // written; a start that got its answer first is stopped and tried again.
+    for _ in 0..5 {
+        let Some((through, proxy)) = db.far_away(delay).await else { return };
+        let watch = async {
+            wait_for("the instance registered", LONG, || async { count(&db, registered).await > 0 }).await;
+            proxy.stall();
+        };
+        let (started, ()) =
+            tokio::join!(Node::start(outbox.clone(), &through, recording(&Sink::new()), config.clone()), watch);
+        match started {
+            Ok(node) => tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap(),
+            Err(e) => {
+                assert!(e.to_string().contains("registering the instance"), "{e}");
+                assert_eq!(count(&db, registered).await, 0, "the failed start left its instance registered");
+                return;
+            }
+        }
+        assert_eq!(count(&db, registered).await, 0, "the stopped node deregistered");
+    }
+    panic!("every registration's answer came back before the link went down");
 }
 
 /// A fault in the processor's own code (here a panic from the metrics recorder as the first completed

@@ -81,12 +81,24 @@ pub struct Node {
 }
 
 impl Node {
-    /// Validates `config`, registers the instance and starts its tasks.
+    /// Validates `config`, registers the instance and starts its tasks. A registration that fails is
+    /// taken back (within `query_timeout` more), so a start that an application tries again leaves no
+    /// instance behind that nothing runs.
     pub async fn start(outbox: Outbox, db: impl Into<Db>, handlers: Handlers, config: ClusterConfig) -> Result<Node> {
         config.validate()?;
         let store = Store::new(db.into(), &outbox, outbox.config().query_timeout.min(config.lease() / 2));
-        let first =
-            registry::register(&store, &config, InstanceId::new()).await.map_err(|e| e.not_migrated(&outbox))?;
+        let id = InstanceId::new();
+        let first = match registry::register(&store, &config, id).await {
+            Ok(first) => first,
+            Err(e) => {
+                // The row may be written with its answer lost: left there, it is a live instance that
+                // nothing runs, which the leader hands partitions to until its lease runs out.
+                if let Err(again) = store.deregister(id).await {
+                    warn!(instance = %id, error = %again, "registration failed, and so did taking its row back; it goes when the lease runs out");
+                }
+                return Err(e.not_migrated(&outbox));
+            }
+        };
         info!(instance = %first.instance, name = %config.name, "instance registered");
 
         let (assign, assignment) = watch::channel(first);
