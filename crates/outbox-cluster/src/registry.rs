@@ -121,15 +121,9 @@ impl Heartbeat {
         answer
     }
 
-    /// The lease of `id` was renewed: the processor may go on until `until`. Only the deadline moves, so
-    /// the processor is not woken (one that stopped at the old deadline resumes at its next poll).
+    /// The lease of `id` was renewed: the processor may go on until `until`.
     fn extend_lease(&self, id: InstanceId, until: Deadline) {
-        self.assign.send_if_modified(|current| {
-            if current.instance == id && current.lease.is_none_or(|d| d.instant() < until.instant()) {
-                current.lease = Some(until);
-            }
-            false
-        });
+        self.assign.send_if_modified(|current| lease_extended(current, id, until));
     }
 
     /// The lease of `id` had expired: others may take (or have taken) its partitions. Fence at once,
@@ -166,5 +160,39 @@ impl Heartbeat {
                 false
             }
         }
+    }
+}
+
+/// Moves `current`'s lease to `until` if it is `id`'s and ends sooner; whether the processor must be told:
+/// only when the old lease had run out, for a processor stopped at that deadline waits for word (or
+/// its next poll, `listen_poll_interval` away while it listens). Only the deadline moves otherwise, not
+/// worth waking it for at every renewal.
+fn lease_extended(current: &mut Assignment, id: InstanceId, until: Deadline) -> bool {
+    if current.instance != id || current.lease.is_some_and(|d| d.instant() >= until.instant()) {
+        return false;
+    }
+    let ran_out = !current.is_live();
+    current.lease = Some(until);
+    ran_out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_renewed_after_it_ran_out_wakes_the_processor_and_one_renewed_in_time_does_not() {
+        let id = InstanceId::new();
+        let second = Duration::from_secs(1);
+        let mut current =
+            Assignment { lease: Some(Deadline::now().after(second)), ..Assignment::new(id, Epochs::new()) };
+        assert!(!lease_extended(&mut current, id, Deadline::now().after(2 * second)), "renewed in time");
+        assert_eq!(current.lease.map(|d| d.instant()), Some(Deadline::now().after(2 * second).instant()));
+        assert!(!lease_extended(&mut current, id, Deadline::now().after(second)), "an older answer moves nothing");
+        assert!(!lease_extended(&mut current, InstanceId::new(), Deadline::now().after(3 * second)), "another id");
+        tokio::time::advance(3 * second).await;
+        assert!(!current.is_live());
+        assert!(lease_extended(&mut current, id, Deadline::now().after(second)), "renewed after it ran out");
+        assert!(current.is_live());
     }
 }
