@@ -192,6 +192,33 @@ async fn a_broker_outage_delays_but_loses_nothing(pool: PgPool) {
     }
 }
 
+/// The stream deleted and made again while records are being written (an operator changing its storage,
+/// or restoring it): publishes meanwhile fail with "no responders" and are tried again, so everything
+/// arrives once the stream is back and nothing goes to FAILED. Before, each was failed permanently as
+/// a subject that no stream captures.
+#[sqlx::test(migrations = false)]
+async fn a_stream_deleted_and_made_again_loses_nothing(pool: PgPool) {
+    let db = TestDb::postgres(pool.clone());
+    let server = NatsServer::start();
+    let (client, handler, config) = jetstream(&server).await;
+    let outbox = outbox(&db, |_| {}).await;
+    let node = start(&outbox, &db, Handlers::new().default_route(Route::new(handler))).await;
+    produce(&outbox, &db, 0).await;
+    drained(&db, LONG).await;
+    async_nats::jetstream::new(client.clone()).delete_stream("OUTBOX").await.unwrap();
+    produce(&outbox, &db, 1).await;
+    wait_for("a failed publish recorded", LONG, || async {
+        count(&db, "SELECT count(*) FROM outbox.records WHERE attempts > 0").await > 0
+    })
+    .await;
+    ensure_stream(&client, &config.stream).await.unwrap();
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(failed_count(&db).await, 0);
+    let stored = read_stream(&client, "OUTBOX").await;
+    assert_eq!(stored.len(), 20, "the second round, in the stream made again");
+}
+
 /// A server of a cluster that stops answering without closing its connections (a frozen host, a
 /// network that drops everything) is left for another in time: every record written meanwhile is
 /// delivered with the default retries (82-102 s), none FAILED. The client took a server for dead after

@@ -13,7 +13,7 @@
 //! - Failures are classified by kind: unreachable broker, timeouts, no responders, a full stream are
 //!   retryable; a message over the server's `max_payload`, its stream's `max_msg_size` or JetStream's
 //!   64 KiB of headers, a record's `Nats-Expected-*` header the stream does not meet, or a subject no
-//!   stream captures, are permanent.
+//!   stream captures while the configured stream is there, are permanent.
 //! - On the consuming side, [`apply_once`] applies each message of a JetStream consumer once to a
 //!   database, through the consumer's [`Inbox`](outbox_core::inbox::Inbox).
 //!

@@ -40,6 +40,8 @@ pub struct JetStreamHandler {
     js: Context,
     outgoing: Outgoing,
     subject: SubjectTemplate,
+    /// The configured stream's name.
+    stream: String,
 }
 
 impl JetStreamHandler {
@@ -47,7 +49,8 @@ impl JetStreamHandler {
     pub fn new(client: Client, config: &NatsConfig) -> Result<Self> {
         config.validate()?;
         let js = ContextBuilder::new().timeout(config.publish_timeout).build(client);
-        Ok(Self { outgoing: Outgoing::new(js.clone()), js, subject: SubjectTemplate::parse(&config.subject)? })
+        let subject = SubjectTemplate::parse(&config.subject)?;
+        Ok(Self { outgoing: Outgoing::new(js.clone()), js, subject, stream: config.stream.name.clone() })
     }
 
     /// The subject a record is published to.
@@ -76,9 +79,11 @@ impl JetStreamHandler {
 
     /// Retryable unless retrying cannot help: a message over the server's or its stream's limit, over
     /// JetStream's 64 KiB of headers, a `Nats-Expected-*` header of the record's that the stream does
-    /// not meet (it never will: the stream only moves on), or a subject that no stream captures. "No
-    /// responders" means either no stream or a stream without a leader right now; asking the server
-    /// which stream captures the subject tells them apart.
+    /// not meet (it never will: the stream only moves on), or a subject that no stream captures while
+    /// the configured stream is there. "No responders" means no stream, a stream without a leader right
+    /// now, or the configured stream missing for a while (deleted and made again, restored); asking the
+    /// server which stream captures the subject, then whether the configured one is there, tells them
+    /// apart.
     async fn classify(&self, record: &Record, subject: &str, error: PublishError) -> HandlerError {
         let context = about(record, subject);
         match error.kind() {
@@ -102,7 +107,20 @@ impl JetStreamHandler {
             },
             PublishErrorKind::StreamNotFound => match self.js.stream_by_subject(subject).await {
                 Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
-                    HandlerError::permanent(format!("{context}: no JetStream stream captures this subject"))
+                    match self.js.get_stream(&self.stream).await {
+                        Ok(_) => {
+                            HandlerError::permanent(format!("{context}: no JetStream stream captures this subject"))
+                        }
+                        Err(e) if crate::stream::is_not_found(&e) => HandlerError::retryable(format!(
+                            "{context}: no JetStream stream captures this subject, and stream {:?} is missing \
+                             (deleted, or being restored?)",
+                            self.stream
+                        )),
+                        Err(e) => HandlerError::retryable(format!(
+                            "{context}: no JetStream stream captures this subject; looking up stream {:?} failed: {e}",
+                            self.stream
+                        )),
+                    }
                 }
                 Ok(stream) => {
                     HandlerError::retryable(format!("{context}: no responders for stream {stream:?} (no leader?)"))

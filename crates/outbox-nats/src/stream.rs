@@ -44,7 +44,7 @@ pub async fn ensure_stream(client: &Client, settings: &StreamSettings) -> Result
     }
 }
 
-fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
+pub(crate) fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
     matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(js)
         if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
 }
