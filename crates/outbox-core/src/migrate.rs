@@ -3,9 +3,42 @@
 //! tracked in the schema's own `schema_migrations` table, never the host application's
 //! `_sqlx_migrations`. A database migrated by a newer library, or whose applied SQL changed, is refused.
 
+use std::time::Duration;
+
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::{Error, Result};
+
+/// How long a migration's statement waits for a table lock before the migration steps out of the
+/// table's lock queue (see [`patiently`]): well inside a worker's lease (6 s at the defaults).
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+pub(crate) const LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The pauses a migration takes between tries for its table locks before it fails (see [`patiently`]).
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+const PATIENCE: Duration = Duration::from_secs(300);
+
+/// Runs `once` (a migrate of `schema` whose statements wait at most [`LOCK_TIMEOUT`] for a table lock)
+/// until it ends otherwise than by such a wait, after pauses, for about [`PATIENCE`] of pauses (the
+/// waits add a second each, and jitter lengthens the pauses). While its request waits in the table's
+/// lock queue, every statement on the table waits behind it, the workers' heartbeats included: so it
+/// steps out of the queue now and then, and lets them through.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn patiently<F: Future<Output = Result<()>>>(schema: &str, once: impl FnMut() -> F) -> Result<()> {
+    use backon::{ExponentialBuilder, Retryable};
+    let pauses = ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+        .with_total_delay(Some(PATIENCE));
+    once.retry(pauses)
+        .when(Error::is_time_limit)
+        .notify(|e, pause| {
+            tracing::warn!(schema, error = %e, ?pause, "migration gave up waiting for a table lock another transaction holds; trying again");
+        })
+        .await
+}
 
 /// A forward-only migration.
 #[derive(Debug, Clone, Copy)]

@@ -20,7 +20,7 @@ use self::statements::{MIGRATIONS_TABLE, fetch_partitions};
 pub use self::statements::{MySqlStatements, NOW, begin_statement, render};
 use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
-use crate::migrate::{Migration, checksum, pending};
+use crate::migrate::{self, Migration, checksum, pending};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
     Requeue, Runs, StatsRow, Written, grants_list,
@@ -387,8 +387,14 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     /// Applies the missing migrations, one migrator of the schema at a time (`GET_LOCK`, held by this
     /// connection's session, so the connection is closed if the migrate is cut short: `finishing`).
     /// MySQL commits each DDL statement on its own, so a migration that fails half way is not rolled
-    /// back: its error names it, and it must be finished by hand.
+    /// back: its error names it, and it must be finished by hand. A statement that waits
+    /// [`migrate::LOCK_TIMEOUT`] for a table's metadata lock gives up, having changed nothing, and the
+    /// migrate is tried again after a pause ([`migrate::patiently`]).
     pub(crate) async fn migrate(&self) -> Result<()> {
+        migrate::patiently(&self.statements.schema, || self.migrate_once()).await
+    }
+
+    async fn migrate_once(&self) -> Result<()> {
         let schema = self.statements.schema.as_str();
         super::finishing(self.pool, async |conn| {
             // Named after database and schema (lock names are server-wide, at most 64 characters).
@@ -423,6 +429,27 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
                 .await?;
         let pending = pending(schema, &applied, MIGRATIONS)?;
         let collation = if is_mariadb(conn).await? { "utf8mb4_nopad_bin" } else { "utf8mb4_0900_bin" };
+        // The session's own wait comes back after, for an application's connection from a shared pool.
+        let wait = migrate::LOCK_TIMEOUT.as_secs();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "SET @outbox_mdl_wait = @@SESSION.lock_wait_timeout, SESSION lock_wait_timeout = {wait}"
+        )))
+        .execute(&mut *conn)
+        .await?;
+        let applied = self.apply_pending(conn, schema, pending, collation).await;
+        let restored = sqlx::raw_sql("SET SESSION lock_wait_timeout = @outbox_mdl_wait").execute(&mut *conn).await;
+        applied?;
+        restored?;
+        Ok(())
+    }
+
+    async fn apply_pending(
+        &self,
+        conn: &mut MySqlConnection,
+        schema: &str,
+        pending: Vec<&Migration>,
+        collation: &str,
+    ) -> Result<()> {
         for m in pending {
             let sql = render(m.sql, schema).replace("{bin}", collation);
             let applied = async {
@@ -766,6 +793,63 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         outbox.migrate(&pool).await.unwrap();
+    }
+
+    /// A migration that waits for a table's metadata lock another transaction holds (a long report, a
+    /// transaction left open after a `schedule`) gives up its place in the lock queue after a while and
+    /// tries again: waiting on, for up to `lock_wait_timeout` (a year by default), it held up every
+    /// statement on the table behind it, the workers' heartbeats included, for as long as the other
+    /// transaction lasted.
+    #[tokio::test]
+    async fn a_migration_waiting_for_a_table_lock_lets_the_others_through() {
+        let (pool, outbox) = migrated().await;
+        let last = super::MIGRATIONS.last().unwrap();
+        assert!(
+            last.sql.contains("ALTER TABLE {s}_instances ADD COLUMN taken_over_at"),
+            "the undo below is the last's"
+        );
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "ALTER TABLE outbox_instances DROP COLUMN taken_over_at;
+             DELETE FROM outbox_schema_migrations WHERE version = {}",
+            last.version
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let mut reader = pool.acquire().await.unwrap();
+        sqlx::raw_sql("BEGIN; SELECT count(*) FROM outbox_instances").execute(&mut *reader).await.unwrap();
+        let migrating = tokio::spawn({
+            let (outbox, pool) = (outbox.clone(), pool.clone());
+            async move { outbox.migrate(&pool).await }
+        });
+        let waiting = "SELECT count(*) FROM information_schema.processlist
+                       WHERE db = DATABASE() AND state = 'Waiting for table metadata lock'";
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while sqlx::query_scalar::<_, i64>(waiting).fetch_one(&pool).await.unwrap() == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the migration never asked for the table");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // A heartbeat's statement, queued behind the migration's request.
+        let renewal = sqlx::query("UPDATE outbox_instances SET name = name").execute(&pool);
+        tokio::time::timeout(Duration::from_secs(30), renewal)
+            .await
+            .expect("a statement on the table waited for as long as the reader lasted")
+            .unwrap();
+        sqlx::raw_sql("COMMIT").execute(&mut *reader).await.unwrap();
+        migrating.await.unwrap().unwrap();
+        let column: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM information_schema.columns WHERE table_schema = DATABASE()
+                AND table_name = 'outbox_instances' AND column_name = 'taken_over_at'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(column, 1, "migrated once the reader was done");
+        let (session,): (i64,) =
+            sqlx::query_as("SELECT CAST(@@SESSION.lock_wait_timeout AS SIGNED)").fetch_one(&pool).await.unwrap();
+        let (global,): (i64,) =
+            sqlx::query_as("SELECT CAST(@@GLOBAL.lock_wait_timeout AS SIGNED)").fetch_one(&pool).await.unwrap();
+        assert_eq!(session, global, "the pool's connections keep their own lock wait");
     }
 
     /// A migration MySQL applied only in part (each DDL statement commits on its own; here the last one,

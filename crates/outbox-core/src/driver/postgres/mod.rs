@@ -7,18 +7,17 @@ mod statements;
 use std::str::FromStr;
 use std::time::Duration;
 
-use backon::{ExponentialBuilder, Retryable};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgNotification, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::watch;
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 use uuid::Uuid;
 
 pub use self::statements::{PgStatements, quoted};
 use super::{ConnectOptions, Driver, count, millis, statement};
 use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};
-use crate::migrate::{Migration, checksum, pending};
+use crate::migrate::{self, Migration, checksum, pending};
 use crate::notice::{Channel, Wakeups};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
@@ -58,13 +57,6 @@ pub const MIGRATIONS: &[Migration] = &[
 
 /// Arbitrary constant namespacing the migrators' advisory lock (ASCII "outbox").
 const LOCK_NAMESPACE: i32 = 0x6f75_7462;
-
-/// How long a migration's statement waits for a table lock before the migration steps out of the
-/// table's lock queue (see `migrate`): well inside a worker's lease (6 s at the defaults).
-const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// The pauses a migration takes between tries for its table locks before it fails (see `migrate`).
-const MIGRATION_PATIENCE: Duration = Duration::from_secs(300);
 
 pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<PgPool> {
     let server = PgConnectOptions::from_str(url).map_err(Error::BadUrl)?;
@@ -255,26 +247,10 @@ impl Driver<'_, PgPool, PgStatements> {
     }
 
     /// Applies the missing migrations in one transaction, one migrator of the schema at a time. A
-    /// statement that waits [`MIGRATION_LOCK_TIMEOUT`] for a table lock gives up, and with it the whole
-    /// transaction, which is tried again after a pause, for about [`MIGRATION_PATIENCE`] of pauses
-    /// (the waits add a second each, and jitter lengthens the pauses): while its
-    /// request waits in the table's lock queue, every statement on the table waits behind it, the
-    /// workers' heartbeats included.
+    /// statement that waits [`migrate::LOCK_TIMEOUT`] for a table lock gives up, and with it the whole
+    /// transaction, which is tried again after a pause ([`migrate::patiently`]).
     pub(crate) async fn migrate(&self) -> Result<()> {
-        let schema = self.statements.schema();
-        let pauses = ExponentialBuilder::new()
-            .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(Duration::from_secs(5))
-            .with_jitter()
-            .without_max_times()
-            .with_total_delay(Some(MIGRATION_PATIENCE));
-        (|| self.migrate_once())
-            .retry(pauses)
-            .when(Error::is_time_limit)
-            .notify(|e, pause| {
-                warn!(schema, error = %e, ?pause, "migration gave up waiting for a table lock another transaction holds; trying again");
-            })
-            .await
+        migrate::patiently(self.statements.schema(), || self.migrate_once()).await
     }
 
     async fn migrate_once(&self) -> Result<()> {
@@ -290,7 +266,7 @@ impl Driver<'_, PgPool, PgStatements> {
             .bind(schema)
             .execute(&mut *tx)
             .await?;
-        let timeout = MIGRATION_LOCK_TIMEOUT.as_millis();
+        let timeout = migrate::LOCK_TIMEOUT.as_millis();
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("SET LOCAL lock_timeout = {timeout}"))).execute(&mut *tx).await?;
         let ident = self.statements.schema_ident();
         // Created only if missing: `CREATE SCHEMA IF NOT EXISTS` wants the right to create schemas even
