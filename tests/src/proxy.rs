@@ -4,8 +4,9 @@
 //! connections it already carries stop answering ([`DelayProxy::stall`]): a failover that left clients
 //! holding half-open connections; or, told nothing of a close either ([`DelayProxy::vanish`]), a host
 //! gone. Or it can close them and refuse new ones until told otherwise ([`DelayProxy::cut`],
-//! [`DelayProxy::mend`]): a link down for a while. Or, for PostgreSQL, it can pass on everything but
-//! the server's notices ([`DelayProxy::without_notices`]): a pooler in transaction mode.
+//! [`DelayProxy::mend`]): a link down for a while. Or it can carry only so many bytes a second each way
+//! ([`DelayProxy::narrow`]): a slow network. Or, for PostgreSQL, it can pass on everything but the
+//! server's notices ([`DelayProxy::without_notices`]): a pooler in transaction mode.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,7 +38,12 @@ pub struct DelayProxy {
 impl DelayProxy {
     /// Forwards connections to `127.0.0.1:target`, `delay` each way.
     pub async fn start(target: u16, delay: Duration) -> DelayProxy {
-        Self::open(target, delay, false).await
+        Self::open(target, Shape { delay, ..Shape::default() }).await
+    }
+
+    /// Forwards connections to `127.0.0.1:target`, each carrying at most `bytes_per_second` each way.
+    pub async fn narrow(target: u16, bytes_per_second: u64) -> DelayProxy {
+        Self::open(target, Shape { bytes_per_second: Some(bytes_per_second), ..Shape::default() }).await
     }
 
     /// Forwards connections to the PostgreSQL server at `127.0.0.1:target`, without delay, passing on
@@ -46,10 +52,10 @@ impl DelayProxy {
     /// which hands the server session to other clients between transactions. Its clients must not ask
     /// for TLS (`sslmode=disable`): the proxy reads the messages.
     pub async fn without_notices(target: u16) -> DelayProxy {
-        Self::open(target, Duration::ZERO, true).await
+        Self::open(target, Shape { drops_notices: true, ..Shape::default() }).await
     }
 
-    async fn open(target: u16, delay: Duration, deaf: bool) -> DelayProxy {
+    async fn open(target: u16, shape: Shape) -> DelayProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let (accepted, stalled_below) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
@@ -67,13 +73,13 @@ impl DelayProxy {
                 let _ = (client.set_nodelay(true), server.set_nodelay(true));
                 let ((client_read, client_write), (server_read, server_write)) =
                     (client.into_split(), server.into_split());
-                let link = Link { number, delay, stalled_below: stalled.clone(), silent: quiet.clone() };
+                let link = Link { number, shape, stalled_below: stalled.clone(), silent: quiet.clone() };
                 let mut tasks = tasks.lock().unwrap();
                 // Cut while it was being connected: closed with the others.
                 if refuse.load(Ordering::SeqCst) {
                     continue;
                 }
-                let notices = deaf.then(DropNotices::default);
+                let notices = shape.drops_notices.then(DropNotices::default);
                 tasks.push(tokio::spawn(forward(client_read, server_write, link.clone(), None)));
                 tasks.push(tokio::spawn(forward(server_read, client_write, link, notices)));
             }
@@ -119,11 +125,22 @@ impl DelayProxy {
     }
 }
 
-/// One forwarded connection: its number, the delay each way, and the proxy's stall mark.
+/// What a proxy does to the bytes it forwards.
+#[derive(Clone, Copy, Default)]
+struct Shape {
+    /// Added to each chunk, each way.
+    delay: Duration,
+    /// The most each connection carries each way.
+    bytes_per_second: Option<u64>,
+    /// Whether PostgreSQL's notices are dropped on their way to the client.
+    drops_notices: bool,
+}
+
+/// One forwarded connection: its number, its shape, and the proxy's stall mark.
 #[derive(Clone)]
 struct Link {
     number: u64,
-    delay: Duration,
+    shape: Shape,
     stalled_below: Arc<AtomicU64>,
     silent: Arc<AtomicBool>,
 }
@@ -165,9 +182,10 @@ impl DropNotices {
 }
 
 /// Copies `from` to `to` (without PostgreSQL's notices if given `notices`), each chunk written the
-/// link's delay after it was read, until the link is stalled; ends when either side closes.
+/// link's delay after it was read and no faster than its rate, until the link is stalled; ends when
+/// either side closes.
 async fn forward(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, link: Link, mut notices: Option<DropNotices>) {
-    let delay = link.delay;
+    let Shape { delay, bytes_per_second, .. } = link.shape;
     let (chunks, mut due) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let writer = tokio::spawn(async move {
         while let Some((at, chunk)) = due.recv().await {
@@ -177,6 +195,9 @@ async fn forward(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, link: Link, mu
             }
             if to.write_all(&chunk).await.is_err() {
                 return;
+            }
+            if let Some(rate) = bytes_per_second {
+                tokio::time::sleep(Duration::from_secs_f64(chunk.len() as f64 / rate as f64)).await;
             }
         }
         if link.stalled() && link.silent.load(Ordering::SeqCst) {

@@ -51,13 +51,22 @@ impl TestDb {
 
     /// [`TestDb::through_proxy`], its proxy delaying everything by `delay` each way.
     pub async fn far_away(&self, delay: Duration) -> Option<(TestDb, DelayProxy)> {
+        self.proxied(|port| DelayProxy::start(port, delay)).await
+    }
+
+    /// [`TestDb::through_proxy`], each connection carrying at most `bytes_per_second` each way.
+    pub async fn narrow_link(&self, bytes_per_second: u64) -> Option<(TestDb, DelayProxy)> {
+        self.proxied(|port| DelayProxy::narrow(port, bytes_per_second)).await
+    }
+
+    async fn proxied(&self, proxy: impl AsyncFnOnce(u16) -> DelayProxy) -> Option<(TestDb, DelayProxy)> {
         if self.is_sqlite() {
             return None;
         }
         let url = self.url().await;
         let (server, database) = url.rsplit_once('/').unwrap();
         let (host, port) = server.rsplit_once(':').unwrap();
-        let proxy = DelayProxy::start(port.parse().unwrap(), delay).await;
+        let proxy = proxy(port.parse().unwrap()).await;
         let db = Db::connect(&format!("{host}:{}/{database}", proxy.port)).await.unwrap();
         Some((TestDb { db, ..self.clone() }, proxy))
     }

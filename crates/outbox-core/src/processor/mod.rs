@@ -250,6 +250,11 @@ struct State {
     /// Outcomes waiting for the next completion.
     outcomes: Vec<Outcome>,
     fetch: Pending<(Request, Result<Found>)>,
+    fetch_started: Instant,
+    /// The most heads a fetch asks for: `batch_size`, halved after a fetch given up at its time limit
+    /// (down to one: a backlog of large payloads over a slow link), doubled again after one that came
+    /// within a quarter of it. Asked again for the same batch, every fetch was given up.
+    fetch_limit: usize,
     /// Whether the latest fetch reads every partition held: only such a fetch counts as a poll.
     polling: bool,
     fetches: Fetches,
@@ -275,6 +280,7 @@ struct State {
 
 impl State {
     fn new(config: Config, delivered: Arc<AtomicU64>) -> Self {
+        let fetch_limit = config.batch_size;
         Self {
             delivered,
             next_poll: Instant::now() + config.poll_interval,
@@ -288,6 +294,8 @@ impl State {
             turns_held: HashMap::new(),
             outcomes: Vec::new(),
             fetch: None,
+            fetch_started: Instant::now(),
+            fetch_limit,
             polling: false,
             fetches: Fetches::default(),
             completion: None,
@@ -328,12 +336,13 @@ impl State {
         }
         let wanted = std::mem::take(&mut self.wanted);
         self.polling = wanted == Partitions::ALL;
-        let limit = self.config.batch_size.min(room);
+        let limit = self.fetch_limit.min(room);
         let Some(request) = self.fetches.request(&self.config, current, &self.fenced, &self.in_flight, &wanted, limit)
         else {
             return;
         };
         let (outbox, db) = (outbox.clone(), db.clone());
+        self.fetch_started = Instant::now();
         self.fetch = Some(Box::pin(async move {
             let fetch = db.fetch(outbox.statements(), &request);
             let found = answered_within(outbox.config().query_timeout, "fetch", fetch).await;
@@ -367,11 +376,19 @@ impl State {
         (outbox, db): (&Outbox, &Db),
     ) {
         let found = match found {
-            Ok(found) => found,
+            Ok(found) => {
+                if self.fetch_started.elapsed() < self.config.query_timeout / 4 {
+                    self.fetch_limit = (self.fetch_limit * 2).min(self.config.batch_size);
+                }
+                found
+            }
             Err(e) => {
+                if e.is_time_limit() {
+                    self.fetch_limit = (self.fetch_limit / 2).max(1);
+                }
                 let (partitions, first) = (request.partitions.len(), request.partitions.first().map(|(p, ..)| *p));
                 warn!(error = %e, instance = %request.instance, partitions, first_partition = ?first,
-                    "fetch failed; retrying at the next poll");
+                    limit = self.fetch_limit, "fetch failed; retrying at the next poll");
                 // What it was asked to read is read by that poll, after `poll_interval` even while
                 // listening: its wake-ups were spent on it.
                 self.next_poll = self.next_poll.min(Instant::now() + self.config.poll_interval);
