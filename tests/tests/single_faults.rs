@@ -36,6 +36,7 @@ every_backend!(
     a_header_value_stored_as_a_number_is_delivered_as_its_text,
     a_start_whose_registration_answer_is_lost_leaves_no_instance_behind,
     a_fetch_too_large_for_its_time_limit_is_tried_again_smaller,
+    a_completion_too_large_for_its_time_limit_is_tried_again_smaller,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -425,6 +426,23 @@ async fn a_fetch_too_large_for_its_time_limit_is_tried_again_smaller(db: TestDb)
     drained(&db, LONG).await;
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
     assert_eq!(sink.len(), 64);
+}
+
+/// A completion too large to finish within `query_timeout` (here each record's deletion takes 20 ms,
+/// so the 200 outcomes that gather while the first completion runs take 4 s) is written in smaller
+/// batches, whole keys each: before, the batch was tried again whole after every time limit, with
+/// whatever had gathered meanwhile, and no key ever left flight.
+async fn a_completion_too_large_for_its_time_limit_is_tried_again_smaller(db: TestDb) {
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(2)).await;
+    if !db.slow_record_deletes(20).await {
+        return;
+    }
+    commit(&outbox, &db, (0..200).map(|k| NewRecord::new(format!("k{k}"), "t", "")).collect()).await;
+    let sink = Sink::new();
+    let node = Node::start(outbox.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
+    drained(&db, LONG).await;
+    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
+    assert_eq!(sink.len(), 200, "each record delivered once");
 }
 
 /// A fault in the processor's own code (here a panic from the metrics recorder as the first completed

@@ -297,6 +297,29 @@ impl TestDb {
         .await;
     }
 
+    /// Makes every deletion of a record row take `millis` more (a slow disk, a trigger of the
+    /// application's); `false` where the backend cannot sleep in a statement (SQLite).
+    pub async fn slow_record_deletes(&self, millis: u32) -> bool {
+        let seconds = f64::from(millis) / 1000.0;
+        if self.is_mysql() {
+            let trigger =
+                format!("CREATE TRIGGER slow_delete BEFORE DELETE ON outbox_records FOR EACH ROW DO SLEEP({seconds})");
+            self.db.execute_script(AssertSqlSafe(trigger)).await.unwrap();
+        } else if self.is_sqlite() {
+            return false;
+        } else {
+            self.db
+                .execute_script(AssertSqlSafe(format!(
+                    "CREATE FUNCTION outbox.slow() RETURNS trigger LANGUAGE plpgsql AS
+                     $$ BEGIN PERFORM pg_sleep({seconds}); RETURN OLD; END $$;
+                     CREATE TRIGGER slow_delete BEFORE DELETE ON outbox.records FOR EACH ROW EXECUTE FUNCTION outbox.slow()"
+                )))
+                .await
+                .unwrap();
+        }
+        true
+    }
+
     /// Creates the trigger written for this backend; on PostgreSQL its function `outbox.refuse(message)`,
     /// which raises the message it is given, is created first.
     async fn refusing_trigger(&self, mysql: &'static str, sqlite: &str, postgres: &str) {

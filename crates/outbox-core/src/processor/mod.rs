@@ -259,6 +259,11 @@ struct State {
     polling: bool,
     fetches: Fetches,
     completion: Pending<Completed>,
+    completion_started: Instant,
+    /// The most outcomes a completion writes (whole keys): unbounded, then half of a batch given up at
+    /// its time limit, doubled again after one that finished within a quarter of it. Tried again whole,
+    /// with whatever gathered meanwhile, such a batch was given up every time.
+    completion_limit: usize,
     complete_backoff: Duration,
     complete_not_before: Instant,
     /// Partitions whose completion was fenced out under this (instance, epoch): not fetched again until
@@ -299,6 +304,8 @@ impl State {
             polling: false,
             fetches: Fetches::default(),
             completion: None,
+            completion_started: Instant::now(),
+            completion_limit: usize::MAX,
             complete_backoff: COMPLETE_RETRY_MIN,
             complete_not_before: Instant::now(),
             fenced: BTreeMap::new(),
@@ -358,12 +365,21 @@ impl State {
         // its outcomes, so one of an older grant (this instance's before it registered again) is
         // fenced out rather than let through beside one of the current grant. The rest wait.
         let mut grants = HashMap::new();
-        let (batch, later) = std::mem::take(&mut self.outcomes).into_iter().partition(|o: &Outcome| {
-            let (partition, instance, epoch) = o.grant();
-            *grants.entry(partition).or_insert((instance, epoch)) == (instance, epoch)
-        });
+        let (mut batch, mut later): (Vec<Outcome>, Vec<Outcome>) =
+            std::mem::take(&mut self.outcomes).into_iter().partition(|o: &Outcome| {
+                let (partition, instance, epoch) = o.grant();
+                *grants.entry(partition).or_insert((instance, epoch)) == (instance, epoch)
+            });
+        if batch.len() > self.completion_limit {
+            // Whole keys: a key's outcomes (one run's, side by side) leave flight together.
+            let cut = (self.completion_limit.max(1)..batch.len())
+                .find(|&i| batch[i].key != batch[i - 1].key)
+                .unwrap_or(batch.len());
+            later.extend(batch.split_off(cut));
+        }
         self.outcomes = later;
         let (outbox, db) = (outbox.clone(), db.clone());
+        self.completion_started = Instant::now();
         self.completion = Some(Box::pin(async move { complete(&outbox, &db, batch).await }));
     }
 
@@ -586,10 +602,17 @@ impl State {
                 self.cancels.cancel(outcome.grant());
             }
         }
+        if let Some((batch, e)) = &retry
+            && e.is_time_limit()
+        {
+            self.completion_limit = (batch.len() / 2).max(1);
+        } else if retry.is_none() && self.completion_started.elapsed() < self.config.query_timeout / 4 {
+            self.completion_limit = self.completion_limit.saturating_mul(2);
+        }
         if let Some((batch, e)) = retry {
             let first = batch.first().map(|o| (o.id, o.key.as_str(), o.partition, o.instance, o.epoch));
             warn!(error = %e, records = batch.len(), ?first, retry_in = ?self.complete_backoff,
-                "completion failed; retrying (first: record, key, partition, instance, epoch)");
+                limit = self.completion_limit, "completion failed; retrying (first: record, key, partition, instance, epoch)");
             self.outcomes.extend(batch);
             self.back_off_completions();
         } else {
