@@ -43,7 +43,7 @@ async fn apply(tx: &mut Tx, message: &async_nats::jetstream::Message) -> Result<
 
 async fn a_consumer_applies_each_message_once_through_its_inbox(db: TestDb) {
     let server = NatsServer::start();
-    let (_client, publisher, consumer) = consuming(&server, &db, Default::default()).await;
+    let (_client, publisher, consumer) = consuming(&server, &db, |_| {}).await;
     for i in 1..=5 {
         publisher.handle(&record(i)).await.unwrap();
     }
@@ -76,7 +76,7 @@ async fn a_consumer_applies_each_message_once_through_its_inbox(db: TestDb) {
     .await
     .expect("six deliveries")
     .unwrap();
-    assert_eq!(consumed, Consumed { applied: 2, duplicates: 3, failed: 1 });
+    assert_eq!(consumed, Consumed { applied: 2, duplicates: 3, failed: 1, given_up: 0 });
     let mut bodies: Vec<(String,)> = rows!(db, (String,), "SELECT body FROM read_model ORDER BY body");
     bodies.dedup();
     assert_eq!(bodies.len(), 5, "{bodies:?}");
@@ -89,11 +89,11 @@ async fn a_consumer_applies_each_message_once_through_its_inbox(db: TestDb) {
 }
 
 /// A consumer set up as the outbox's: a server, its stream, a publisher of records and a durable pull
-/// consumer with `ack_policy`, and an empty read model in `db`.
+/// consumer (its settings `tune`d), and an empty read model in `db`.
 async fn consuming(
     server: &NatsServer,
     db: &TestDb,
-    ack_policy: async_nats::jetstream::consumer::AckPolicy,
+    tune: impl FnOnce(&mut pull::Config),
 ) -> (async_nats::Client, JetStreamHandler, PullConsumer) {
     let config = NatsConfig { servers: vec![server.url()], ..NatsConfig::default() };
     let client = outbox_nats::connect(&config).await.unwrap();
@@ -104,11 +104,14 @@ async fn consuming(
         .get_stream(&stream.config.name)
         .await
         .unwrap()
-        .create_consumer(pull::Config {
-            durable_name: Some("read-model".into()),
-            ack_wait: Duration::from_secs(1),
-            ack_policy,
-            ..pull::Config::default()
+        .create_consumer({
+            let mut config = pull::Config {
+                durable_name: Some("read-model".into()),
+                ack_wait: Duration::from_secs(1),
+                ..Default::default()
+            };
+            tune(&mut config);
+            config
         })
         .await
         .unwrap();
@@ -123,7 +126,7 @@ async fn consuming(
 async fn a_consumer_reads_on_through_a_broker_that_stopped_answering(pool: sqlx::PgPool) {
     let db = TestDb::postgres(pool);
     let server = NatsServer::start();
-    let (_client, publisher, consumer) = consuming(&server, &db, Default::default()).await;
+    let (_client, publisher, consumer) = consuming(&server, &db, |_| {}).await;
     let inbox = outbox(&db, |_| {}).await.inbox();
     // Heartbeats every second: one missing for two seconds is reported.
     let messages = consumer.stream().heartbeat(Duration::from_secs(1)).messages().await.unwrap();
@@ -160,7 +163,7 @@ async fn a_consumer_without_explicit_acks_is_refused(pool: sqlx::PgPool) {
     use async_nats::jetstream::consumer::AckPolicy;
     let db = TestDb::postgres(pool);
     let server = NatsServer::start();
-    let (_client, publisher, consumer) = consuming(&server, &db, AckPolicy::All).await;
+    let (_client, publisher, consumer) = consuming(&server, &db, |c| c.ack_policy = AckPolicy::All).await;
     let inbox = outbox(&db, |_| {}).await.inbox();
     publisher.handle(&record(1)).await.unwrap();
     let messages = consumer.messages().await.unwrap().take(1);
@@ -172,13 +175,34 @@ async fn a_consumer_without_explicit_acks_is_refused(pool: sqlx::PgPool) {
     assert_eq!(count(&db, "SELECT count(*) FROM read_model").await, 0);
 }
 
+/// A message that fails on the last delivery its consumer allows (`max_deliver`) is counted as given up
+/// (and logged as an error): JetStream will not deliver it again. Before, it was logged as "delivered
+/// again later", and nothing told it from a failure that would be.
+#[sqlx::test(migrations = false)]
+async fn a_message_failed_on_its_last_delivery_is_counted_as_given_up(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let server = NatsServer::start();
+    let (_client, publisher, consumer) = consuming(&server, &db, |c| c.max_deliver = 2).await;
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    publisher.handle(&record(1)).await.unwrap();
+    let messages = consumer.messages().await.unwrap().take(2);
+    let consumed = tokio::time::timeout(
+        Duration::from_secs(30),
+        apply_once(messages, &db.db, &inbox, "orders", async |_: &mut Tx, _: &_| Err("always refused".into())),
+    )
+    .await
+    .expect("two deliveries")
+    .unwrap();
+    assert_eq!(consumed, Consumed { applied: 0, duplicates: 0, failed: 2, given_up: 1 });
+}
+
 /// A message whose `Nats-Msg-Id` is longer than an inbox id (another publisher's, on a shared stream)
 /// is applied once, by a digest of its id, instead of failing on every delivery.
 #[sqlx::test(migrations = false)]
 async fn a_message_id_longer_than_an_inbox_id_is_applied_once(pool: sqlx::PgPool) {
     let db = TestDb::postgres(pool);
     let server = NatsServer::start();
-    let (client, _publisher, consumer) = consuming(&server, &db, Default::default()).await;
+    let (client, _publisher, consumer) = consuming(&server, &db, |_| {}).await;
     let inbox = outbox(&db, |_| {}).await.inbox();
     let js = async_nats::jetstream::new(client);
     let mut headers = async_nats::HeaderMap::new();
@@ -186,5 +210,5 @@ async fn a_message_id_longer_than_an_inbox_id_is_applied_once(pool: sqlx::PgPool
     js.publish_with_headers("outbox.order.placed.k", headers, "1".into()).await.unwrap().await.unwrap();
     let messages = consumer.messages().await.unwrap().take(1);
     let consumed = apply_once(messages, &db.db, &inbox, "orders", apply).await.unwrap();
-    assert_eq!(consumed, Consumed { applied: 1, duplicates: 0, failed: 0 });
+    assert_eq!(consumed, Consumed { applied: 1, duplicates: 0, failed: 0, given_up: 0 });
 }

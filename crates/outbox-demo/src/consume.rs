@@ -86,8 +86,8 @@ pub async fn run(ctx: &Context) -> Result<(), Failure> {
         .await
         .map_err(|e| Failure(format!("reading {CONSUMER:?}: {e}")))?;
     eprintln!(
-        "consumer stopped: {} applied, {} already applied, {} failed (delivered again)",
-        consumed.applied, consumed.duplicates, consumed.failed
+        "consumer stopped: {} applied, {} already applied, {} failed ({} on their last delivery, the others delivered again)",
+        consumed.applied, consumed.duplicates, consumed.failed, consumed.given_up
     );
     Ok(())
 }

@@ -15,7 +15,7 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::{Stream, StreamExt};
 use outbox_core::inbox::{Inbox, MAX_INBOX_ID_BYTES};
 use outbox_core::{BoxError, Db, Tx};
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 use xxhash_rust::xxh3::xxh3_128;
 
 use crate::{Error, Result};
@@ -29,6 +29,9 @@ pub struct Consumed {
     pub duplicates: u64,
     /// Rolled back and negatively acknowledged, for JetStream to deliver again.
     pub failed: u64,
+    /// Of those failed, the ones that failed on the last delivery the consumer allows (its
+    /// `max_deliver`): JetStream will not deliver them again, and each is logged as an error.
+    pub given_up: u64,
 }
 
 /// Reads `messages` (a JetStream pull consumer's, say `consumer.messages().await?`) until the stream
@@ -39,6 +42,8 @@ pub struct Consumed {
 ///
 /// The consumer must acknowledge message by message (`AckPolicy::Explicit`, the default): another
 /// policy is refused at the first message ([`Error::AckPolicy`]), as failed messages would be lost.
+/// A consumer with a `max_deliver` stops delivering a message that failed that many times: such a
+/// last failure is counted in [`Consumed::given_up`] and logged as an error naming the message.
 /// Errors the message stream reads on after (a missed heartbeat, no responders during a leader
 /// election, a pull that failed while the client reconnected) are logged and read past, after a short
 /// pause that grows while they repeat, for up to a minute without a message; then, and at once for one
@@ -50,7 +55,8 @@ where
 {
     let mut consumed = Consumed::default();
     let mut messages = std::pin::pin!(messages);
-    let mut acks_checked = false;
+    // The consumer's `max_deliver` (none: unbounded), read at the first message.
+    let mut max_deliver = None;
     let mut pauses = read_on_pauses();
     let mut failing_since = None;
     while let Some(message) = messages.next().await {
@@ -68,10 +74,10 @@ where
             }
             Err(e) => return Err(Error::Messages(e)),
         };
-        if !acks_checked {
-            explicit_acks(&message, source).await?;
-            acks_checked = true;
-        }
+        let max_deliver = match max_deliver {
+            Some(checked) => checked,
+            None => *max_deliver.insert(explicit_acks(&message, source).await?),
+        };
         let id = message_id(&message);
         match apply_in_transaction(db, inbox, source, &id, &message, &mut apply).await {
             Ok(applied) => {
@@ -88,8 +94,15 @@ where
             }
             Err(e) => {
                 let delay = redelivery_delay(&message);
-                warn!(source, message = %id, error = %e, redelivered_in = ?delay,
-                    "applying a message failed; rolled back, delivered again later");
+                let delivered = message.info().map_or(1, |info| info.delivered);
+                if max_deliver.is_some_and(|most| delivered >= most) {
+                    error!(source, message = %id, error = %e, delivered,
+                        "applying a message failed on the last delivery the consumer allows (max_deliver); rolled back, and JetStream will not deliver it again");
+                    consumed.given_up += 1;
+                } else {
+                    warn!(source, message = %id, error = %e, redelivered_in = ?delay,
+                        "applying a message failed; rolled back, delivered again later");
+                }
                 if let Err(e) = message.ack_with(AckKind::Nak(Some(delay))).await {
                     warn!(source, message = %id, error = %e, "nak failed; JetStream delivers the message again after its ack wait");
                 }
@@ -127,19 +140,20 @@ const READ_ON_MAX: Duration = Duration::from_secs(2);
 /// a pull the server refuses is refused again.
 const READ_ON_FOR: Duration = Duration::from_secs(60);
 
-/// Refuses a consumer that does not acknowledge message by message. A consumer whose settings cannot be
-/// read (the account may not allow asking) is taken as it is, with a warning.
-async fn explicit_acks(message: &Message, source: &str) -> Result<()> {
-    let Ok(info) = message.info() else { return Ok(()) };
+/// Refuses a consumer that does not acknowledge message by message; returns its `max_deliver` (`0`:
+/// unbounded). A consumer whose settings cannot be read (the account may not allow asking) is taken as
+/// it is, with a warning.
+async fn explicit_acks(message: &Message, source: &str) -> Result<Option<i64>> {
+    let Ok(info) = message.info() else { return Ok(None) };
     let (stream, consumer) = (info.stream.to_string(), info.consumer.to_string());
     match message.context.get_consumer_from_stream::<pull::Config, _, _>(&consumer, &stream).await {
-        Ok(found) => match found.cached_info().config.ack_policy {
-            AckPolicy::Explicit => Ok(()),
-            policy => Err(Error::AckPolicy { stream, consumer, policy }),
+        Ok(found) => match &found.cached_info().config {
+            config if config.ack_policy == AckPolicy::Explicit => Ok(Some(config.max_deliver).filter(|&n| n > 0)),
+            config => Err(Error::AckPolicy { stream, consumer, policy: config.ack_policy }),
         },
         Err(e) => {
             warn!(source, %stream, %consumer, error = %e, "cannot read the consumer's ack policy; it must be explicit");
-            Ok(())
+            Ok(None)
         }
     }
 }
