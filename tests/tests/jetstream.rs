@@ -328,6 +328,27 @@ async fn oversized_payloads_and_missing_streams_fail_permanently_with_the_reason
     assert_eq!(stored.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(), ["fine"]);
 }
 
+/// A configuration that names a certificate authority asks for TLS: a server that does not offer it is
+/// refused, where the client connected in clear (credentials and all) to a server that allowed it.
+#[tokio::test]
+async fn a_configured_certificate_authority_refuses_a_server_without_tls() {
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("ca.pem"), dir.path().join("ca.key"));
+    let made = std::process::Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=outbox-test-ca"])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let config = NatsConfig { tls: outbox_nats::Tls { ca_file: Some(cert), ..Default::default() }, ..config(&server) };
+    let refused = outbox_nats::connect(&config).await;
+    assert!(matches!(refused, Err(NatsError::Connect { .. })), "{refused:?}");
+}
+
 #[tokio::test]
 async fn stream_provisioning_creates_checks_and_explains_mismatches() {
     let server = NatsServer::start();

@@ -69,7 +69,7 @@ impl fmt::Debug for Auth {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct Tls {
-    /// Refuse to connect without TLS.
+    /// Refuse to connect without TLS (implied by `ca_file` or `cert_file`).
     pub required: bool,
     /// Extra root certificates (PEM).
     pub ca_file: Option<PathBuf>,

@@ -31,7 +31,9 @@ pub async fn connect(config: &NatsConfig) -> Result<Client> {
         }
     };
     let tls = &config.tls;
-    if tls.required {
+    // A certificate authority or a client certificate is given for TLS: without it the client would
+    // connect in clear, credentials and all, to a server that allows it.
+    if tls.required || tls.ca_file.is_some() || tls.cert_file.is_some() {
         options = options.require_tls(true);
     }
     if let Some(ca) = &tls.ca_file {
