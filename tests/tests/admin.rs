@@ -202,6 +202,10 @@ async fn payloads_are_listed_only_when_enabled(db: TestDb) {
     );
     let (status, body) = call(&shown, "GET", "/api/failed", Some("ops-token-0123456780"), None).await;
     assert_eq!(status, StatusCode::FORBIDDEN, "a token that is not configured is refused: {body}");
+    let request = Request::get("/api/failed").header(header::AUTHORIZATION, format!("Bearer {TOKEN}"));
+    let response = shown.clone().oneshot(request.body(Body::empty()).unwrap()).await.unwrap();
+    let cache = response.headers().get(header::CACHE_CONTROL).map(|v| v.to_str().unwrap().to_string());
+    assert_eq!(cache.as_deref(), Some("no-store"), "payloads stay out of the browser's cache");
     let (status, body) = call(&shown, "GET", "/api/failed", Some(TOKEN), None).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     let page: FailedPage = serde_json::from_value(body).unwrap();
@@ -284,6 +288,10 @@ async fn mutations_need_a_configured_token_and_act(db: TestDb) {
     let (status, body) =
         call(&admin, "POST", "/api/purge", Some(TOKEN), Some(serde_json::json!({ "older_than": "soon" }))).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let (status, body) =
+        call(&admin, "POST", "/api/purge", Some(TOKEN), Some(serde_json::json!({ "older_than": "200y" }))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "an age past the limit is the request's fault: {body}");
+    assert!(body["error"].as_str().unwrap().contains("100 years"), "{body}");
     let (status, body) =
         call(&admin, "POST", "/api/purge", Some(TOKEN), Some(serde_json::json!({ "older_than": "1h" }))).await;
     assert_eq!(status, StatusCode::OK, "{body}");
@@ -372,7 +380,9 @@ async fn only_known_host_names_reach_the_page() {
             admin.oneshot(request).await.unwrap().status()
         }
     };
-    for known in ["127.0.0.1:9188", "[::1]:9188", "localhost:9188", "LOCALHOST", "ops.internal:80", "10.1.2.3"] {
+    for known in
+        ["127.0.0.1:9188", "[::1]:9188", "localhost:9188", "LOCALHOST", "ops.internal:80", "ops.internal.", "10.1.2.3"]
+    {
         assert_eq!(with_host(known).await, StatusCode::OK, "{known}");
     }
     for unknown in ["attacker.example", "attacker.example:9188", "ops.internal.attacker.example"] {
@@ -402,6 +412,14 @@ fn bad_admin_configuration_is_a_typed_error() {
         ..AdminConfig::default()
     };
     assert!(twice.validate().is_err());
+    // A host is a bare name: with a port, a scheme or a path it would never match a request.
+    for host in ["ops.example.com:9188", "http://ops.example.com", "ops.example.com/", "", "ops example"] {
+        let e = AdminConfig { hosts: vec![host.into()], ..AdminConfig::default() }.validate().unwrap_err();
+        assert!(matches!(&e, outbox_cluster::Error::Config(m) if m.contains("hosts")), "{host:?}: {e}");
+    }
+    AdminConfig { hosts: vec!["ops.example.com".into(), "OPS.internal.".into()], ..AdminConfig::default() }
+        .validate()
+        .unwrap();
     assert!(with_token().validate().is_ok());
     assert!(!format!("{:?}", with_token()).contains(TOKEN), "Debug hides tokens");
 }

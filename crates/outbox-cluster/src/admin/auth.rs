@@ -87,9 +87,11 @@ pub(super) async fn known_host(State(admin): State<Admin>, request: Request, nex
                 if port.bytes().all(|b| b.is_ascii_digit()) { name } else { host.as_str() }
             }),
         };
+        // A fully qualified name may end in a dot, in the request or in the configuration.
+        let bare = name.trim_end_matches('.');
         let known = name.parse::<IpAddr>().is_ok()
-            || name == "localhost"
-            || admin.inner.config.hosts.iter().any(|h| h.eq_ignore_ascii_case(name));
+            || bare == "localhost"
+            || admin.inner.config.hosts.iter().any(|h| h.trim_end_matches('.').eq_ignore_ascii_case(bare));
         if !known {
             warn!(host = %name, path = %request.uri().path(), "admin: request for an unknown host refused");
             return ApiError::UnknownHost(name.to_string()).into_response();

@@ -28,7 +28,8 @@ impl From<outbox_core::Error> for ApiError {
             e @ (outbox_core::Error::EmptyKey
             | outbox_core::Error::KeyTooLong { .. }
             | outbox_core::Error::BadKey { .. }
-            | outbox_core::Error::BadLimit { .. }) => ApiError::BadRequest(e.to_string()),
+            | outbox_core::Error::BadLimit { .. }
+            | outbox_core::Error::Config(_)) => ApiError::BadRequest(e.to_string()),
             e => ApiError::Unavailable(e.to_string()),
         }
     }

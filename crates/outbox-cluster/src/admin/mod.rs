@@ -61,7 +61,8 @@ pub struct AdminConfig {
     pub show_payloads: bool,
     /// Host names the page may be reached by, besides IP addresses and `localhost`: a request naming
     /// any other host is refused, so a web page whose name an attacker points at 127.0.0.1 (DNS
-    /// rebinding) cannot read the API from the operator's browser.
+    /// rebinding) cannot read the API from the operator's browser. Bare names (`ops.example.com`): no
+    /// scheme, port or path.
     pub hosts: Vec<String>,
 }
 
@@ -98,6 +99,15 @@ impl AdminConfig {
         let distinct: std::collections::BTreeSet<&String> = self.tokens.values().collect();
         if distinct.len() != self.tokens.len() {
             return Err(Error::Config("admin.tokens: two names share one token".into()));
+        }
+        // A name as a request's `Host` carries it, without its port: anything else never matches.
+        for host in &self.hosts {
+            let name = host.trim_end_matches('.');
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.') {
+                return Err(Error::Config(format!(
+                    "admin.hosts: {host:?} is not a bare host name (letters, digits, '-' and '.'; no scheme, port or path)"
+                )));
+            }
         }
         if self.show_payloads && self.tokens.is_empty() {
             return Err(Error::Config(
@@ -146,9 +156,17 @@ impl Admin {
             .route("/api/failed/{id}/{action}", post(api::resolve))
             .route("/api/requeue", post(api::requeue_many))
             .route("/api/purge", post(api::purge))
+            .layer(middleware::map_response(not_stored))
             .layer(middleware::from_fn_with_state(self.clone(), auth::known_host))
             .with_state(self)
     }
+}
+
+/// An answer of the API (FAILED records may carry payloads with personal data) is kept in no cache,
+/// the browser's disk included; the page says how it is cached itself.
+async fn not_stored(mut response: axum::response::Response) -> axum::response::Response {
+    response.headers_mut().entry(header::CACHE_CONTROL).or_insert(header::HeaderValue::from_static("no-store"));
+    response
 }
 
 /// The page, which no other site may frame (a framed page could trick a click onto requeue or skip).
