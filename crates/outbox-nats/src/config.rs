@@ -5,6 +5,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use outbox_core::config::MAX_DURATION;
 use serde::{Deserialize, Serialize};
 
 use crate::subject::SubjectTemplate;
@@ -193,11 +194,14 @@ impl NatsConfig {
         if !(1..=5).contains(&stream.replicas) {
             return bad(format!("stream.replicas must be within 1..=5, got {}", stream.replicas));
         }
-        if stream.duplicate_window.is_zero() {
-            return bad("stream.duplicate_window must be > 0 (deduplication is what makes redelivery safe)".into());
+        if stream.duplicate_window.is_zero() || stream.duplicate_window > MAX_DURATION {
+            return bad(format!(
+                "stream.duplicate_window must be within (0, 100 years] (deduplication is what makes redelivery safe), got {:?}",
+                stream.duplicate_window
+            ));
         }
-        if self.publish_timeout.is_zero() {
-            return bad("publish_timeout must be > 0".into());
+        if self.publish_timeout.is_zero() || self.publish_timeout > MAX_DURATION {
+            return bad(format!("publish_timeout must be within (0, 100 years], got {:?}", self.publish_timeout));
         }
         if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
             return bad("tls.cert_file and tls.key_file go together".into());
@@ -251,7 +255,20 @@ mod tests {
     #[test]
     fn validate_names_the_bad_field() {
         NatsConfig::default().validate().unwrap();
-        let cases: [(NatsConfig, &str); 6] = [
+        let cases: [(NatsConfig, &str); 8] = [
+            // Past `Instant`'s range the client's ping timer panicked in its connection task, and a window
+            // past 292 years wrapped when sent to the server.
+            (NatsConfig { publish_timeout: Duration::MAX, ..Default::default() }, "publish_timeout"),
+            (
+                NatsConfig {
+                    stream: StreamSettings {
+                        duplicate_window: Duration::from_secs(600 * 365 * 86_400),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+                "duplicate_window",
+            ),
             (NatsConfig { servers: vec![], ..Default::default() }, "servers"),
             // The stream's default subjects (`outbox.>`) capture none of these.
             (NatsConfig { subject: "events.{event_type}".into(), ..Default::default() }, "stream.subjects"),

@@ -108,6 +108,22 @@ impl Default for ConnectOptions {
     }
 }
 
+impl ConnectOptions {
+    /// Checks the values; the error names the field. [`Db::connect_with`] and [`Db::new_pool`] call it.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_connections == 0 {
+            return Err(Error::Config("max_connections must be at least 1".into()));
+        }
+        if self.acquire_timeout.is_zero() || self.acquire_timeout > crate::config::MAX_DURATION {
+            return Err(Error::Config(format!(
+                "acquire_timeout must be within (0, 100 years], got {:?}",
+                self.acquire_timeout
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl Db {
     /// Connects by URL: `postgres://…` / `postgresql://…`, `mysql://…` / `mariadb://…`, or `sqlite://path` /
     /// `sqlite::memory:` (created if missing, with `driver::sqlite::options`), with
@@ -119,6 +135,7 @@ impl Db {
     /// [`Db::connect`] with the pool's size and wait of `options`. A URL of another scheme, or of a
     /// backend this build leaves out, is refused with [`Error::UnsupportedUrl`].
     pub async fn connect_with(url: &str, options: &ConnectOptions) -> Result<Db> {
+        options.validate()?;
         let scheme = url.split(':').next().unwrap_or_default();
         match scheme {
             #[cfg(feature = "postgres")]
@@ -175,6 +192,7 @@ impl Db {
     /// A new pool to the same database with the same connection settings (on SQLite its journal and
     /// synchronous modes too), sized by `options`: for work that must not share connections.
     pub async fn new_pool(&self, options: &ConnectOptions) -> Result<Db> {
+        options.validate()?;
         Ok(match self {
             #[cfg(feature = "postgres")]
             Db::Postgres(p) => {

@@ -659,3 +659,22 @@ async fn a_time_limit_and_a_full_database_are_worth_retrying(pool: PgPool) {
         assert!(err.is_transient(), "{backend}: {err:?}");
     }
 }
+
+/// Pool settings out of range are a configuration error naming the field, before anything is dialled:
+/// a wait past `Instant`'s range panicked inside sqlx, and an empty pool waited its whole
+/// `acquire_timeout` to fail as if the database were down.
+#[sqlx::test(migrations = false)]
+async fn bad_pool_settings_are_a_typed_error(pool: PgPool) {
+    let postgres = Db::Postgres(pool);
+    let cases = [
+        (ConnectOptions { max_connections: 0, ..ConnectOptions::default() }, "max_connections"),
+        (ConnectOptions { acquire_timeout: std::time::Duration::MAX, ..ConnectOptions::default() }, "acquire_timeout"),
+        (ConnectOptions { acquire_timeout: std::time::Duration::ZERO, ..ConnectOptions::default() }, "acquire_timeout"),
+    ];
+    for (options, field) in cases {
+        let connected = Db::connect_with("sqlite::memory:", &options).await;
+        assert!(matches!(&connected, Err(Error::Config(m)) if m.contains(field)), "{field}: {connected:?}");
+        let sized = postgres.new_pool(&options).await;
+        assert!(matches!(&sized, Err(Error::Config(m)) if m.contains(field)), "{field}: {sized:?}");
+    }
+}
