@@ -24,6 +24,7 @@ every_backend!(
     a_reserved_word_names_a_schema,
     a_batch_larger_than_one_statement_carries_is_written_whole,
     a_payload_over_the_servers_packet_is_refused_before_writing,
+    a_batch_over_what_one_statement_carries_is_refused_before_writing,
 );
 
 async fn committed_records_exist_and_rolled_back_ones_do_not(db: TestDb) {
@@ -359,4 +360,23 @@ async fn a_payload_over_the_servers_packet_is_refused_before_writing(db: TestDb)
         tx.commit().await.unwrap();
         assert_eq!(pending(&db).await, 2);
     }
+}
+
+/// A batch of payloads over what one statement carries (PostgreSQL's 1 GiB to a message; SQLite's
+/// billion-byte string, payloads hex-encoded in it) is refused before writing, with a typed error that is
+/// not worth retrying, and the caller's transaction stays usable. MySQL writes such a batch in several
+/// statements (see above).
+async fn a_batch_over_what_one_statement_carries_is_refused_before_writing(db: TestDb) {
+    if db.is_mysql() {
+        return;
+    }
+    let outbox = outbox(&db, |c| c.max_payload_bytes = 256 << 20).await;
+    let batch: Vec<NewRecord> = (0..5u8).map(|i| NewRecord::new("k", "t", vec![i; 220 << 20])).collect();
+    let mut tx = db.begin().await;
+    let err = outbox.schedule_batch(&mut tx, &batch).await.unwrap_err();
+    assert!(matches!(&err, Error::BatchTooLarge { records: 5, .. }), "{err:?}");
+    assert!(!err.is_transient());
+    outbox.schedule(&mut tx, NewRecord::new("after", "t", "")).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(pending(&db).await, 1);
 }

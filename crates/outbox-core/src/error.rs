@@ -57,6 +57,20 @@ pub enum Error {
         /// The configured limit.
         max: usize,
     },
+    /// A batch is more than one statement carries on this database (PostgreSQL: a message of at most
+    /// 1 GiB; SQLite: a string of at most a billion bytes, the payloads hex-encoded in it): split it,
+    /// within the same transaction if it must stay atomic. Refused before anything is sent.
+    #[error(
+        "a batch of {records} records takes {bytes} bytes in one statement, over the {max} this database carries; split it"
+    )]
+    BatchTooLarge {
+        /// Records in the batch.
+        records: usize,
+        /// The bytes the batch would take in its statement.
+        bytes: usize,
+        /// The most one statement carries.
+        max: usize,
+    },
     /// A header name or value cannot be carried (names: visible ASCII without `:`; values: no CR, LF or
     /// NUL, no whitespace at either end), or the headers are over
     /// [`MAX_HEADERS_BYTES`](crate::MAX_HEADERS_BYTES) together.

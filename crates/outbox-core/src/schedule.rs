@@ -42,7 +42,9 @@ impl Outbox {
 
     /// Schedules several records in one round trip, in the caller's transaction. Records of one key get
     /// increasing sequence numbers in slice order (not consecutive: the numbers come from one
-    /// database-wide sequence). Either all are validated and written, or none.
+    /// database-wide sequence). Either all are validated and written, or none. A batch over what one
+    /// statement carries on PostgreSQL (1 GiB) or SQLite (a billion bytes, payloads hex-encoded) is
+    /// refused before anything is sent ([`Error::BatchTooLarge`]); MySQL writes it in several.
     #[instrument(skip_all, fields(records = records.len()))]
     pub async fn schedule_batch<'c>(&self, conn: impl Into<Conn<'c>>, records: &[NewRecord]) -> Result<Vec<Scheduled>> {
         let max_payload = self.config().max_payload_bytes;

@@ -31,6 +31,21 @@ pub(crate) struct NewRow<'a> {
     pub(crate) deliver_after_ms: Option<i64>,
 }
 
+/// [`Error::BatchTooLarge`] unless `rows` fit in `max` bytes of one statement, each payload byte taking
+/// `per_payload_byte` of them (2 in hex) and each row its key, event type and headers, and 128 bytes for
+/// the rest of it.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) fn fits_one_statement(rows: &[NewRow<'_>], per_payload_byte: usize, max: usize) -> Result<()> {
+    let bytes = rows
+        .iter()
+        .map(|r| r.payload.len() * per_payload_byte + r.key.len() + r.event_type.len() + r.headers.len() + 128)
+        .sum();
+    if bytes > max {
+        return Err(crate::Error::BatchTooLarge { records: rows.len(), bytes, max });
+    }
+    Ok(())
+}
+
 /// What one fetch asks for.
 #[derive(Debug, Clone)]
 pub(crate) struct Request {

@@ -21,7 +21,7 @@ use crate::migrate::{self, Migration, checksum, pending};
 use crate::notice::{Channel, Wakeups};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
-    Requeue, Runs, StatsRow, Written,
+    Requeue, Runs, StatsRow, Written, fits_one_statement,
 };
 
 /// The migrations of the PostgreSQL schema, in order.
@@ -54,6 +54,10 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../../../migrations/postgres/0007_ended_leases.sql"),
     },
 ];
+
+/// The most a statement's message carries: PostgreSQL's largest message (1 GiB less a byte), less room
+/// for the statement's own bytes.
+const STATEMENT_BYTES: usize = (1 << 30) - (1 << 20);
 
 /// Arbitrary constant namespacing the migrators' advisory lock (ASCII "outbox").
 const LOCK_NAMESPACE: i32 = 0x6f75_7462;
@@ -115,6 +119,8 @@ pub(super) async fn schedule(
             .bind(row.deliver_after_ms);
         return Ok(vec![one.fetch_one(conn).await?]);
     }
+    // Over it, the server resets the connection: an error that looks worth retrying, and never passes.
+    fits_one_statement(rows, 1, STATEMENT_BYTES)?;
     Ok(sqlx::query_as(statement(&s.schedule))
         .bind(rows.iter().map(|r| r.id).collect::<Vec<_>>())
         .bind(rows.iter().map(|r| i16::from(r.partition)).collect::<Vec<_>>())

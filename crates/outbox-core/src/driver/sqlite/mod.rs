@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, pending};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
-    Requeue, Runs, StatsRow, Written, grants_list,
+    Requeue, Runs, StatsRow, Written, fits_one_statement, grants_list,
 };
 
 /// The migrations of the SQLite schema, in order (`{s}` is the table prefix).
@@ -68,6 +68,10 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../../../migrations/sqlite/0009_ended_leases.sql"),
     },
 ];
+
+/// The most a statement's string argument carries: SQLite's largest string (`SQLITE_MAX_LENGTH`, a
+/// billion bytes as sqlx builds it), less room for the rest.
+const STATEMENT_BYTES: usize = 1_000_000_000 - (1 << 20);
 
 /// How long a connection waits for the write lock before a statement fails with "busy". Writers hold
 /// it for milliseconds; a long wait means something is wrong, not busy.
@@ -187,6 +191,7 @@ async fn insert(conn: &mut SqliteConnection, s: &SqliteStatements, rows: &[NewRo
             .execute(conn)
             .await?
     } else {
+        fits_one_statement(rows, 2, STATEMENT_BYTES)?;
         let list: Vec<_> = rows
             .iter()
             .map(|r| {
