@@ -735,9 +735,10 @@ async fn counts_that_get_their_turns_after_a_stop_began_are_taken_back(db: TestD
     let before = count(&db, "SELECT count(*) FROM {s}completed").await;
     assert_eq!(before, 0, "the other keys wait for the suspect's turn");
     stopping.store(true, Ordering::SeqCst);
+    let assignment = a.assignment();
     let stopped = tokio::spawn(a.shutdown());
-    // The processor has begun its stop when the suspect's call ends.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Leaving, the node holds no partition when the suspect's call ends.
+    wait_for("the leaving node's assignment emptied", LONG, || async { assignment.borrow().epochs.is_empty() }).await;
     open.send_replace(true);
     tokio::time::timeout(LONG, stopped).await.expect("the node stops").unwrap().unwrap();
     assert_eq!(called_while_stopping.load(Ordering::SeqCst), 0, "calls made after the stop began");

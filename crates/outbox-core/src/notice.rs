@@ -203,6 +203,14 @@ impl Wakeups {
         let _ = self.nudges.send(Nudge::EVERYONE);
     }
 
+    /// The channel a listener of this outbox hears its own probe on (see `Db::listen`): the same for
+    /// every connection it makes, so that a pooler's sessions, which keep the `LISTEN` of each attempt
+    /// that heard nothing, keep one channel, not one an attempt.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn probe_channel(&self) -> String {
+        format!("outbox_probe_{:032x}", self.origin)
+    }
+
     /// The notices that tell other processes `message`, each with its channel: this outbox's origin
     /// (32 hex digits), then up to [`WAKES_PER_NOTICE`] wake-ups (comma-separated), or up to
     /// [`IDS_PER_NOTICE`] instance ids (32 hex digits each).

@@ -103,9 +103,9 @@ impl AdminConfig {
         // A name as a request's `Host` carries it, without its port: anything else never matches.
         for host in &self.hosts {
             let name = host.trim_end_matches('.');
-            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.') {
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b)) {
                 return Err(Error::Config(format!(
-                    "admin.hosts: {host:?} is not a bare host name (letters, digits, '-' and '.'; no scheme, port or path)"
+                    "admin.hosts: {host:?} is not a bare host name (letters, digits, '-', '_' and '.'; no scheme, port or path)"
                 )));
             }
         }

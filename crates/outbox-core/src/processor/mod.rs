@@ -251,9 +251,9 @@ struct State {
     outcomes: Vec<Outcome>,
     fetch: Pending<(Request, Result<Found>)>,
     fetch_started: Instant,
-    /// The most heads a fetch asks for: `batch_size`, halved after a fetch given up at its time limit
-    /// (down to one: a backlog of large payloads over a slow link), doubled again after one that came
-    /// within a quarter of it. Asked again for the same batch, every fetch was given up.
+    /// The most heads a fetch asks for: `batch_size`, half what a fetch given up at its time limit asked
+    /// for (down to one: a backlog of large payloads over a slow link), doubled again after a full one
+    /// that came within a quarter of it. Asked again for the same batch, every fetch was given up.
     fetch_limit: usize,
     /// Whether the latest fetch reads every partition held: only such a fetch counts as a poll.
     polling: bool,
@@ -261,8 +261,8 @@ struct State {
     completion: Pending<Completed>,
     completion_started: Instant,
     /// The most outcomes a completion writes (whole keys): unbounded, then half of a batch given up at
-    /// its time limit, doubled again after one that finished within a quarter of it. Tried again whole,
-    /// with whatever gathered meanwhile, such a batch was given up every time.
+    /// its time limit, doubled again after a full one that finished within a quarter of it. Tried again
+    /// whole, with whatever gathered meanwhile, such a batch was given up every time.
     completion_limit: usize,
     complete_backoff: Duration,
     complete_not_before: Instant,
@@ -393,14 +393,15 @@ impl State {
     ) {
         let found = match found {
             Ok(found) => {
-                if self.fetch_started.elapsed() < self.config.query_timeout / 4 {
+                // Only a full fetch tells that more would fit: a few heads come quickly at any limit.
+                if found.runs.len() >= request.limit && self.fetch_started.elapsed() < self.config.query_timeout / 4 {
                     self.fetch_limit = (self.fetch_limit * 2).min(self.config.batch_size);
                 }
                 found
             }
             Err(e) => {
                 if e.is_time_limit() {
-                    self.fetch_limit = (self.fetch_limit / 2).max(1);
+                    self.fetch_limit = (request.limit / 2).max(1);
                 }
                 let (partitions, first) = (request.partitions.len(), request.partitions.first().map(|(p, ..)| *p));
                 warn!(error = %e, instance = %request.instance, partitions, first_partition = ?first,
@@ -572,6 +573,7 @@ impl State {
 
     fn on_completed(&mut self, completed: Completed) {
         let Completed { settled, written, retry } = completed;
+        let written_together = settled.len();
         // A key with an outcome still to write stays in flight: its record is still pending, and
         // fetched again it would be delivered after the key's later ones.
         let unsettled: HashSet<&str> = retry.iter().flat_map(|(batch, _)| batch).map(|o| o.key.as_str()).collect();
@@ -606,7 +608,10 @@ impl State {
             && e.is_time_limit()
         {
             self.completion_limit = (batch.len() / 2).max(1);
-        } else if retry.is_none() && self.completion_started.elapsed() < self.config.query_timeout / 4 {
+        } else if retry.is_none()
+            && written_together >= self.completion_limit
+            && self.completion_started.elapsed() < self.config.query_timeout / 4
+        {
             self.completion_limit = self.completion_limit.saturating_mul(2);
         }
         if let Some((batch, e)) = retry {
@@ -699,8 +704,8 @@ struct CountWritten {
 }
 
 /// Hears other processes' wake-ups (see `wake.rs`) until `stop`, connecting again a second after a
-/// connection that listened is lost, twice as long after each attempt that could not listen, up to a
-/// minute; `listening` is true while it listens.
+/// connection that listened is lost, twice as long after each attempt that could not listen, up to ten
+/// minutes; `listening` is true while it listens.
 async fn listen(outbox: Outbox, db: Db, listening: watch::Sender<bool>, stop: CancellationToken) {
     // Checked as often as the processor polls while it listens: a lost connection costs no more than
     // one safety-net interval of wake-ups.
@@ -803,8 +808,9 @@ const ACTIVE_WINDOW: Duration = Duration::from_secs(1);
 /// Timers a processor keeps at most (see `State::timers`).
 const MAX_TIMERS: usize = 4096;
 
-/// How long the wake-up listener waits before connecting again: at first, and at most.
-const LISTEN_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(60));
+/// How long the wake-up listener waits before connecting again: at first, and at most (a pooler that
+/// hears nothing stays one, and each attempt leaves a `LISTEN` on one of its sessions).
+const LISTEN_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(600));
 
 const COMPLETE_RETRY_MIN: Duration = Duration::from_millis(100);
 const COMPLETE_RETRY_MAX: Duration = Duration::from_secs(5);

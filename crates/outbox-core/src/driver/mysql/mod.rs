@@ -818,9 +818,12 @@ mod tests {
         .unwrap();
         let mut reader = pool.acquire().await.unwrap();
         sqlx::raw_sql("BEGIN; SELECT count(*) FROM outbox_instances").execute(&mut *reader).await.unwrap();
+        // The migrator's pool: one connection, whose session is read after.
+        let own =
+            MySqlPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
         let migrating = tokio::spawn({
-            let (outbox, pool) = (outbox.clone(), pool.clone());
-            async move { outbox.migrate(&pool).await }
+            let (outbox, own) = (outbox.clone(), own.clone());
+            async move { outbox.migrate(&own).await }
         });
         let waiting = "SELECT count(*) FROM information_schema.processlist
                        WHERE db = DATABASE() AND state = 'Waiting for table metadata lock'";
@@ -846,7 +849,7 @@ mod tests {
         .unwrap();
         assert_eq!(column, 1, "migrated once the reader was done");
         let (session,): (i64,) =
-            sqlx::query_as("SELECT CAST(@@SESSION.lock_wait_timeout AS SIGNED)").fetch_one(&pool).await.unwrap();
+            sqlx::query_as("SELECT CAST(@@SESSION.lock_wait_timeout AS SIGNED)").fetch_one(&own).await.unwrap();
         let (global,): (i64,) =
             sqlx::query_as("SELECT CAST(@@GLOBAL.lock_wait_timeout AS SIGNED)").fetch_one(&pool).await.unwrap();
         assert_eq!(session, global, "the pool's connections keep their own lock wait");

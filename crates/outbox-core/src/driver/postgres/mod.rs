@@ -205,8 +205,8 @@ impl Driver<'_, PgPool, PgStatements> {
     ) -> Result<()> {
         let own = PgPoolOptions::new().max_connections(1).connect_lazy_with((*self.pool.connect_options()).clone());
         let mut listener = PgListener::connect_with(&own).await?;
-        // A channel of this connection's own, so that no other listener hears its probe.
-        let probe = format!("outbox_probe_{}", Uuid::now_v7().simple());
+        // A channel of this outbox's own, so that no other outbox's listener hears its probe.
+        let probe = wakeups.probe_channel();
         let channels = [Channel::Wake, Channel::Nudge];
         listener.listen_all(channels.map(|c| self.statements.channel(c)).into_iter().chain([probe.as_str()])).await?;
         let heard = async {
@@ -219,8 +219,8 @@ impl Driver<'_, PgPool, PgStatements> {
                 }
             }
         };
-        let work = "hearing a notice on the wake-up connection (behind a pooler in transaction mode, such as \
-                    PgBouncer's, LISTEN hears nothing: it needs a session of its own)";
+        let work = "hearing a notice sent to the wake-up connection from another (behind a pooler in \
+                    transaction mode, such as PgBouncer's, LISTEN hears none: it needs a session of its own)";
         if !tokio::time::timeout(within, heard).await.map_err(|_| Error::QueryTimeout { work, after: within })?? {
             return Ok(());
         }
