@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
@@ -43,6 +43,7 @@ every_backend!(
     a_call_being_handed_over_is_cancelled_when_its_instance_is_declared_dead,
     a_panic_in_the_decision_ends_failed_once_retries_run_out,
     a_skip_that_meets_a_requeue_leaves_the_record_to_it,
+    counted_calls_whose_turns_come_after_a_stop_began_are_not_made,
 );
 
 /// On PostgreSQL a producer in another process (here: another `Outbox`, with wake-ups of its own) wakes
@@ -726,6 +727,67 @@ async fn nothing_is_delivered_past_the_assignment_deadline(db: TestDb) {
     assert_eq!(sink.all().iter().map(|d| d.epoch).collect::<Vec<_>>(), [Epoch(7)], "delivered under its epoch");
     stop.cancel();
     processor.await.unwrap().unwrap();
+}
+
+/// After a takeover, calls are counted before they are made, and wait for their turns behind a suspect
+/// (a record whose call did not finish), called alone. A stop that begins meanwhile makes none of them
+/// when the turns come: their counts are taken back, the records left pending with their attempts.
+/// Before, each run's first call started after the stop had begun (the assignment still granted it);
+/// one still running at the shutdown timeout was cut off, its record a suspect with an attempt spent.
+async fn counted_calls_whose_turns_come_after_a_stop_began_are_not_made(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let (me, partition) = own_partition_of(&db, "suspect", Epoch(1)).await;
+    let keys: Vec<String> = (0..).map(|i| format!("k-{i}")).filter(|k| partition_of(k) == partition).take(5).collect();
+    let mut records: Vec<NewRecord> = keys.iter().map(|k| NewRecord::new(k, "t", "")).collect();
+    records.push(NewRecord::new("suspect", "t", ""));
+    commit(&outbox, &db, records).await;
+    exec!(
+        db,
+        "UPDATE {s}records SET attempts = 1, last_error = $1 WHERE key = 'suspect'",
+        outbox_core::UNFINISHED_CALL
+    );
+
+    let (open, gate) = watch::channel(false);
+    let stopping = Arc::new(AtomicBool::new(false));
+    let (suspect_called, called_while_stopping) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+    let handlers = Handlers::new().default_route(Route::new(handler_fn({
+        let (stopping, suspect_called, late) =
+            (stopping.clone(), suspect_called.clone(), called_while_stopping.clone());
+        move |r: outbox_core::Record| {
+            let mut gate = gate.clone();
+            let suspect = r.key == "suspect";
+            if suspect {
+                suspect_called.store(true, Ordering::SeqCst);
+            } else if stopping.load(Ordering::SeqCst) {
+                late.fetch_add(1, Ordering::SeqCst);
+            }
+            async move {
+                if suspect {
+                    gate.wait_for(|&open| open).await.unwrap();
+                }
+                Ok::<(), HandlerError>(())
+            }
+        }
+    })));
+    let taken_over = chrono::Utc::now() + chrono::Duration::hours(1);
+    let granted = Assignment {
+        lease: Some(Deadline::now().after(LONG)),
+        taken_over: [(partition, taken_over)].into(),
+        ..Assignment::new(me, [(partition, Epoch(1))].into())
+    };
+    let (_tx, assignment) = watch::channel(granted);
+    let stop = CancellationToken::new();
+    let processor = tokio::spawn(Processor::new(outbox.clone(), db.clone(), handlers, assignment).run(stop.clone()));
+    wait_for("the suspect called", LONG, || async { suspect_called.load(Ordering::SeqCst) }).await;
+    stopping.store(true, Ordering::SeqCst);
+    stop.cancel();
+    // The processor takes the stop in at once (it waits for nothing else); then the suspect's call ends.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    open.send_replace(true);
+    tokio::time::timeout(LONG, processor).await.expect("the processor stops").unwrap().unwrap();
+    assert_eq!(called_while_stopping.load(Ordering::SeqCst), 0, "calls made after the stop began");
+    let left = rows!(db, (i32,), "SELECT attempts FROM {s}records");
+    assert_eq!(left, vec![(0,); 5], "the records left, with no attempt spent");
 }
 
 /// The in-process sink passes the handler conformance suite (the JetStream handler runs it too).

@@ -504,7 +504,8 @@ impl State {
     }
 
     /// Dispatches the runs whose counts were written, each with its turns; takes the counts back of
-    /// those whose partition left the assignment meanwhile; the others are fetched again.
+    /// those whose partition left the assignment meanwhile, or all once stopping; the others are
+    /// fetched again.
     fn on_counted(&mut self, counted: CountWritten, current: &Assignment, context: &Arc<Context>) {
         let CountWritten { runs, mut turn, per_run, written } = counted;
         let written = match written {
@@ -530,7 +531,8 @@ impl State {
             let Some(head) = run.first() else { continue };
             let (partition, instance, epoch) = (head.record.partition, head.instance, head.record.epoch);
             let counted = written.ids.contains(&head.record.id);
-            if counted && self.may_deliver(current, partition, instance, epoch) {
+            // Stopping, no call starts: one still running at the shutdown timeout would be cut off.
+            if counted && self.stop_deadline.is_none() && self.may_deliver(current, partition, instance, epoch) {
                 let own = turn.as_mut().and_then(|t| t.split(per_run as usize));
                 self.dispatch(run, own, context);
             } else if counted {
