@@ -660,8 +660,12 @@ impl Conn<'_> {
     /// in commit order (writers of one key wait for each other until commit). All or nothing: the rows
     /// are inserted together or not at all (a number drawn for a row that was not inserted is skipped;
     /// a key's numbers need only grow). A future dropped before it returns leaves no transaction open
-    /// that the caller had not opened; whether its rows are in the caller's transaction is then
-    /// unknown, so the caller rolls that back. Returns each row's (id, sequence number).
+    /// that the caller had not opened (except on MySQL, on a connection outside any transaction, dropped
+    /// while the `BEGIN` of the transaction it opens there is unanswered: sqlx arms the rollback only
+    /// once it is answered, transact-rs/sqlx#4393, and a borrowed connection cannot be closed instead;
+    /// schedule inside a transaction where a time limit may cut it short); whether its rows are in the
+    /// caller's transaction is then unknown, so the caller rolls that back. Returns each row's (id,
+    /// sequence number).
     pub(crate) async fn schedule(self, statements: &Statements, rows: &[NewRow<'_>]) -> Result<Vec<(Uuid, i64)>> {
         match self {
             #[cfg(feature = "postgres")]
