@@ -34,7 +34,6 @@ every_backend!(
     counts_of_calls_a_failure_kept_from_being_made_are_taken_back,
     counts_of_calls_a_handover_kept_from_being_made_are_taken_back,
     counts_written_while_the_partition_was_handed_on_are_taken_back,
-    counts_that_get_their_turns_after_a_stop_began_are_taken_back,
     records_whose_last_call_failed_are_no_suspects_after_a_takeover,
     without_stop_on_first_failure_every_call_older_than_a_takeover_is_counted,
 );
@@ -688,68 +687,6 @@ async fn counts_written_while_the_partition_was_handed_on_are_taken_back(db: Tes
     let spent = spent(&db).await;
     let expected =
         BTreeMap::from([(("first".into(), 0), keys), (("second".into(), 0), keys), (("suspect".into(), 1), 1)]);
-    assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
-}
-
-/// A stop that begins while counted runs wait for their turns (behind a suspect, called alone) makes
-/// none of their calls when the turns come (leaving, the node's assignment holds no partition): their
-/// counts are taken back and the records left to the next owner with their attempts. A call started
-/// after the stop began, and still running at the shutdown timeout, would be cut off and its record
-/// come back a suspect with an attempt spent (FAILED at once on a route without retries).
-async fn counts_that_get_their_turns_after_a_stop_began_are_taken_back(db: TestDb) {
-    let outbox = outbox(&db, |_| {}).await;
-    owner_of_all_dead_since_a_minute(&db, 100).await;
-    let keys = 40;
-    let mut records: Vec<NewRecord> = (0..keys).map(|k| NewRecord::new(format!("k-{k}"), "first", "")).collect();
-    records.push(NewRecord::new("suspect", "suspect", ""));
-    commit(&outbox, &db, records).await;
-    exec!(
-        db,
-        "UPDATE {s}records SET attempts = 1, last_error = $1 WHERE key = 'suspect'",
-        outbox_core::UNFINISHED_CALL
-    );
-
-    let (open, gate) = tokio::sync::watch::channel(false);
-    let stopping = Arc::new(AtomicBool::new(false));
-    let (suspect_called, called_while_stopping) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
-    let handlers = Handlers::new().default_route(Route::new(handler_fn({
-        let (stopping, suspect_called, late) =
-            (stopping.clone(), suspect_called.clone(), called_while_stopping.clone());
-        move |r| {
-            let (mut gate, suspect_called) = (gate.clone(), suspect_called.clone());
-            if r.event_type == "suspect" {
-                suspect_called.store(true, Ordering::SeqCst);
-            } else if stopping.load(Ordering::SeqCst) {
-                late.fetch_add(1, Ordering::SeqCst);
-            }
-            async move {
-                if r.event_type == "suspect" {
-                    gate.wait_for(|&open| open).await.unwrap();
-                }
-                Ok::<(), HandlerError>(())
-            }
-        }
-    })));
-    let a = Node::start(outbox.clone(), &db, handlers, fast_cluster()).await.unwrap();
-    wait_for("the suspect called", LONG, || async { suspect_called.load(Ordering::SeqCst) }).await;
-    let before = count(&db, "SELECT count(*) FROM {s}completed").await;
-    assert_eq!(before, 0, "the other keys wait for the suspect's turn");
-    stopping.store(true, Ordering::SeqCst);
-    let assignment = a.assignment();
-    let stopped = tokio::spawn(a.shutdown());
-    // Leaving, the node holds no partition when the suspect's call ends.
-    wait_for("the leaving node's assignment emptied", LONG, || async { assignment.borrow().epochs.is_empty() }).await;
-    open.send_replace(true);
-    tokio::time::timeout(LONG, stopped).await.expect("the node stops").unwrap().unwrap();
-    assert_eq!(called_while_stopping.load(Ordering::SeqCst), 0, "calls made after the stop began");
-    let left = rows!(db, (i32,), "SELECT attempts FROM {s}records");
-    assert_eq!(left, vec![(0,); keys], "the records left, with no attempt spent");
-
-    let b = Node::start(outbox.clone(), &db, recording(&Sink::new()), fast_cluster()).await.unwrap();
-    drained(&db, LONG).await;
-    b.shutdown().await.unwrap();
-    let spent = spent(&db).await;
-    let expected = BTreeMap::from([(("first".into(), 0), keys), (("suspect".into(), 1), 1)]);
     assert_eq!(spent, expected, "(event type, attempts spent) of the delivered records");
 }
 
