@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
-use sqlx::PgPool;
+use sqlx::{AssertSqlSafe, PgPool};
 
 use super::{ConnectOptions, Db};
 use crate::assignment::{Epoch, InstanceId};
@@ -728,6 +728,64 @@ async fn a_dropped_schedule_leaves_no_transaction_open(pool: PgPool) {
                     "{backend}: a row written after dropping a schedule at poll {polls} ({gap:?} apart)"
                 );
             }
+        }
+    }
+}
+
+/// A migration that waits for a table lock another transaction holds (a `pg_dump`, a long report, a
+/// transaction left open after a `schedule`) gives up its place in the lock queue after a while and
+/// tries again: waiting on, it held up every statement on the table behind it, the workers' heartbeats
+/// included, for as long as the other transaction lasted (on MySQL up to `lock_wait_timeout`, a year by
+/// default). The migrator's connection keeps its own lock wait after.
+#[sqlx::test(migrations = false)]
+async fn a_migration_waiting_for_a_table_lock_lets_the_others_through(pool: PgPool) {
+    for db in [Db::Postgres(pool), super::mysql::test_database().await] {
+        let backend = db.backend();
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(db.clone()).await.unwrap();
+        // The last migration undone, as on a database the new release has not migrated yet.
+        let last = db.migrations().last().unwrap();
+        assert!(last.sql.contains("ADD COLUMN taken_over_at"), "{backend}: the undo below is the last's");
+        let (instances, applied) = (db.table("outbox", "instances"), db.table("outbox", "schema_migrations"));
+        let undo = format!(
+            "ALTER TABLE {instances} DROP COLUMN taken_over_at; DELETE FROM {applied} WHERE version = {}",
+            last.version
+        );
+        db.execute_script(AssertSqlSafe(undo)).await.unwrap();
+        let waiting = match db {
+            Db::MySql(_) => {
+                "SELECT count(*) FROM information_schema.processlist
+                 WHERE db = DATABASE() AND state = 'Waiting for table metadata lock'"
+            }
+            _ => "SELECT count(*) FROM pg_locks WHERE relation = 'outbox.instances'::regclass AND NOT granted",
+        };
+
+        let mut reader = db.begin().await.unwrap();
+        reader.execute(AssertSqlSafe(format!("SELECT count(*) FROM {instances}")), &[]).await.unwrap();
+        // The migrator's pool: one connection, whose session is read after.
+        let own = db.new_pool(&ConnectOptions { max_connections: 1, ..ConnectOptions::default() }).await.unwrap();
+        let migrating = tokio::spawn({
+            let (outbox, own) = (outbox.clone(), own.clone());
+            async move { outbox.migrate(own).await }
+        });
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while db.fetch_one::<(i64,)>(waiting, &[]).await.unwrap().0 == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "{backend}: the migration never asked for the table");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        // A heartbeat's statement, queued behind the migration's request.
+        let renewal = db.execute(AssertSqlSafe(format!("UPDATE {instances} SET name = name")), &[]);
+        tokio::time::timeout(std::time::Duration::from_secs(30), renewal)
+            .await
+            .unwrap_or_else(|_| panic!("{backend}: a statement on the table waited for as long as the reader lasted"))
+            .unwrap();
+        reader.commit().await.unwrap();
+        migrating.await.unwrap().unwrap();
+        let column = format!("SELECT count(taken_over_at) FROM {instances}");
+        db.fetch_one::<(i64,)>(AssertSqlSafe(column), &[]).await.expect("migrated once the reader was done");
+        if let Db::MySql(_) = own {
+            let kept = "SELECT CAST(@@SESSION.lock_wait_timeout = @@GLOBAL.lock_wait_timeout AS SIGNED)";
+            assert_eq!(own.fetch_one::<(i64,)>(kept, &[]).await.unwrap().0, 1, "the session keeps its own lock wait");
         }
     }
 }

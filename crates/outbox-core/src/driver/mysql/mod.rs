@@ -795,66 +795,6 @@ mod tests {
         outbox.migrate(&pool).await.unwrap();
     }
 
-    /// A migration that waits for a table's metadata lock another transaction holds (a long report, a
-    /// transaction left open after a `schedule`) gives up its place in the lock queue after a while and
-    /// tries again: waiting on, for up to `lock_wait_timeout` (a year by default), it held up every
-    /// statement on the table behind it, the workers' heartbeats included, for as long as the other
-    /// transaction lasted.
-    #[tokio::test]
-    async fn a_migration_waiting_for_a_table_lock_lets_the_others_through() {
-        let (pool, outbox) = migrated().await;
-        let last = super::MIGRATIONS.last().unwrap();
-        assert!(
-            last.sql.contains("ALTER TABLE {s}_instances ADD COLUMN taken_over_at"),
-            "the undo below is the last's"
-        );
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "ALTER TABLE outbox_instances DROP COLUMN taken_over_at;
-             DELETE FROM outbox_schema_migrations WHERE version = {}",
-            last.version
-        )))
-        .execute(&pool)
-        .await
-        .unwrap();
-        let mut reader = pool.acquire().await.unwrap();
-        sqlx::raw_sql("BEGIN; SELECT count(*) FROM outbox_instances").execute(&mut *reader).await.unwrap();
-        // The migrator's pool: one connection, whose session is read after.
-        let own =
-            MySqlPoolOptions::new().max_connections(1).connect_with((*pool.connect_options()).clone()).await.unwrap();
-        let migrating = tokio::spawn({
-            let (outbox, own) = (outbox.clone(), own.clone());
-            async move { outbox.migrate(&own).await }
-        });
-        let waiting = "SELECT count(*) FROM information_schema.processlist
-                       WHERE db = DATABASE() AND state = 'Waiting for table metadata lock'";
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while sqlx::query_scalar::<_, i64>(waiting).fetch_one(&pool).await.unwrap() == 0 {
-            assert!(tokio::time::Instant::now() < deadline, "the migration never asked for the table");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        // A heartbeat's statement, queued behind the migration's request.
-        let renewal = sqlx::query("UPDATE outbox_instances SET name = name").execute(&pool);
-        tokio::time::timeout(Duration::from_secs(30), renewal)
-            .await
-            .expect("a statement on the table waited for as long as the reader lasted")
-            .unwrap();
-        sqlx::raw_sql("COMMIT").execute(&mut *reader).await.unwrap();
-        migrating.await.unwrap().unwrap();
-        let column: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM information_schema.columns WHERE table_schema = DATABASE()
-                AND table_name = 'outbox_instances' AND column_name = 'taken_over_at'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        assert_eq!(column, 1, "migrated once the reader was done");
-        let (session,): (i64,) =
-            sqlx::query_as("SELECT CAST(@@SESSION.lock_wait_timeout AS SIGNED)").fetch_one(&own).await.unwrap();
-        let (global,): (i64,) =
-            sqlx::query_as("SELECT CAST(@@GLOBAL.lock_wait_timeout AS SIGNED)").fetch_one(&pool).await.unwrap();
-        assert_eq!(session, global, "the pool's connections keep their own lock wait");
-    }
-
     /// A migration MySQL applied only in part (each DDL statement commits on its own; here the last one,
     /// whose version row is then missing, as after a crash before it was written) stops every later
     /// migrate with an error that names it and says what to do, not with the server's bare complaint.

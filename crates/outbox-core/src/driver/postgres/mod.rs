@@ -475,8 +475,6 @@ fn fence_arguments(outcomes: &[&Outcome]) -> (Vec<i16>, Vec<InstanceId>, Vec<Epo
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use sqlx::PgPool;
 
     use super::MIGRATIONS;
@@ -536,43 +534,6 @@ mod tests {
         .await
         .unwrap();
         outbox
-    }
-
-    /// A migration that waits for a table lock another transaction holds (a `pg_dump`, a long report,
-    /// a transaction left open) gives up its place in the lock queue after a while and tries again:
-    /// waiting on, it held up every statement on the table behind it, the workers' heartbeats and
-    /// fetches and the application's `schedule`, for as long as the other transaction lasted.
-    #[sqlx::test(migrations = false)]
-    async fn a_migration_waiting_for_a_table_lock_lets_the_others_through(pool: PgPool) {
-        let outbox = one_migration_behind(&pool).await;
-        let mut reader = pool.acquire().await.unwrap();
-        sqlx::raw_sql("BEGIN; SELECT count(*) FROM outbox.instances").execute(&mut *reader).await.unwrap();
-        let migrating = tokio::spawn({
-            let (outbox, pool) = (outbox.clone(), pool.clone());
-            async move { outbox.migrate(&pool).await }
-        });
-        let waiting = "SELECT count(*) FROM pg_locks WHERE relation = 'outbox.instances'::regclass AND NOT granted";
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while sqlx::query_scalar::<_, i64>(waiting).fetch_one(&pool).await.unwrap() == 0 {
-            assert!(tokio::time::Instant::now() < deadline, "the migration never asked for the table");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        // A heartbeat's statement, queued behind the migration's request.
-        let renewal = sqlx::query("UPDATE outbox.instances SET name = name").execute(&pool);
-        tokio::time::timeout(Duration::from_secs(30), renewal)
-            .await
-            .expect("a statement on the table waited for as long as the reader lasted")
-            .unwrap();
-        sqlx::raw_sql("COMMIT").execute(&mut *reader).await.unwrap();
-        migrating.await.unwrap().unwrap();
-        let column: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM information_schema.columns WHERE table_schema = 'outbox' AND table_name = 'instances'
-                AND column_name = 'taken_over_at'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        assert_eq!(column, 1, "migrated once the reader was done");
     }
 
     /// Migrators that start together each see what the one before them applied, whatever the
