@@ -140,9 +140,9 @@ const READ_ON_MAX: Duration = Duration::from_secs(2);
 /// a pull the server refuses is refused again.
 const READ_ON_FOR: Duration = Duration::from_secs(60);
 
-/// Refuses a consumer that does not acknowledge message by message; returns its `max_deliver` (`0`:
-/// unbounded). A consumer whose settings cannot be read (the account may not allow asking) is taken as
-/// it is, with a warning.
+/// Refuses a consumer that does not acknowledge message by message; returns its `max_deliver` (`None`:
+/// unbounded, or not known). A consumer whose settings cannot be read (the account may not allow
+/// asking) is taken as it is, with a warning.
 async fn explicit_acks(message: &Message, source: &str) -> Result<Option<i64>> {
     let Ok(info) = message.info() else { return Ok(None) };
     let (stream, consumer) = (info.stream.to_string(), info.consumer.to_string());

@@ -55,6 +55,9 @@ pub const MIGRATIONS: &[Migration] = &[
     },
 ];
 
+/// The channels a listener hears (besides its probe's).
+const CHANNELS: [Channel; 2] = [Channel::Wake, Channel::Nudge];
+
 /// The most a statement's message carries: PostgreSQL's largest message (1 GiB less a byte), less room
 /// for the statement's own bytes.
 const STATEMENT_BYTES: usize = (1 << 30) - (1 << 20);
@@ -207,8 +210,8 @@ impl Driver<'_, PgPool, PgStatements> {
         let mut listener = PgListener::connect_with(&own).await?;
         // A channel of this outbox's own, so that no other outbox's listener hears its probe.
         let probe = wakeups.probe_channel();
-        let channels = [Channel::Wake, Channel::Nudge];
-        listener.listen_all(channels.map(|c| self.statements.channel(c)).into_iter().chain([probe.as_str()])).await?;
+        let channels = CHANNELS.map(|c| self.statements.channel(c));
+        listener.listen_all(channels.into_iter().chain([probe.as_str()])).await?;
         let heard = async {
             self.notify_on(&probe, "").await?;
             loop {
@@ -245,8 +248,7 @@ impl Driver<'_, PgPool, PgStatements> {
 
     /// Tells this process's processors or rounds a notice heard on one of the schema's channels.
     fn pass_on(&self, wakeups: &Wakeups, notification: &PgNotification) {
-        let channels = [Channel::Wake, Channel::Nudge];
-        match channels.into_iter().find(|&c| self.statements.channel(c) == notification.channel()) {
+        match CHANNELS.into_iter().find(|&c| self.statements.channel(c) == notification.channel()) {
             Some(channel) => wakeups.heard(channel, notification.payload()),
             None => debug!(channel = notification.channel(), "ignored a notice on an unknown channel"),
         }
