@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use async_nats::{Client, ConnectOptions};
-use tracing::info;
+use async_nats::{Client, ConnectOptions, Event};
+use tracing::{info, warn};
 
 use crate::config::{Auth, NatsConfig};
 use crate::{Error, Result};
@@ -20,7 +20,8 @@ pub async fn connect(config: &NatsConfig) -> Result<Client> {
         .name(&config.connection_name)
         .request_timeout(Some(config.publish_timeout))
         .ping_interval(config.publish_timeout.max(Duration::from_secs(1)))
-        .max_reconnects(None::<usize>);
+        .max_reconnects(None::<usize>)
+        .event_callback(log_event(config.connection_name.clone()));
     options = match &config.auth {
         Auth::None => options,
         Auth::Token { token } => options.token(token.clone()),
@@ -47,6 +48,23 @@ pub async fn connect(config: &NatsConfig) -> Result<Client> {
         options.connect(&config.servers).await.map_err(|source| Error::Connect { servers: servers.clone(), source })?;
     info!(%servers, "connected to NATS");
     Ok(client)
+}
+
+/// Logs what happens to a connection. A publish the server's permissions deny is answered only by an
+/// asynchronous `-ERR` on the connection, and the publish waits out its ack: without this warning the
+/// reason showed only as an info line of the client's own.
+fn log_event(connection: String) -> impl Fn(Event) -> std::future::Ready<()> + Send + Sync + 'static {
+    move |event| {
+        match &event {
+            Event::Connected => info!(%connection, "NATS connection up"),
+            Event::Closed | Event::Draining => info!(%connection, %event, "NATS connection"),
+            Event::Disconnected | Event::LameDuckMode | Event::SlowConsumer(_) | Event::ClientError(_) => {
+                warn!(%connection, %event, "NATS connection")
+            }
+            Event::ServerError(error) => warn!(%connection, %error, "the NATS server reported an error on the connection"),
+        }
+        std::future::ready(())
+    }
 }
 
 #[cfg(test)]
