@@ -265,6 +265,9 @@ mod tests {
         assert_eq!(config.poll_interval, Duration::from_millis(250));
         assert_eq!(config.retry.max_retries, 2);
         assert_eq!(config.batch_size, DEFAULT_BATCH_SIZE);
+        // A fixed delay over the default cap is refused, not cut to a minute.
+        let config: Config = toml::from_str("[retry]\nbackoff = { kind = \"fixed\", delay = \"5m\" }\n").unwrap();
+        assert!(config.validate().unwrap_err().to_string().contains("max_delay"));
         let err = toml::from_str::<Config>("pol_interval = \"1s\"").unwrap_err();
         assert!(err.to_string().contains("unknown field"), "{err}");
     }

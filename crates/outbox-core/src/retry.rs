@@ -50,6 +50,16 @@ pub enum Backoff {
     },
 }
 
+impl Backoff {
+    /// The delay before the first retry.
+    fn first(&self) -> Duration {
+        match *self {
+            Backoff::Fixed { delay } => delay,
+            Backoff::Linear { initial, .. } | Backoff::Exponential { initial, .. } => initial,
+        }
+    }
+}
+
 /// A retry policy: backoff, cap, jitter and how many retries before the fallback runs.
 ///
 /// The handler runs at most `1 + max_retries` times for one record.
@@ -121,6 +131,15 @@ impl RetryPolicy {
         }
         if self.max_delay.is_zero() || self.max_delay > crate::MAX_DELAY {
             return bad(format!("retry.max_delay must be above 0 and at most 100 years, got {:?}", self.max_delay));
+        }
+        // The constructors raise the cap to the first delay; a policy written out (in TOML, or with
+        // `..RetryPolicy::default()`) keeps the default minute and would cut every delay to it unseen.
+        let first = self.backoff.first();
+        if first > self.max_delay {
+            return bad(format!(
+                "retry.max_delay ({:?}) is below the first delay ({first:?}), which it would cut; raise max_delay",
+                self.max_delay
+            ));
         }
         if let Backoff::Exponential { multiplier, .. } = self.backoff
             && !(multiplier.is_finite() && multiplier >= 1.0)
@@ -255,5 +274,12 @@ mod tests {
         assert!(RetryPolicy::default().with_max_delay(Duration::ZERO).validate().is_err());
         // A route's policy too: a delay past what a clock can add to now panicked the processor.
         assert!(RetryPolicy::fixed(Duration::MAX, 3).validate().is_err());
+        // A first delay over the cap, as a policy written out with the default cap has it.
+        let written_out =
+            RetryPolicy { backoff: Backoff::Fixed { delay: Duration::from_secs(300) }, ..Default::default() };
+        let err = written_out.validate().unwrap_err().to_string();
+        assert!(err.contains("max_delay") && err.contains("300s"), "{err}");
+        assert!(written_out.with_max_delay(Duration::from_secs(300)).validate().is_ok());
+        assert!(RetryPolicy::linear(Duration::from_secs(300), MS(1), 3).validate().is_ok());
     }
 }
