@@ -31,6 +31,7 @@ every_backend!(
     a_heartbeat_connection_that_stops_answering_costs_no_lease_at_the_shortest_stale_timeout,
     a_completion_whose_host_vanished_gives_its_partition_up,
     a_completion_given_up_on_a_lock_ends_on_the_server_too,
+    statements_given_up_on_a_table_lock_end_on_the_server_too,
     a_processor_ended_by_a_fault_takes_its_node_out_of_the_cluster,
     a_heartbeat_ended_by_a_fault_takes_its_node_out_of_the_cluster,
     a_header_value_stored_as_a_number_is_delivered_as_its_text,
@@ -84,6 +85,36 @@ async fn a_completion_given_up_on_a_lock_ends_on_the_server_too(db: TestDb) {
     drained(&db, LONG).await;
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
     assert_eq!(sink.len(), 1, "the record was delivered again");
+}
+
+/// A table lock taken by maintenance (`REINDEX`, `VACUUM FULL`, `CLUSTER`, a hand-written `LOCK`)
+/// holds every fetch and purge up: each is given up after `query_timeout`, and the database ends its
+/// wait then too. Before, each one given up went on waiting on the server, one more with every poll
+/// and purge pass, until the lock went or the server ran out of connections for the whole application.
+async fn statements_given_up_on_a_table_lock_end_on_the_server_too(db: TestDb) {
+    if db.is_sqlite() || db.is_mysql() {
+        return; // PostgreSQL's maintenance takes locks plain reads wait for
+    }
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_millis(300)).await;
+    let mut maintenance = db.begin().await;
+    let lock = db.sql("LOCK TABLE {s}records IN ACCESS EXCLUSIVE MODE");
+    maintenance.execute(sqlx::AssertSqlSafe(lock), &[]).await.unwrap();
+    let sink = Sink::new();
+    let node = start(&outbox, &db, recording(&sink)).await;
+    wait_for("a fetch waiting for the table", LONG, || async { db.lock_waiters().await >= 1 }).await;
+    // Ten time limits: a statement and its next try may overlap for a moment, no more.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let waiting = db.lock_waiters().await;
+    let what = rows!(
+        db,
+        (String,),
+        "SELECT left(query, 60) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    );
+    assert!(waiting <= 2, "{waiting} fetches wait for the table: {what:?}");
+    maintenance.rollback().await.unwrap();
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    wait_for("the record delivered", LONG, || async { sink.len() == 1 }).await;
+    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
 }
 
 /// A node on `through` (`query_timeout` 1 s) that delivered record `k` and whose completion waits for

@@ -61,7 +61,9 @@ fn log_event(connection: String) -> impl Fn(Event) -> std::future::Ready<()> + S
             Event::Disconnected | Event::LameDuckMode | Event::SlowConsumer(_) | Event::ClientError(_) => {
                 warn!(%connection, %event, "NATS connection")
             }
-            Event::ServerError(error) => warn!(%connection, %error, "the NATS server reported an error on the connection"),
+            Event::ServerError(error) => {
+                warn!(%connection, %error, "the NATS server reported an error on the connection")
+            }
         }
         std::future::ready(())
     }

@@ -331,11 +331,11 @@ impl Db {
     /// when it stops; `None`: fetch through this pool). On PostgreSQL, one connection (opened lazily,
     /// with this pool's settings) with JIT compilation off for its session, so the fetch is one
     /// statement: its planned cost rises with the table's statistics past `jit_above_cost`, and
-    /// compiling it cost many times the query.
-    pub(crate) fn fetch_pool(&self) -> Option<Db> {
+    /// compiling it cost many times the query; its statements end on the server after `query_timeout`.
+    pub(crate) fn fetch_pool(&self, query_timeout: Duration) -> Option<Db> {
         match self {
             #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => Some(Db::Postgres(postgres::fetch_pool(pool))),
+            Db::Postgres(pool) => Some(Db::Postgres(postgres::fetch_pool(pool, query_timeout))),
             #[allow(unreachable_patterns)] // in a build with PostgreSQL alone
             _ => None,
         }

@@ -115,7 +115,7 @@ impl Processor {
     /// Dropping the future abandons in-flight deliveries without completing them; they are redelivered.
     #[instrument(skip_all, fields(instance = %self.assignment.borrow().instance))]
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
-        let own = self.db.fetch_pool();
+        let own = self.db.fetch_pool(self.outbox.config().query_timeout);
         let fetches = own.clone().unwrap_or_else(|| self.db.clone());
         let stopped = self.deliver(shutdown, &fetches).await;
         if let Some(own) = own {

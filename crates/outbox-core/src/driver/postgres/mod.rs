@@ -7,7 +7,7 @@ mod statements;
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgListener, PgNotification, PgPoolOptions};
+use sqlx::postgres::{PgArguments, PgConnectOptions, PgListener, PgNotification, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::watch;
 use tracing::{debug, info};
@@ -138,10 +138,14 @@ pub(super) async fn schedule(
 }
 
 /// One connection of its own for the processor's fetches, with JIT off for its session (see
-/// `Db::fetch_pool`); opened at the first fetch, and again after it is lost.
-pub(super) fn fetch_pool(pool: &PgPool) -> PgPool {
+/// `Db::fetch_pool`); opened at the first fetch, and again after it is lost. Its statements end on the
+/// server after `query_timeout`, when the processor gives them up: a fetch given up waiting for a table
+/// lock (`REINDEX`, `VACUUM FULL`) went on waiting, its connection closed, and every poll added one.
+pub(super) fn fetch_pool(pool: &PgPool, query_timeout: Duration) -> PgPool {
     let options = ConnectOptions { max_connections: 1, acquire_timeout: pool.options().get_acquire_timeout() };
-    super::sized(&options, true).connect_lazy_with((*pool.connect_options()).clone().options([("jit", "off")]))
+    let limit = format!("{}ms", query_timeout.as_millis().max(1));
+    let session = [("jit", "off"), ("statement_timeout", limit.as_str())];
+    super::sized(&options, true).connect_lazy_with((*pool.connect_options()).clone().options(session))
 }
 
 /// Accepts a message on the caller's connection (see `Conn::accept`).
@@ -162,19 +166,31 @@ pub(super) async fn accept_in_order(
     Ok(done.rows_affected() == 1)
 }
 
-/// Starts a transaction for the processor's completions on `conn` with `s.begin_completion`: JIT
-/// compilation off (see `Db::fetch_pool`), and the server giving up when the client does, after
-/// `query_timeout`:
+/// Starts a transaction of the library's own on the application's pool (the processor's completions,
+/// purges) on `conn` with `s.begin`: JIT compilation off (see `Db::fetch_pool`), and the server giving
+/// up when the client does, after `query_timeout`:
 /// - the session is ended if the transaction sits idle that long. A worker whose host vanished
 ///   mid-completion (no FIN, no RST) otherwise leaves its locks held until the server's TCP keepalive
 ///   gives up, hours by default: its partitions' rows stay locked `FOR SHARE`, which every acquisition
 ///   skips, so nobody delivers them;
-/// - a lock is waited for at most that long. A statement whose client gave up otherwise waits on for
-///   ever, its partitions' rows locked, and each retry adds one.
+/// - a lock is waited for, and a statement runs, at most that long. A statement whose client gave up
+///   otherwise goes on for ever (a table lock of maintenance's waited for), its connection taken and
+///   its partitions' rows locked, and each retry adds one.
 ///
 /// Run it under `finishing`, which closes the connection if it is cut short.
 pub(super) async fn begin<'c>(conn: &'c mut PgConnection, s: &PgStatements) -> Result<Transaction<'c, Postgres>> {
-    Ok(conn.begin_with(statement(&s.begin_completion)).await?)
+    Ok(conn.begin_with(statement(&s.begin)).await?)
+}
+
+/// Runs `query` in a transaction of [`begin`]'s; returns the rows it affected.
+async fn bounded(pool: &PgPool, s: &PgStatements, query: sqlx::query::Query<'_, Postgres, PgArguments>) -> Result<u64> {
+    super::finishing(pool, async |conn| {
+        let mut tx = begin(conn, s).await?;
+        let affected = query.execute(&mut *tx).await?.rows_affected();
+        tx.commit().await?;
+        Ok(affected)
+    })
+    .await
 }
 
 impl Driver<'_, PgPool, PgStatements> {
@@ -419,17 +435,17 @@ impl Driver<'_, PgPool, PgStatements> {
 
     pub(crate) async fn purge(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge)).bind(millis(retention)).bind(count(limit));
-        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
+        bounded(self.pool, self.statements, query).await
     }
 
     pub(crate) async fn purge_inbox(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge_inbox)).bind(millis(retention)).bind(count(limit));
-        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
+        bounded(self.pool, self.statements, query).await
     }
 
     pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.prune_keys)).bind(count(limit));
-        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
+        bounded(self.pool, self.statements, query).await
     }
 }
 
@@ -554,14 +570,15 @@ mod tests {
         second.unwrap();
     }
 
-    /// The processor's statements run with JIT off (fetches on a connection of their own, completions in
-    /// transactions, which also bound idling and lock waits to `query_timeout`), and the application's
+    /// The processor's statements run with JIT off (fetches on a connection of their own, bounded to
+    /// `query_timeout`; completions in transactions, which bound idling and lock waits to it), and the application's
     /// pool keeps its settings.
     #[sqlx::test(migrations = false)]
     async fn processor_statements_run_without_jit(pool: PgPool) {
-        let fetches = super::fetch_pool(&pool);
+        let fetches = super::fetch_pool(&pool, std::time::Duration::from_millis(2500));
         let fetching: String = sqlx::query_scalar("SHOW jit").fetch_one(&fetches).await.unwrap();
-        assert_eq!(fetching, "off");
+        let limit: String = sqlx::query_scalar("SHOW statement_timeout").fetch_one(&fetches).await.unwrap();
+        assert_eq!((fetching.as_str(), limit.as_str()), ("off", "2500ms"));
         let mut conn = pool.acquire().await.unwrap();
         let statements = super::PgStatements::new("outbox", true, true, std::time::Duration::from_millis(2500));
         let mut tx = super::begin(&mut conn, &statements).await.unwrap();
@@ -569,9 +586,13 @@ mod tests {
         let idle: String =
             sqlx::query_scalar("SHOW idle_in_transaction_session_timeout").fetch_one(&mut *tx).await.unwrap();
         let lock: String = sqlx::query_scalar("SHOW lock_timeout").fetch_one(&mut *tx).await.unwrap();
+        let statements_run: String = sqlx::query_scalar("SHOW statement_timeout").fetch_one(&mut *tx).await.unwrap();
         tx.commit().await.unwrap();
         drop(conn);
-        assert_eq!((inside.as_str(), idle.as_str(), lock.as_str()), ("off", "2500ms", "2500ms"));
+        assert_eq!(
+            (inside.as_str(), idle.as_str(), lock.as_str(), statements_run.as_str()),
+            ("off", "2500ms", "2500ms", "2500ms")
+        );
         let after: String = sqlx::query_scalar("SHOW jit").fetch_one(&pool).await.unwrap();
         let default: String =
             sqlx::query_scalar("SELECT reset_val FROM pg_settings WHERE name = 'jit'").fetch_one(&pool).await.unwrap();

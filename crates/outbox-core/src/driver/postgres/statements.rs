@@ -296,8 +296,8 @@ pub struct PgStatements {
     pub(crate) accept_in_order: Arc<str>,
     pub(crate) purge_inbox: Arc<str>,
     pub(crate) migrations_table: Arc<str>,
-    /// Begins a completion's transaction (see `postgres::begin`).
-    pub(crate) begin_completion: Arc<str>,
+    /// Begins a transaction of the library's own (see `postgres::begin`).
+    pub(crate) begin: Arc<str>,
 }
 
 impl PgStatements {
@@ -346,11 +346,11 @@ impl PgStatements {
             accept_in_order: build(ACCEPT_IN_ORDER),
             purge_inbox: build(PURGE_INBOX),
             migrations_table: build(MIGRATIONS_TABLE),
-            begin_completion: {
+            begin: {
                 let ms = query_timeout.as_millis().max(1);
                 format!(
                     "BEGIN; SET LOCAL jit = off; SET LOCAL idle_in_transaction_session_timeout = {ms};
-                     SET LOCAL lock_timeout = {ms}"
+                     SET LOCAL lock_timeout = {ms}; SET LOCAL statement_timeout = {ms}"
                 )
                 .into()
             },
