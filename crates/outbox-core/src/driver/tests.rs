@@ -660,6 +660,20 @@ async fn a_time_limit_and_a_full_database_are_worth_retrying(pool: PgPool) {
     }
 }
 
+/// A session PostgreSQL ends because its transaction sat idle past the limit the library sets
+/// (`idle_in_transaction_session_timeout`: a process stalled between a completion's statements) is
+/// worth retrying; it was taken for a refusal of the records, which then were written one at a time and
+/// could turn FAILED after their handlers had succeeded.
+#[sqlx::test(migrations = false)]
+async fn a_transaction_ended_for_sitting_idle_is_worth_retrying(pool: PgPool) {
+    let db = Db::Postgres(pool);
+    let mut tx = db.begin().await.unwrap();
+    tx.execute("SET LOCAL idle_in_transaction_session_timeout = 50", &[]).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let err = tx.execute("SELECT 1", &[]).await.unwrap_err();
+    assert!(err.is_transient(), "{err:?}");
+}
+
 /// Pool settings out of range are a configuration error naming the field, before anything is dialled:
 /// a wait past `Instant`'s range panicked inside sqlx, and an empty pool waited its whole
 /// `acquire_timeout` to fail as if the database were down.

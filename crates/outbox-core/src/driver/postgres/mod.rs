@@ -73,14 +73,16 @@ pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<PgPoo
 
 /// SQLSTATE classes 08 (connection), 40 (serialisation failure, deadlock), 53 (insufficient
 /// resources), 57P01..03 (shutdown, crash, cannot connect now), 57014 (cancelled, as by
-/// `statement_timeout`), 55P03 (`lock_timeout`) and 25006 (a read-only transaction: a standby, or a
-/// primary turned read-only, during a failover) are worth retrying. `None`: not a PostgreSQL error.
+/// `statement_timeout`), 55P03 (`lock_timeout`), 25P03 and 25P04 (a session ended for a transaction
+/// idle, or open, too long: `idle_in_transaction_session_timeout`, which the library sets, and
+/// PostgreSQL 17's `transaction_timeout`) and 25006 (a read-only transaction: a standby, or a primary
+/// turned read-only, during a failover) are worth retrying. `None`: not a PostgreSQL error.
 pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     let db = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
     let code = db.code();
     Some(
         ["08", "40", "53", "57P"].iter().any(|class| code.starts_with(class))
-            || matches!(code, "57014" | "55P03" | "25006"),
+            || matches!(code, "57014" | "55P03" | "25P03" | "25P04" | "25006"),
     )
 }
 
