@@ -568,8 +568,8 @@ async fn a_read_only_answer_retires_the_connections_opened_before_it(pool: PgPoo
 
 /// A `begin` dropped at any point, even while its `BEGIN` is in flight, leaves no transaction open on
 /// the pooled connection: the pool's next statement commits as it runs, so another connection sees its
-/// row (inside a transaction left open it would not, and would hold its locks). Both the application's
-/// `Db::begin` and the outbox's own begin (completions, ownership rounds) are swept.
+/// row (inside a transaction left open it would not, and would hold its locks). The application's
+/// `Db::begin`, the outbox's own begin (completions, ownership rounds) and `migrate` are swept.
 #[sqlx::test(migrations = false)]
 async fn a_dropped_begin_leaves_no_transaction_open(pool: PgPool) {
     use futures::FutureExt;
@@ -600,10 +600,17 @@ async fn a_dropped_begin_leaves_no_transaction_open(pool: PgPool) {
                 .boxed(),
             }
         };
+        let outbox = Outbox::new(Config::default()).unwrap();
+        let migrate = || -> BoxFuture<'static, ()> {
+            let (outbox, single) = (outbox.clone(), single.clone());
+            async move { drop(outbox.migrate(&single).await) }.boxed()
+        };
         let mut rows = 0;
         for polls in 0..12 {
             for gap in [0, 20, 100].map(std::time::Duration::from_micros) {
-                for (name, begin) in [("Db::begin", single.begin().map(drop).boxed()), ("own begin", own())] {
+                let begins =
+                    [("Db::begin", single.begin().map(drop).boxed()), ("own begin", own()), ("migrate", migrate())];
+                for (name, begin) in begins {
                     dropped_after(begin, polls, gap).await;
                     single.execute("INSERT INTO dropped_begins (step) VALUES ($1)", &[rows.into()]).await.unwrap();
                     rows += 1;
@@ -802,4 +809,59 @@ async fn a_migration_waiting_for_a_table_lock_lets_the_others_through(pool: PgPo
             assert_eq!(own.fetch_one::<(i64,)>(kept, &[]).await.unwrap().0, 1, "the session keeps its own lock wait");
         }
     }
+}
+
+/// A role that may read and write the outbox's tables but create nothing (an application's role, the
+/// tables made by an owner's migration) runs `migrate` with nothing pending: every pod calls it at
+/// start, and it failed with "permission denied" at the migrations table it had only to read.
+#[sqlx::test(migrations = false)]
+async fn migrate_with_nothing_pending_needs_no_right_to_create(pool: PgPool) {
+    let outbox = Outbox::new(Config::default()).unwrap();
+    for db in backends(pool).await {
+        let backend = db.backend();
+        let role = format!("outbox_app_{}", uuid::Uuid::now_v7().simple());
+        let (grants, drop_role) = match &db {
+            Db::Sqlite(_) => continue, // no roles
+            Db::Postgres(_) => (
+                vec![
+                    format!("CREATE ROLE {role} LOGIN"),
+                    format!("GRANT USAGE ON SCHEMA outbox TO {role}"),
+                    format!("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA outbox TO {role}"),
+                ],
+                vec![format!("DROP OWNED BY {role}"), format!("DROP ROLE {role}")],
+            ),
+            Db::MySql(_) => (
+                vec![
+                    format!("CREATE USER '{role}'@'%'"),
+                    format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {}.* TO '{role}'@'%'", database(&db).await),
+                ],
+                vec![format!("DROP USER '{role}'@'%'")],
+            ),
+        };
+        outbox.migrate(&db).await.unwrap();
+        for sql in grants {
+            db.execute_script(AssertSqlSafe(sql)).await.unwrap();
+        }
+        let app = match &db {
+            Db::Postgres(pool) => Db::Postgres(
+                PgPool::connect_with(pool.connect_options().as_ref().clone().username(&role)).await.unwrap(),
+            ),
+            Db::MySql(pool) => Db::MySql(
+                sqlx::MySqlPool::connect_with(pool.connect_options().as_ref().clone().username(&role)).await.unwrap(),
+            ),
+            Db::Sqlite(_) => unreachable!(),
+        };
+        let migrated = outbox.migrate(&app).await;
+        app.close().await;
+        for sql in drop_role {
+            db.execute_script(AssertSqlSafe(sql)).await.unwrap();
+        }
+        migrated.unwrap_or_else(|e| panic!("{backend}: {e}"));
+    }
+}
+
+/// The database `db` is connected to.
+async fn database(db: &Db) -> String {
+    let (name,): (String,) = db.fetch_one("SELECT DATABASE()", &[]).await.unwrap();
+    name
 }

@@ -422,7 +422,17 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     }
 
     async fn apply(&self, conn: &mut MySqlConnection, schema: &str) -> Result<()> {
-        sqlx::query(AssertSqlSafe(render(MIGRATIONS_TABLE, schema))).execute(&mut *conn).await?;
+        // Created only if missing: `CREATE TABLE IF NOT EXISTS` wants the right to create even when the
+        // table is there, which an application's user seldom has (it runs `migrate` at every start).
+        let table_exists: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?)",
+        )
+        .bind(format!("{schema}_schema_migrations"))
+        .fetch_one(&mut *conn)
+        .await?;
+        if !table_exists {
+            sqlx::query(AssertSqlSafe(render(MIGRATIONS_TABLE, schema))).execute(&mut *conn).await?;
+        }
         let applied: Vec<(i64, i64)> =
             sqlx::query_as(AssertSqlSafe(format!("SELECT version, checksum FROM {schema}_schema_migrations")))
                 .fetch_all(&mut *conn)

@@ -279,9 +279,14 @@ impl Driver<'_, PgPool, PgStatements> {
         migrate::patiently(self.statements.schema(), || self.migrate_once()).await
     }
 
+    /// Under `finishing`: a migration cut short during its `BEGIN` would otherwise hand the connection
+    /// back to the pool inside a transaction (sqlx#4393).
     async fn migrate_once(&self) -> Result<()> {
+        super::finishing(self.pool, async |conn| self.apply(conn).await).await
+    }
+
+    async fn apply(&self, conn: &mut PgConnection) -> Result<()> {
         let schema = self.statements.schema();
-        let mut conn = self.pool.acquire().await?;
         // READ COMMITTED whatever the database's default, so that each statement sees what a migrator
         // that held the lock before committed: at REPEATABLE READ the snapshot is taken by the lock's
         // own statement, before it waits.
@@ -295,16 +300,22 @@ impl Driver<'_, PgPool, PgStatements> {
         let timeout = migrate::LOCK_TIMEOUT.as_millis();
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("SET LOCAL lock_timeout = {timeout}"))).execute(&mut *tx).await?;
         let ident = self.statements.schema_ident();
-        // Created only if missing: `CREATE SCHEMA IF NOT EXISTS` wants the right to create schemas even
-        // when the schema is there, which a role that does not own the database seldom has.
-        let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
-            .bind(schema)
-            .fetch_one(&mut *tx)
-            .await?;
-        if !exists {
+        // Each created only if missing: `CREATE … IF NOT EXISTS` wants the right to create even when the
+        // object is there, which an application's role seldom has (it runs `migrate` at every start).
+        let (schema_exists, table_exists): (bool, bool) = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1),
+                    EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                            WHERE n.nspname = $1 AND c.relname = 'schema_migrations')",
+        )
+        .bind(schema)
+        .fetch_one(&mut *tx)
+        .await?;
+        if !schema_exists {
             sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {ident}"))).execute(&mut *tx).await?;
         }
-        sqlx::query(statement(&self.statements.migrations_table)).execute(&mut *tx).await?;
+        if !table_exists {
+            sqlx::query(statement(&self.statements.migrations_table)).execute(&mut *tx).await?;
+        }
         let applied: Vec<(i64, i64)> =
             sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT version, checksum FROM {ident}.schema_migrations")))
                 .fetch_all(&mut *tx)
