@@ -29,6 +29,7 @@ every_backend!(
     a_batch_of_failures_far_from_the_database_is_written_within_its_time_limit,
     a_heartbeat_connection_that_stops_answering_costs_no_lease,
     a_heartbeat_connection_that_stops_answering_costs_no_lease_at_the_shortest_stale_timeout,
+    a_heartbeat_connection_reset_costs_no_lease_at_the_shortest_stale_timeout,
     a_completion_whose_host_vanished_gives_its_partition_up,
     a_completion_given_up_on_a_lock_ends_on_the_server_too,
     statements_given_up_on_a_table_lock_end_on_the_server_too,
@@ -405,6 +406,34 @@ async fn heartbeat_connection_stops_answering(
     assert_eq!(kept, vec![(256,)], "the instance lost partitions");
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
     assert_eq!(sink.len(), 1, "the record was delivered again");
+}
+
+/// Every connection reset at once (a pooler or proxy restarted, a failover), at the shortest stale
+/// timeout: the renewal on the heartbeat's connection fails at once and goes out again on a new one,
+/// within the lease. Before, the next try waited for the next heartbeat, when the lease (two intervals
+/// from the last renewal) had ended: the instance was declared dead, its calls cancelled, and its
+/// partitions left idle for a quiet period.
+async fn a_heartbeat_connection_reset_costs_no_lease_at_the_shortest_stale_timeout(db: TestDb) {
+    let Some((through, proxy)) = db.through_proxy().await else { return };
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    let sink = Sink::new();
+    let heartbeat_interval = Duration::from_millis(500);
+    let config =
+        outbox_cluster::ClusterConfig { heartbeat_interval, stale_timeout: 4 * heartbeat_interval, ..fast_cluster() };
+    let node = Node::start(outbox.clone(), &through, recording(&sink), config).await.unwrap();
+    let owned = "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL";
+    wait_for("every partition owned", LONG, || async { count(&db, owned).await == 256 }).await;
+    let registered = rows!(db, (outbox_core::InstanceId,), "SELECT id FROM {s}instances");
+    for _ in 0..3 {
+        proxy.cut();
+        proxy.mend();
+        tokio::time::sleep(4 * heartbeat_interval).await;
+    }
+    commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
+    wait_for("a record committed after the resets delivered", LONG, || async { sink.len() == 1 }).await;
+    let now = rows!(db, (outbox_core::InstanceId,), "SELECT id FROM {s}instances");
+    assert_eq!(now, registered, "the instance was declared dead and registered again");
+    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
 }
 
 /// A `Node::start` whose registration was written but whose answer never came (the link went down in

@@ -20,6 +20,9 @@ use crate::driver::{HeartbeatConnection, Store};
 use crate::error::Result;
 use crate::stored::Lease;
 
+/// The first pause before a failed renewal goes out again; it doubles up to the heartbeat interval.
+const RENEW_AGAIN_AFTER: Duration = Duration::from_millis(50);
+
 /// What each registration or renewal asks for.
 fn lease(config: &ClusterConfig) -> Lease {
     Lease { live: config.lease(), heartbeat: config.heartbeat_interval }
@@ -87,19 +90,48 @@ impl Heartbeat {
         }
     }
 
+    /// Renews on `conn`, and again on a new connection after a failure (a connection reset by a
+    /// pooler's restart or a failover fails at once), while the lease has time left: at the shortest
+    /// stale timeout the lease ends one interval after the renewal is sent, so waiting for the next
+    /// heartbeat let one reset cost the lease.
+    async fn renew(&self, conn: &mut HeartbeatConnection, id: InstanceId, delivered: u64) -> Result<Option<Duration>> {
+        let mut pause = RENEW_AGAIN_AFTER;
+        loop {
+            match self.renew_once(conn, id, delivered).await {
+                Err(e) if self.lease_left() > pause => {
+                    metrics::counter!("outbox_heartbeat_failures_total").increment(1);
+                    warn!(instance = %id, error = %e, "heartbeat failed; renewing again on a new connection");
+                    *conn = HeartbeatConnection::default();
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(self.config.heartbeat_interval);
+                }
+                answer => return answer,
+            }
+        }
+    }
+
+    /// What is left of the lease the processor goes by.
+    fn lease_left(&self) -> Duration {
+        let lease = self.assign.borrow().lease;
+        lease.map_or(Duration::ZERO, |d| d.instant().saturating_duration_since(tokio::time::Instant::now()))
+    }
+
     /// One renewal on `conn`. If it has not answered within a heartbeat interval, or half the time the
     /// lease has left if that is sooner (a connection left half-open by a failover or a dropped NAT
     /// entry never will), the same renewal goes out again on a new connection beside it, and the first
-    /// answer counts: waiting for the first alone let the lease end, while giving it up would lose a
-    /// slow but live renewal its place (on SQLite, its turn at the file). The connection that answered
-    /// is kept. At the shortest stale timeout the lease ends one interval after the renewal is sent,
-    /// so one sent again after an interval came too late every time.
-    async fn renew(&self, conn: &mut HeartbeatConnection, id: InstanceId, delivered: u64) -> Result<Option<Duration>> {
+    /// renewal to succeed counts (the other's answer if both fail): waiting for the first alone let the
+    /// lease end, while giving it up would lose a slow but live renewal its place (on SQLite, its turn
+    /// at the file). The connection that answered is kept. At the shortest stale timeout the lease ends
+    /// one interval after the renewal is sent, so one sent again after an interval came too late every
+    /// time.
+    async fn renew_once(
+        &self,
+        conn: &mut HeartbeatConnection,
+        id: InstanceId,
+        delivered: u64,
+    ) -> Result<Option<Duration>> {
         let lease = lease(&self.config);
-        let left =
-            self.assign.borrow().lease.map(|d| d.instant().saturating_duration_since(tokio::time::Instant::now()));
-        let again_after =
-            left.map_or(self.config.heartbeat_interval, |left| self.config.heartbeat_interval.min(left / 2));
+        let again_after = self.config.heartbeat_interval.min(self.lease_left() / 2);
         let mut spare = HeartbeatConnection::default();
         let (answer, spare_answered) = {
             let first = conn.renew(&self.store, id, lease, delivered);
@@ -108,9 +140,17 @@ impl Heartbeat {
                 Ok(answer) => (answer, false),
                 Err(_) => {
                     warn!(instance = %id, waited = ?again_after, "heartbeat not answered; renewing on a new connection too");
+                    let second = spare.renew(&self.store, id, lease, delivered);
+                    tokio::pin!(second);
                     tokio::select! {
-                        answer = &mut first => (answer, false),
-                        answer = spare.renew(&self.store, id, lease, delivered) => (answer, true),
+                        answer = &mut first => match answer {
+                            Ok(answer) => (Ok(answer), false),
+                            Err(_) => (second.await, true),
+                        },
+                        answer = &mut second => match answer {
+                            Ok(answer) => (Ok(answer), true),
+                            Err(_) => (first.await, false),
+                        },
                     }
                 }
             }
