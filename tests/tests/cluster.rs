@@ -25,6 +25,7 @@ every_backend!(
     a_partition_still_quiet_when_its_owner_stops_stays_quiet,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
+    a_stop_given_up_part_way_stops_every_task,
     a_stop_with_a_call_that_outlasts_it_ends_within_the_shutdown_timeout,
     a_stop_while_the_database_answers_nobody_ends_in_bounded_time,
     a_node_declared_dead_while_leaving_still_leaves,
@@ -225,6 +226,30 @@ async fn a_registration_whose_answer_was_lost_leaves_no_second_instance(pool: sq
     drained(&db, LONG).await;
     a.shutdown().await.unwrap();
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
+}
+
+/// A `shutdown` given up part way (a caller's time limit, a `select!`) stops the node's tasks with it,
+/// as a crash would: the lease runs out and another node takes every partition. Before, its heartbeat
+/// and ownership rounds ran on for the life of the process, a live instance the leader kept giving a
+/// share that nobody delivered.
+async fn a_stop_given_up_part_way_stops_every_task(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let sink = Sink::new();
+    let a = start(&outbox, &db, recording(&sink)).await;
+    let first = a.id();
+    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&first) == Some(&256) }).await;
+    let mut stop = Box::pin(a.shutdown());
+    assert!(futures::poll!(stop.as_mut()).is_pending(), "a stop takes more than one poll");
+    drop(stop);
+    let b = start(&outbox, &db, recording(&sink)).await;
+    wait_for("b owns everything", LONG, || async { owners(&db).await.get(&b.id()) == Some(&256) }).await;
+    let status = outbox_cluster::status(&db, &outbox).await.unwrap();
+    let live: Vec<_> = status.instances.iter().filter(|i| i.live).map(|i| i.id).collect();
+    assert_eq!(live, [b.id()], "the node whose stop was given up no longer renews its lease");
+    let records: Vec<_> = (0..256).map(|k| NewRecord::new(format!("key-{k}"), "t", "")).collect();
+    commit(&outbox, &db, records).await;
+    wait_for("every record delivered", LONG, || async { sink.len() == 256 }).await;
+    b.shutdown().await.unwrap();
 }
 
 /// A graceful stop runs out of time (`shutdown_timeout`) while a handler is in the middle of a poll on

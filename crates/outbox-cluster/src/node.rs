@@ -177,8 +177,12 @@ impl Node {
     /// the lease runs out, as after a crash. A partition taken from a dead owner and still in its quiet
     /// period is left to its next owner to take as from a dead owner, after the rest of the period.
     /// Every task is stopped whatever a step returns; the first error is returned, and each is logged.
+    ///
+    /// Given up part way (its future dropped: a caller's time limit, a `select!`), it stops every task
+    /// at once, as [`Node::kill`] does, and the partitions move on when the lease runs out.
     pub async fn shutdown(mut self) -> Result<()> {
         let id = self.id();
+        let given_up = GivenUp(Some((id, self.processor.abort_handle(), self.stop_background.clone())));
         let (timeout, last) = (self.outbox.config().shutdown_timeout, self.outbox.config().query_timeout);
         // One deadline for the steps up to the last release: each waiting its own limit made the stop
         // outlast a grace period set to `shutdown_timeout` when the database was slow.
@@ -240,6 +244,7 @@ impl Node {
                 "could not release the partitions left or deregister; they move on when the lease runs out"),
         }
         let fault = self.fault.get().map_or(Ok(()), |fault| Err(Error::Task(fault.clone())));
+        given_up.finished();
         drained.and(processed).and(handed_over).and(fault)
     }
 
@@ -256,6 +261,27 @@ impl Node {
     pub fn kill(self) {
         self.processor.abort();
         self.stop_background.cancel();
+    }
+}
+
+/// Stops a node's tasks if its `shutdown` is dropped before it finishes: its heartbeat and ownership
+/// rounds otherwise ran on for the life of the process, a live instance that the leader gave a share
+/// nobody delivered (its processor stopped at the first step).
+struct GivenUp(Option<(InstanceId, tokio::task::AbortHandle, CancellationToken)>);
+
+impl GivenUp {
+    fn finished(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for GivenUp {
+    fn drop(&mut self) {
+        if let Some((instance, processor, background)) = self.0.take() {
+            warn!(%instance, "shutdown given up part way: every task stopped at once; the partitions move on when the lease runs out");
+            processor.abort();
+            background.cancel();
+        }
     }
 }
 
