@@ -62,7 +62,9 @@ impl Backoff {
 
 /// A retry policy: backoff, cap, jitter and how many retries before the fallback runs.
 ///
-/// The handler runs at most `1 + max_retries` times for one record.
+/// A record goes to the fallback (or FAILED) after `1 + max_retries` failed attempts. A call cut short
+/// (a fence, a lease that ran out, a stop, a process that ended outside a partition taken over) counts
+/// no attempt, so a handler may be called for one record more often than that.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetryPolicy {
@@ -159,7 +161,7 @@ impl RetryPolicy {
                 // Compute in f64 seconds and cap before converting, so huge exponents cannot overflow
                 // (and a multiplier that does not validate cannot make a negative or NaN delay). The
                 // growth stays finite, so that no delay times it is NaN.
-                let growth = multiplier.max(1.0).powi(steps.min(1024) as i32).min(f64::MAX);
+                let growth = multiplier.max(1.0).powf(f64::from(steps)).min(f64::MAX);
                 let secs = initial.as_secs_f64() * growth;
                 Duration::try_from_secs_f64(secs.min(self.max_delay.as_secs_f64())).unwrap_or(self.max_delay)
             }
@@ -204,6 +206,10 @@ mod tests {
             [MS(10), MS(30), MS(90), MS(200), MS(200)]
         );
         assert_eq!(exp.nominal_delay(u32::MAX), MS(200), "huge retry numbers stay capped");
+        // A slow growth goes on growing past a thousand retries (it stopped at the 1,025th).
+        let slow = RetryPolicy::exponential(Duration::from_secs(1), 1.001, 5000).with_max_delay(Duration::from_secs(3600));
+        let expected = 1.001_f64.powi(1999);
+        assert!((slow.nominal_delay(2000).as_secs_f64() - expected).abs() < 1e-6, "{:?}", slow.nominal_delay(2000));
         let immediate = RetryPolicy::exponential(Duration::ZERO, 10.0, 400);
         assert_eq!(immediate.nominal_delay(400), Duration::ZERO, "no delay grows from none, however many retries");
     }
