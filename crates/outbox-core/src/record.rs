@@ -104,9 +104,11 @@ impl NewRecord {
 
     /// Delivers the record no earlier than `delay` after the `schedule` call, by the database's clock (not
     /// after its transaction's start, however long that ran); see
-    /// [`NewRecord::deliver_at`].
+    /// [`NewRecord::deliver_at`]. The delay is kept to the millisecond, rounded up.
     pub fn deliver_after(mut self, delay: Duration) -> Self {
-        self.delay = Some(Delay::After(delay));
+        let short = delay.subsec_nanos() % 1_000_000;
+        let up = Duration::from_nanos(u64::from((1_000_000 - short) % 1_000_000));
+        self.delay = Some(Delay::After(delay.checked_add(up).unwrap_or(delay)));
         self
     }
 
@@ -285,6 +287,14 @@ mod tests {
         assert_eq!(super::whole_millis_up(inside), whole + chrono::Duration::milliseconds(1));
         let last = whole + chrono::Duration::nanoseconds(999_999);
         assert_eq!(super::whole_millis_up(last), whole + chrono::Duration::milliseconds(1));
+    }
+
+    /// A delay is kept to the millisecond and never shortened: cut down, 0.9 ms was no delay at all.
+    #[test]
+    fn a_delay_is_rounded_up_to_the_millisecond() {
+        let after = |micros| super::NewRecord::new("k", "t", "").deliver_after(Duration::from_micros(micros)).delay;
+        let ms = |n| Some(super::Delay::After(Duration::from_millis(n)));
+        assert_eq!((after(900), after(1500), after(2000)), (ms(1), ms(2), ms(2)));
     }
 
     use super::*;
