@@ -26,6 +26,7 @@ every_backend!(
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
     a_stop_given_up_part_way_stops_every_task,
+    a_lease_renewed_after_it_lapsed_is_followed_by_a_round,
     a_stop_with_a_call_that_outlasts_it_ends_within_the_shutdown_timeout,
     a_stop_while_the_database_answers_nobody_ends_in_bounded_time,
     a_node_declared_dead_while_leaving_still_leaves,
@@ -250,6 +251,43 @@ async fn a_stop_given_up_part_way_stops_every_task(db: TestDb) {
     commit(&outbox, &db, records).await;
     wait_for("every record delivered", LONG, || async { sink.len() == 256 }).await;
     b.shutdown().await.unwrap();
+}
+
+/// The leader's renewal is held up behind a lock past its lease, and renewed once the lock goes (it
+/// was sent in time). Meanwhile a node joined, took the leader for dead and pointed every target at
+/// itself, or nudged the leader, which heard it while lapsed. The leader runs a round once renewed:
+/// with rounds an hour apart, the joining node waited that hour for a share.
+async fn a_lease_renewed_after_it_lapsed_is_followed_by_a_round(db: TestDb) {
+    if db.is_sqlite() {
+        return; // one writer: the lock would hold everything up, not the leader's renewal alone
+    }
+    let outbox = outbox(&db, |_| {}).await;
+    let config = outbox_cluster::ClusterConfig {
+        // A lease of 2 s. The renewal held up by the lock was sent 1 s into it, and a second one beside
+        // it half a second later: both were sent within the lease, so both renew it once the lock goes,
+        // if that is within a lease of the first (after which it is given up).
+        heartbeat_interval: Duration::from_secs(1),
+        stale_timeout: Duration::from_secs(4),
+        rebalance_interval: Duration::from_secs(3600),
+        ..fast_cluster()
+    };
+    let sink = Sink::new();
+    let a = Node::start(outbox.clone(), &db, recording(&sink), config.clone()).await.unwrap();
+    let leader = a.id();
+    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&leader) == Some(&256) }).await;
+    let mut lock = db.begin().await;
+    let row = db.sql("SELECT 1 FROM {s}instances WHERE id = $1 FOR UPDATE");
+    lock.execute(sqlx::AssertSqlSafe(row), &[leader.into()]).await.unwrap();
+    let assignment = a.assignment();
+    wait_for("a's lease lapsed by its clock", LONG, || async { !assignment.borrow().is_live() }).await;
+    let b = Node::start(outbox.clone(), &db, recording(&sink), config).await.unwrap();
+    // B's first round has run: it took A for dead and became the leader, or nudged A.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    lock.rollback().await.unwrap();
+    wait_for("b given a share", LONG, || async { owners(&db).await.get(&b.id()).copied().unwrap_or(0) > 0 }).await;
+    assert_eq!(a.id(), leader, "the leader kept its lease");
+    b.shutdown().await.unwrap();
+    a.shutdown().await.unwrap();
 }
 
 /// A graceful stop runs out of time (`shutdown_timeout`) while a handler is in the middle of a poll on

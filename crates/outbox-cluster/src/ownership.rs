@@ -88,7 +88,14 @@ impl Ownership {
         let mut nudges = self.outbox.nudges();
         let mut busy = self.busy.clone();
         let mut rounds = Rounds::new(self.assign.borrow().instance);
+        // Once the lease has lapsed, a round is owed for when it is renewed: meanwhile the others took
+        // this instance for dead (one that joined became the leader and pointed every target at
+        // itself, and waits for partitions this one still holds), and a trigger heard then (a nudge, a
+        // quiet period's end, the start of leaving) was used up. Either waited for the next tick.
+        let mut renewed = self.assign.subscribe();
+        let mut owed = false;
         loop {
+            let lease_ends = self.assign.borrow().lease.filter(|_| !owed).map(|d| d.instant());
             // Each quiet period's end fires once: a period that has ended stays (the next round hands its
             // partition on), but its timer, already past, fired on every pass while the lease was out
             // or rounds failed, a spin.
@@ -115,13 +122,20 @@ impl Ownership {
                     rounds.leaving = true;
                     true
                 }
+                () = sleep_until_opt(lease_ends) => {
+                    owed = !self.assign.borrow().is_live();
+                    continue;
+                }
+                Ok(()) = renewed.changed(), if owed => true,
             };
-            let current = self.assign.borrow().clone();
+            let current = renewed.borrow_and_update().clone();
             if !current.is_live() {
                 // The processor delivers nothing past the lease.
                 metrics::gauge!("outbox_owned_partitions").set(0.0);
+                owed = true;
                 continue;
             }
+            let whole_round = whole_round || std::mem::take(&mut owed);
             if rounds.instance != current.instance {
                 rounds = Rounds::new(current.instance);
             }

@@ -207,7 +207,8 @@ mod tests {
         );
         assert_eq!(exp.nominal_delay(u32::MAX), MS(200), "huge retry numbers stay capped");
         // A slow growth goes on growing past a thousand retries (it stopped at the 1,025th).
-        let slow = RetryPolicy::exponential(Duration::from_secs(1), 1.001, 5000).with_max_delay(Duration::from_secs(3600));
+        let slow =
+            RetryPolicy::exponential(Duration::from_secs(1), 1.001, 5000).with_max_delay(Duration::from_secs(3600));
         let expected = 1.001_f64.powi(1999);
         assert!((slow.nominal_delay(2000).as_secs_f64() - expected).abs() < 1e-6, "{:?}", slow.nominal_delay(2000));
         let immediate = RetryPolicy::exponential(Duration::ZERO, 10.0, 400);
