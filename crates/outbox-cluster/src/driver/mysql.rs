@@ -67,7 +67,8 @@ const LOCK_OWNERS: &str = "SELECT i.id FROM JSON_TABLE(?, '$[*]' COLUMNS (owner 
 STRAIGHT_JOIN {s}_instances i FORCE INDEX (PRIMARY) ON i.id = UNHEX(t.owner)
 FOR UPDATE";
 
-/// Partitions targeted at `?` (bound three times) that are free or whose owner has no live lease, with
+/// Partitions targeted at `?` (bound three times) that are free or whose owner has no live lease (one
+/// whose partitions were taken has none, whatever its expiry reads), with
 /// that owner and its heartbeat interval (if its row is still there), and the takeover time they will
 /// have; rows a fenced write holds are skipped. None while the acquirer's own lease has ended.
 const ACQUIRABLE: &str = "SELECT p.`partition`, p.owner AS previous,
@@ -75,7 +76,8 @@ const ACQUIRABLE: &str = "SELECT p.`partition`, p.owner AS previous,
     IF(p.owner IS NULL, p.taken_over_at, UTC_TIMESTAMP(6)) AS taken_over_at
 FROM {s}_partitions p
 WHERE p.target_owner = ? AND NOT (p.owner <=> ?)
-  AND (p.owner IS NULL OR NOT EXISTS (SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))
+  AND (p.owner IS NULL OR NOT EXISTS (
+      SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now} AND i.taken_over_at IS NULL))
   AND EXISTS (SELECT 1 FROM {s}_instances me WHERE me.id = ? AND me.expires_at > {now} AND me.taken_over_at IS NULL)
 FOR UPDATE SKIP LOCKED";
 
@@ -94,10 +96,12 @@ STRAIGHT_JOIN {s}_instances i FORCE INDEX (PRIMARY) ON i.id = UNHEX(t.owner)
 SET i.taken_over_at = IFNULL(i.taken_over_at, ?)";
 
 /// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
-/// part in the assignment (lease live by database time, not draining), each id in `owner`.
+/// part in the assignment (lease live by database time and never taken over, not draining), each id
+/// in `owner`.
 const VIEW: &str = "SELECT `partition`, owner, epoch, target_owner, taken_over_at FROM {s}_partitions
 UNION ALL
-SELECT NULL, id, NULL, NULL, NULL FROM {s}_instances WHERE expires_at > {now} AND NOT draining";
+SELECT NULL, id, NULL, NULL, NULL FROM {s}_instances
+WHERE expires_at > {now} AND taken_over_at IS NULL AND NOT draining";
 
 /// The targets of `?` (JSON `[[partition, hex owner], …]`) that differ from the stored ones. Not a
 /// locking read: that would lock, and wait for, every partition named, where fenced completions hold
@@ -128,7 +132,8 @@ const RELEASE: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$')
 STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.x
 SET p.owner = NULL, p.epoch = p.epoch + 1, p.changed_at = {now}";
 
-const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > {now} AS live,
+const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at,
+    (i.expires_at > {now} AND i.taken_over_at IS NULL) AS live,
     i.draining, i.delivered, CAST(TIMESTAMPDIFF(MICROSECOND, i.heartbeat_at, {now}) DIV 1000 AS SIGNED) AS heartbeat_age_ms,
     (SELECT count(*) FROM {s}_partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}_instances i ORDER BY i.started_at";

@@ -60,14 +60,14 @@ const REAP: &str = "DELETE FROM {s}.instances WHERE expires_at < now() - $1 * in
 /// Returns (partition, epoch, previous owner, the previous owner's heartbeat interval in ms if its row
 /// is still there, the partition's last takeover time).
 const ACQUIRE: &str = "WITH owners AS MATERIALIZED (
-    SELECT i.id, i.expires_at, i.heartbeat_ms FROM {s}.instances i
+    SELECT i.id, i.expires_at, i.heartbeat_ms, i.taken_over_at FROM {s}.instances i
     WHERE i.id IN (SELECT p.owner FROM {s}.partitions p WHERE p.target_owner = $1 AND p.owner <> $1)
     FOR NO KEY UPDATE
 ), taken AS (
     SELECT p.partition, p.owner, o.heartbeat_ms
     FROM {s}.partitions p LEFT JOIN owners o ON o.id = p.owner
     WHERE p.target_owner = $1 AND p.owner IS DISTINCT FROM $1
-      AND (p.owner IS NULL OR o.id IS NULL OR o.expires_at <= now())
+      AND (p.owner IS NULL OR o.id IS NULL OR o.expires_at <= now() OR o.taken_over_at IS NOT NULL)
       AND EXISTS (SELECT 1 FROM {s}.instances me WHERE me.id = $1 AND me.expires_at > now() AND me.taken_over_at IS NULL)
     FOR UPDATE OF p SKIP LOCKED
 ), ended AS (
@@ -80,10 +80,12 @@ FROM taken WHERE p.partition = taken.partition
 RETURNING p.partition, p.epoch, taken.owner AS previous, taken.heartbeat_ms AS previous_heartbeat_ms, p.taken_over_at";
 
 /// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
-/// part in the assignment (lease live by database time, not draining), each id in `owner`.
+/// part in the assignment (lease live by database time and never taken over, not draining), each id
+/// in `owner`.
 const VIEW: &str = "SELECT partition, owner, epoch, target_owner, taken_over_at FROM {s}.partitions
 UNION ALL
-SELECT NULL, id, NULL, NULL, NULL FROM {s}.instances WHERE expires_at > now() AND NOT draining";
+SELECT NULL, id, NULL, NULL, NULL FROM {s}.instances
+WHERE expires_at > now() AND taken_over_at IS NULL AND NOT draining";
 
 /// Writes the targets that changed. `$1` partitions, `$2` target owners.
 const SET_TARGETS: &str = "UPDATE {s}.partitions p SET target_owner = t.owner
@@ -105,7 +107,8 @@ WHERE p.partition = r.partition AND p.epoch = r.epoch AND p.owner = $1
 RETURNING p.partition";
 
 /// Instances with their lease state and partition counts, for status.
-const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at, i.expires_at > now() AS live,
+const INSTANCES: &str =
+    "SELECT i.id, i.name, i.started_at, i.heartbeat_at, (i.expires_at > now() AND i.taken_over_at IS NULL) AS live,
     i.draining, i.delivered, (extract(epoch FROM now() - i.heartbeat_at) * 1000)::bigint AS heartbeat_age_ms,
     (SELECT count(*) FROM {s}.partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}.instances i ORDER BY i.started_at";

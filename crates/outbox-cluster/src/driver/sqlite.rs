@@ -42,14 +42,15 @@ const END_LEASE: &str =
 
 const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - $1";
 
-/// Partitions targeted at `$1` that are free or whose owner has no live lease, with that owner and its
+/// Partitions targeted at `$1` that are free or whose owner has no live lease (one whose partitions
+/// were taken has none, whatever its expiry reads), with that owner and its
 /// heartbeat interval (if its row is still there); none while `$1`'s own lease has ended.
 const ACQUIRABLE: &str = "SELECT p.partition, p.owner,
     (SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner) AS heartbeat_ms
 FROM {s}_partitions p
 WHERE p.target_owner = $1 AND p.owner IS NOT $1
   AND (p.owner IS NULL OR NOT EXISTS (
-      SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now}))
+      SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now} AND i.taken_over_at IS NULL))
   AND EXISTS (SELECT 1 FROM {s}_instances me WHERE me.id = $1 AND me.expires_at > {now} AND me.taken_over_at IS NULL)";
 
 /// Ends for good the lease of the owner `$1` whose partitions are being taken (see [`HEARTBEAT`]).
@@ -61,11 +62,13 @@ const TAKE: &str = "UPDATE {s}_partitions SET owner = $1, epoch = epoch + 1, cha
 WHERE partition = $2 RETURNING epoch, {time:taken_over_at} AS taken_over_at";
 
 /// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
-/// part in the assignment (lease live by database time, not draining), each id in `owner`.
+/// part in the assignment (lease live by database time and never taken over, not draining), each id
+/// in `owner`.
 const VIEW: &str =
     "SELECT partition, owner, epoch, target_owner, {time:taken_over_at} AS taken_over_at FROM {s}_partitions
 UNION ALL
-SELECT NULL, id, NULL, NULL, NULL FROM {s}_instances WHERE expires_at > {now} AND NOT draining";
+SELECT NULL, id, NULL, NULL, NULL FROM {s}_instances
+WHERE expires_at > {now} AND taken_over_at IS NULL AND NOT draining";
 
 const SET_TARGET: &str = "UPDATE {s}_partitions SET target_owner = $2
 WHERE partition = $1 AND target_owner IS NOT $2 RETURNING partition";
@@ -78,7 +81,8 @@ const RELEASE: &str = "UPDATE {s}_partitions SET owner = NULL, epoch = epoch + 1
 WHERE partition = $2 AND epoch = $3 AND owner = $1 RETURNING partition";
 
 const INSTANCES: &str = "SELECT i.id, i.name, {time:i.started_at} AS started_at,
-    {time:i.heartbeat_at} AS heartbeat_at, i.expires_at > {now} AS live, i.draining, i.delivered,
+    {time:i.heartbeat_at} AS heartbeat_at, (i.expires_at > {now} AND i.taken_over_at IS NULL) AS live,
+    i.draining, i.delivered,
     {now} - i.heartbeat_at AS heartbeat_age_ms,
     (SELECT count(*) FROM {s}_partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}_instances i ORDER BY i.started_at";

@@ -330,15 +330,17 @@ async fn a_wait_for_one_instance_row_holds_up_no_other_renewal(pool: PgPool) {
 
 /// An owner whose partitions were taken because its lease ran out is never renewed again, even when
 /// its expiry reads live once more (the database's clock stepped back; on SQLite, the host's): it
-/// would go on delivering them beside their new owner.
+/// would go on delivering them beside their new owner. Nor is it counted live, or as the live owner of
+/// the partitions it still holds: the leader gave it a share nobody took, and nobody could take what
+/// it held, for as long as the clock had stepped back.
 #[sqlx::test(migrations = false)]
 async fn a_lease_whose_partitions_were_taken_stays_ended(pool: PgPool) {
     for store in stores(pool).await {
         let backend = store.db().backend();
         let short = Lease { live: Duration::from_millis(300), heartbeat: Duration::from_millis(100) };
         let (owner, taker) = (registered(&store, short).await, registered(&store, DAY).await);
-        target(&store, [7], owner).await;
-        assert_eq!(store.acquire(owner).await.unwrap().len(), 1, "{backend}");
+        target(&store, [7, 8], owner).await;
+        assert_eq!(store.acquire(owner).await.unwrap().len(), 2, "{backend}");
         tokio::time::sleep(Duration::from_millis(400)).await;
         target(&store, [7], taker).await;
         let taken = store.acquire(taker).await.unwrap();
@@ -351,6 +353,9 @@ async fn a_lease_whose_partitions_were_taken_stays_ended(pool: PgPool) {
         assert_eq!(store.db().execute(clock_back, &[owner.into()]).await.unwrap(), 1, "{backend}");
         let renewed = super::HeartbeatConnection::default().renew(&store, owner, short, 0).await.unwrap();
         assert_eq!(renewed, None, "{backend}: the lease of an owner whose partitions were taken was renewed");
+        assert!(!store.view().await.unwrap().live.contains(&owner), "{backend}: counted live");
+        target(&store, [8], taker).await;
+        assert_eq!(store.acquire(taker).await.unwrap().len(), 1, "{backend}: its other partition not taken");
     }
 }
 
