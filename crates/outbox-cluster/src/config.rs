@@ -12,8 +12,9 @@ pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 /// An instance silent for 10 s is dead and its partitions move on: five heartbeat intervals, so a GC pause
 /// or a slow query is not a death.
 pub const DEFAULT_STALE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Look for partitions to acquire every 2 s: bounds failover after a crash at stale timeout + 2 s (+ 4 s
-/// on MySQL and SQLite across processes, where the leader's round and the new owner's both wait their tick).
+/// Look for partitions to acquire every 2 s: bounds failover after a crash at stale timeout + 2 s (stale
+/// timeout + 4 s on MySQL and SQLite across processes, where the leader's round and the new owner's
+/// each wait their tick).
 pub const DEFAULT_REBALANCE_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Tunables of a clustered node.
