@@ -216,7 +216,7 @@ impl Ownership {
             rounds.started = true;
             // A new instance: the leader need not wait for its own round to give it a share.
             if let Some(&leader) = live.first().filter(|&&leader| leader != id) {
-                nudge(&self.outbox, &self.store, [leader]).await;
+                nudge(&self.outbox, &self.store, id, [leader]).await;
             }
         }
         if leader && !self.leaving.is_cancelled() {
@@ -285,7 +285,7 @@ impl Ownership {
             let to = freed.iter().filter_map(|p| rounds.giving_up.get(p).and_then(|&(_, to)| to));
             let to: BTreeSet<InstanceId> = to.collect();
             rounds.giving_up.retain(|p, _| !release.contains_key(p));
-            nudge(&self.outbox, &self.store, to).await;
+            nudge(&self.outbox, &self.store, rounds.instance, to).await;
         }
         // Nothing handed to the processor, held back or being given up.
         let none = rounds.giving_up.is_empty() && rounds.quiet.is_empty() && self.assign.borrow().epochs.is_empty();
@@ -365,17 +365,17 @@ async fn rebalance_targets(
             owner.or(targets.get(&p).copied())
         });
         let acts: BTreeSet<InstanceId> = acts.filter(|&id| id != me).collect();
-        nudge(outbox, store, acts).await;
+        nudge(outbox, store, me, acts).await;
     }
     Ok(targets)
 }
 
 /// Nudges the ownership rounds of `instances`; a nudge that cannot be sent costs only their wait for
 /// their next round.
-async fn nudge(outbox: &Outbox, store: &Store, instances: impl IntoIterator<Item = InstanceId>) {
+async fn nudge(outbox: &Outbox, store: &Store, me: InstanceId, instances: impl IntoIterator<Item = InstanceId>) {
     let instances: Vec<InstanceId> = instances.into_iter().collect();
     if let Err(e) = outbox.nudge(store.db(), &instances).await {
-        warn!(instances = instances.len(), error = %e, "could not nudge instances; they act at their next round");
+        warn!(instance = %me, nudged = ?instances, error = %e, "could not nudge instances; they act at their next round");
     }
 }
 
@@ -443,7 +443,7 @@ pub(crate) async fn hand_over(
         }
     };
     let moved = freed.iter().chain(kept.keys());
-    nudge(outbox, store, moved.filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
+    nudge(outbox, store, me, moved.filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
     Ok(())
 }
 
