@@ -40,13 +40,23 @@ pub enum Delay {
     After(Duration),
 }
 
-/// `at` rounded up to a whole millisecond, the coarsest time a driver keeps: cut down to what the
-/// database keeps, a delivery time would fall before the one asked for, and the record could be
-/// delivered early.
-fn whole_millis_up(at: DateTime<Utc>) -> DateTime<Utc> {
-    let below = at.timestamp_subsec_nanos() % 1_000_000;
-    let up = chrono::Duration::nanoseconds(i64::from((1_000_000 - below) % 1_000_000));
-    at.checked_add_signed(up).unwrap_or(at)
+impl Delay {
+    /// Rounded up to a whole millisecond, the coarsest time a driver keeps: cut down to what the
+    /// database keeps, a delivery would come before the time asked for (0.9 ms after was no delay at
+    /// all). Applied when the record is scheduled, however the delay was made.
+    pub(crate) fn in_whole_millis(self) -> Delay {
+        const MS: u32 = 1_000_000;
+        match self {
+            Delay::At(at) => {
+                let up = chrono::Duration::nanoseconds(i64::from((MS - at.timestamp_subsec_nanos() % MS) % MS));
+                Delay::At(at.checked_add_signed(up).unwrap_or(at))
+            }
+            Delay::After(after) => {
+                let up = Duration::from_nanos(u64::from((MS - after.subsec_nanos() % MS) % MS));
+                Delay::After(after.checked_add(up).unwrap_or(after))
+            }
+        }
+    }
 }
 
 /// A record to schedule inside the caller's transaction. Its `Debug` shows the payload's length, never
@@ -98,7 +108,7 @@ impl NewRecord {
     /// key's later records wait for it (strict per-key order); with it off, they go ahead.
     /// The time is kept to the millisecond, rounded up, so that no database stores it earlier than asked.
     pub fn deliver_at(mut self, at: impl Into<DateTime<Utc>>) -> Self {
-        self.delay = Some(Delay::At(whole_millis_up(at.into())));
+        self.delay = Some(Delay::At(at.into()));
         self
     }
 
@@ -106,9 +116,7 @@ impl NewRecord {
     /// after its transaction's start, however long that ran); see
     /// [`NewRecord::deliver_at`]. The delay is kept to the millisecond, rounded up.
     pub fn deliver_after(mut self, delay: Duration) -> Self {
-        let short = delay.subsec_nanos() % 1_000_000;
-        let up = Duration::from_nanos(u64::from((1_000_000 - short) % 1_000_000));
-        self.delay = Some(Delay::After(delay.checked_add(up).unwrap_or(delay)));
+        self.delay = Some(Delay::After(delay));
         self
     }
 
@@ -277,23 +285,17 @@ pub(crate) fn check_key(key: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    /// A delivery time is kept to the millisecond and never brought forward.
+    /// A delivery time or delay is kept to the millisecond and never brought forward or shortened.
     #[test]
-    fn a_delivery_time_is_rounded_up_to_the_millisecond() {
+    fn delays_are_rounded_up_to_the_millisecond() {
+        use super::Delay;
         use chrono::TimeZone;
         let whole = Utc.timestamp_millis_opt(1_700_000_000_123).unwrap();
-        assert_eq!(super::whole_millis_up(whole), whole);
-        let inside = whole + chrono::Duration::nanoseconds(1);
-        assert_eq!(super::whole_millis_up(inside), whole + chrono::Duration::milliseconds(1));
-        let last = whole + chrono::Duration::nanoseconds(999_999);
-        assert_eq!(super::whole_millis_up(last), whole + chrono::Duration::milliseconds(1));
-    }
-
-    /// A delay is kept to the millisecond and never shortened: cut down, 0.9 ms was no delay at all.
-    #[test]
-    fn a_delay_is_rounded_up_to_the_millisecond() {
-        let after = |micros| super::NewRecord::new("k", "t", "").deliver_after(Duration::from_micros(micros)).delay;
-        let ms = |n| Some(super::Delay::After(Duration::from_millis(n)));
+        let at = |nanos| Delay::At(whole + chrono::Duration::nanoseconds(nanos)).in_whole_millis();
+        let next = Delay::At(whole + chrono::Duration::milliseconds(1));
+        assert_eq!((at(0), at(1), at(999_999)), (Delay::At(whole), next, next));
+        let after = |micros| Delay::After(Duration::from_micros(micros)).in_whole_millis();
+        let ms = |n| Delay::After(Duration::from_millis(n));
         assert_eq!((after(900), after(1500), after(2000)), (ms(1), ms(2), ms(2)));
     }
 

@@ -60,11 +60,11 @@ impl Outbox {
                 event_type: &record.event_type,
                 payload: &record.payload,
                 headers,
-                deliver_at: match record.delay {
+                deliver_at: match record.delay.map(Delay::in_whole_millis) {
                     Some(Delay::At(at)) => Some(at),
                     _ => None,
                 },
-                deliver_after_ms: match record.delay {
+                deliver_after_ms: match record.delay.map(Delay::in_whole_millis) {
                     Some(Delay::After(after)) => Some(crate::driver::millis(after)),
                     _ => None,
                 },
