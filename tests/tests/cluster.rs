@@ -236,27 +236,32 @@ async fn a_registration_whose_answer_was_lost_leaves_no_second_instance(pool: sq
 async fn a_stop_given_up_part_way_stops_every_task(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
     let sink = Sink::new();
-    let a = start(&outbox, &db, recording(&sink)).await;
-    let first = a.id();
-    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&first) == Some(&256) }).await;
-    let mut stop = Box::pin(a.shutdown());
-    assert!(futures::poll!(stop.as_mut()).is_pending(), "a stop takes more than one poll");
-    drop(stop);
-    let b = start(&outbox, &db, recording(&sink)).await;
-    wait_for("b owns everything", LONG, || async { owners(&db).await.get(&b.id()) == Some(&256) }).await;
-    let status = outbox_cluster::status(&db, &outbox).await.unwrap();
-    let live: Vec<_> = status.instances.iter().filter(|i| i.live).map(|i| i.id).collect();
-    assert_eq!(live, [b.id()], "the node whose stop was given up no longer renews its lease");
-    let records: Vec<_> = (0..256).map(|k| NewRecord::new(format!("key-{k}"), "t", "")).collect();
-    commit(&outbox, &db, records).await;
-    wait_for("every record delivered", LONG, || async { sink.len() == 256 }).await;
-    b.shutdown().await.unwrap();
+    // Given up before its first poll (a `select!` that took another branch), and after it.
+    for polls in [0, 1] {
+        let a = start(&outbox, &db, recording(&sink)).await;
+        let first = a.id();
+        wait_for("a owns everything", LONG, || async { owners(&db).await.get(&first) == Some(&256) }).await;
+        let mut stop = Box::pin(a.shutdown());
+        for _ in 0..polls {
+            assert!(futures::poll!(stop.as_mut()).is_pending(), "a stop takes more than one poll");
+        }
+        drop(stop);
+        let b = start(&outbox, &db, recording(&sink)).await;
+        wait_for("b owns everything", LONG, || async { owners(&db).await.get(&b.id()) == Some(&256) }).await;
+        let status = outbox_cluster::status(&db, &outbox).await.unwrap();
+        let live: Vec<_> = status.instances.iter().filter(|i| i.live).map(|i| i.id).collect();
+        assert_eq!(live, [b.id()], "{polls} polls: the node whose stop was given up no longer renews its lease");
+        let records: Vec<_> = (0..256).map(|k| NewRecord::new(format!("key-{polls}-{k}"), "t", "")).collect();
+        commit(&outbox, &db, records).await;
+        wait_for("every record delivered", LONG, || async { sink.len() == 256 * (polls + 1) }).await;
+        b.shutdown().await.unwrap();
+    }
 }
 
 /// The leader's renewal is held up behind a lock past its lease, and renewed once the lock goes (it
 /// was sent in time). Meanwhile a node joined, took the leader for dead and pointed every target at
-/// itself, or nudged the leader, which heard it while lapsed. The leader runs a round once renewed:
-/// with rounds an hour apart, the joining node waited that hour for a share.
+/// itself; it waits for the partitions the leader holds. The leader runs a round once renewed: with
+/// rounds an hour apart, the joining node waited that hour for a share.
 async fn a_lease_renewed_after_it_lapsed_is_followed_by_a_round(db: TestDb) {
     if db.is_sqlite() {
         return; // one writer: the lock would hold everything up, not the leader's renewal alone
@@ -280,9 +285,17 @@ async fn a_lease_renewed_after_it_lapsed_is_followed_by_a_round(db: TestDb) {
     lock.execute(sqlx::AssertSqlSafe(row), &[leader.into()]).await.unwrap();
     let assignment = a.assignment();
     wait_for("a's lease lapsed by its clock", LONG, || async { !assignment.borrow().is_live() }).await;
+    wait_for("a's lease lapsed in the database", LONG, || async {
+        let status = outbox_cluster::status(&db, &outbox).await.unwrap();
+        status.instances.iter().all(|i| !i.live)
+    })
+    .await;
     let b = Node::start(outbox.clone(), &db, recording(&sink), config).await.unwrap();
-    // B's first round has run: it took A for dead and became the leader, or nudged A.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let targets_b = "SELECT count(*) FROM {s}partitions WHERE target_owner = $1";
+    wait_for("b, the leader, pointing every target at itself", LONG, || async {
+        db.scalar::<i64>(targets_b, &[b.id().into()]).await == 256
+    })
+    .await;
     lock.rollback().await.unwrap();
     wait_for("b given a share", LONG, || async { owners(&db).await.get(&b.id()).copied().unwrap_or(0) > 0 }).await;
     assert_eq!(a.id(), leader, "the leader kept its lease");

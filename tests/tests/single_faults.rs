@@ -30,6 +30,7 @@ every_backend!(
     a_heartbeat_connection_that_stops_answering_costs_no_lease,
     a_heartbeat_connection_that_stops_answering_costs_no_lease_at_the_shortest_stale_timeout,
     a_heartbeat_connection_reset_costs_no_lease_at_the_shortest_stale_timeout,
+    a_node_stopped_while_its_renewals_fail_renews_nothing_after,
     a_completion_whose_host_vanished_gives_its_partition_up,
     a_completion_given_up_on_a_lock_ends_on_the_server_too,
     statements_given_up_on_a_table_lock_end_on_the_server_too,
@@ -434,6 +435,33 @@ async fn a_heartbeat_connection_reset_costs_no_lease_at_the_shortest_stale_timeo
     let now = rows!(db, (outbox_core::InstanceId,), "SELECT id FROM {s}instances");
     assert_eq!(now, registered, "the instance was declared dead and registered again");
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
+}
+
+/// A node stopped (here killed) while its renewals fail, every connection refused, renews nothing once
+/// the connections come back. Its heartbeat went on trying for the rest of the lease and renewed it:
+/// a crashed node counted live; after a graceful stop, a new registration that nothing ran.
+async fn a_node_stopped_while_its_renewals_fail_renews_nothing_after(db: TestDb) {
+    let Some((through, proxy)) = db.through_proxy().await else { return };
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    let heartbeat_interval = Duration::from_millis(500);
+    // A lease of 7 s: the renewals that fail are tried again throughout the test.
+    let config =
+        outbox_cluster::ClusterConfig { heartbeat_interval, stale_timeout: Duration::from_secs(8), ..fast_cluster() };
+    let node = Node::start(outbox.clone(), &through, Handlers::new(), config).await.unwrap();
+    let id = node.id();
+    let owned = "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL";
+    wait_for("every partition owned", LONG, || async { count(&db, owned).await == 256 }).await;
+    proxy.cut();
+    tokio::time::sleep(3 * heartbeat_interval).await;
+    let last_heartbeat = || async {
+        let status = outbox_cluster::status(&db, &outbox).await.unwrap();
+        status.instances.iter().map(|i| (i.id, i.heartbeat_at)).collect::<Vec<_>>()
+    };
+    let before = last_heartbeat().await;
+    node.kill();
+    proxy.mend();
+    tokio::time::sleep(6 * heartbeat_interval).await;
+    assert_eq!(last_heartbeat().await, before, "instance {id} renewed or registered after it was stopped");
 }
 
 /// A `Node::start` whose registration was written but whose answer never came (the link went down in

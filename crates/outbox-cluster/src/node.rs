@@ -45,6 +45,7 @@
 //! whether a handler call could overlap another instance's.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 
 use futures::FutureExt;
@@ -122,7 +123,14 @@ impl Node {
         let delivered = processor.delivered();
         let run = processor.run(stop_processor.clone());
         let processor = tokio::spawn(watched("processor", &stop_processor).run(async { Ok(run.await?) }));
-        let heartbeat = Heartbeat { store: store.clone(), config: config.clone(), assign: assign.clone(), delivered };
+        let asks_round = Arc::new(AtomicU64::new(0));
+        let heartbeat = Heartbeat {
+            store: store.clone(),
+            config: config.clone(),
+            assign: assign.clone(),
+            delivered,
+            asks_round: asks_round.clone(),
+        };
         let run = heartbeat.run(stop_background.clone());
         background.spawn(watched("heartbeat", &stop_background).run(ended(run)));
         let leaving = CancellationToken::new();
@@ -137,6 +145,7 @@ impl Node {
             leaving: leaving.clone(),
             holds_none: holds_none.clone(),
             held: held.clone(),
+            asks_round,
         };
         let run = ownership.run(stop_background.clone());
         background.spawn(watched("ownership", &stop_background).run(ended(run)));
@@ -180,9 +189,14 @@ impl Node {
     ///
     /// Given up part way (its future dropped: a caller's time limit, a `select!`), it stops every task
     /// at once, as [`Node::kill`] does, and the partitions move on when the lease runs out.
-    pub async fn shutdown(mut self) -> Result<()> {
+    pub fn shutdown(self) -> impl Future<Output = Result<()>> + Send {
+        // Armed before the first poll: a stop dropped before it ever ran stops the tasks too.
+        let given_up = GivenUp(Some((self.id(), self.processor.abort_handle(), self.stop_background.clone())));
+        self.stop(given_up)
+    }
+
+    async fn stop(mut self, given_up: GivenUp) -> Result<()> {
         let id = self.id();
-        let given_up = GivenUp(Some((id, self.processor.abort_handle(), self.stop_background.clone())));
         let (timeout, last) = (self.outbox.config().shutdown_timeout, self.outbox.config().query_timeout);
         // One deadline for the steps up to the last release: each waiting its own limit made the stop
         // outlast a grace period set to `shutdown_timeout` when the database was slow.

@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -40,6 +41,8 @@ pub(crate) struct Ownership {
     pub(crate) holds_none: Arc<watch::Sender<bool>>,
     /// What the rounds know this instance owns, as of its last round or release (see [`hand_over`]).
     pub(crate) held: Arc<watch::Sender<Held>>,
+    /// Bumped by the heartbeat to ask for a round (see `Heartbeat::asks_round`).
+    pub(crate) asks_round: Arc<AtomicU64>,
 }
 
 /// Partitions taken from a dead owner, each at its epoch with the end of its quiet period.
@@ -88,14 +91,11 @@ impl Ownership {
         let mut nudges = self.outbox.nudges();
         let mut busy = self.busy.clone();
         let mut rounds = Rounds::new(self.assign.borrow().instance);
-        // Once the lease has lapsed, a round is owed for when it is renewed: meanwhile the others took
-        // this instance for dead (one that joined became the leader and pointed every target at
-        // itself, and waits for partitions this one still holds), and a trigger heard then (a nudge, a
-        // quiet period's end, the start of leaving) was used up. Either waited for the next tick.
-        let mut renewed = self.assign.subscribe();
-        let mut owed = false;
+        // Woken by every change of the assignment, to see whether the heartbeat asks for a round.
+        let mut changes = self.assign.subscribe();
+        let mut answered = self.asks_round.load(Ordering::Acquire);
         loop {
-            let lease_ends = self.assign.borrow().lease.filter(|_| !owed).map(|d| d.instant());
+            let asked = self.asks_round.load(Ordering::Acquire) != answered;
             // Each quiet period's end fires once: a period that has ended stays (the next round hands its
             // partition on), but its timer, already past, fired on every pass while the lease was out
             // or rounds failed, a spin.
@@ -122,20 +122,18 @@ impl Ownership {
                     rounds.leaving = true;
                     true
                 }
-                () = sleep_until_opt(lease_ends) => {
-                    owed = !self.assign.borrow().is_live();
-                    continue;
-                }
-                Ok(()) = renewed.changed(), if owed => true,
+                () = std::future::ready(()), if asked => true,
+                Ok(()) = changes.changed(), if !asked => continue,
             };
-            let current = renewed.borrow_and_update().clone();
+            let asks = self.asks_round.load(Ordering::Acquire);
+            let whole_round = whole_round || asks != answered;
+            answered = asks;
+            let current = self.assign.borrow().clone();
             if !current.is_live() {
                 // The processor delivers nothing past the lease.
                 metrics::gauge!("outbox_owned_partitions").set(0.0);
-                owed = true;
                 continue;
             }
-            let whole_round = whole_round || std::mem::take(&mut owed);
             if rounds.instance != current.instance {
                 rounds = Rounds::new(current.instance);
             }

@@ -43,6 +43,11 @@ pub(crate) struct Heartbeat {
     pub(crate) assign: Arc<watch::Sender<Assignment>>,
     /// The processor's delivered count, reported with each renewal.
     pub(crate) delivered: Arc<AtomicU64>,
+    /// Bumped to ask the ownership task for a round: the lease was renewed after it had lapsed, or the
+    /// instance registered again under a new id. Either way the others may have taken it for dead
+    /// meanwhile (one that joined became the leader and pointed every target at itself), and a round
+    /// asked for while it was lapsed was used up.
+    pub(crate) asks_round: Arc<AtomicU64>,
 }
 
 impl Heartbeat {
@@ -66,7 +71,14 @@ impl Heartbeat {
             let id = self.assign.borrow().instance;
             let sent = Deadline::now();
             let delivered = self.delivered.load(Ordering::Relaxed).saturating_sub(counted_from);
-            match tokio::time::timeout(self.config.lease(), self.renew(&mut conn, id, delivered)).await {
+            let renewal =
+                tokio::time::timeout(self.config.lease(), self.renew(&mut conn, id, delivered, &shutdown)).await;
+            // Stopped meanwhile (the node released and deregistered, or its stop was given up): no
+            // renewal or new registration of an instance nothing runs.
+            if shutdown.is_cancelled() {
+                return;
+            }
+            match renewal {
                 Ok(Ok(Some(remaining))) => {
                     metrics::histogram!("outbox_heartbeat_seconds").record(sent.instant().elapsed().as_secs_f64());
                     self.extend_lease(id, sent.after(remaining));
@@ -94,15 +106,24 @@ impl Heartbeat {
     /// pooler's restart or a failover fails at once), while the lease has time left: at the shortest
     /// stale timeout the lease ends one interval after the renewal is sent, so waiting for the next
     /// heartbeat let one reset cost the lease.
-    async fn renew(&self, conn: &mut HeartbeatConnection, id: InstanceId, delivered: u64) -> Result<Option<Duration>> {
+    async fn renew(
+        &self,
+        conn: &mut HeartbeatConnection,
+        id: InstanceId,
+        delivered: u64,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Duration>> {
         let mut pause = RENEW_AGAIN_AFTER;
         loop {
             match self.renew_once(conn, id, delivered).await {
-                Err(e) if self.lease_left() > pause => {
+                Err(e) if self.lease_left() > pause && !shutdown.is_cancelled() => {
                     metrics::counter!("outbox_heartbeat_failures_total").increment(1);
-                    warn!(instance = %id, error = %e, "heartbeat failed; renewing again on a new connection");
+                    warn!(instance = %id, error = %e, ?pause, "heartbeat failed; renewing again on a new connection");
                     *conn = HeartbeatConnection::default();
-                    tokio::time::sleep(pause).await;
+                    tokio::select! {
+                        () = shutdown.cancelled() => return Err(e),
+                        () = tokio::time::sleep(pause) => {}
+                    }
                     pause = (pause * 2).min(self.config.heartbeat_interval);
                 }
                 answer => return answer,
@@ -119,7 +140,8 @@ impl Heartbeat {
     /// One renewal on `conn`. If it has not answered within a heartbeat interval, or half the time the
     /// lease has left if that is sooner (a connection left half-open by a failover or a dropped NAT
     /// entry never will), the same renewal goes out again on a new connection beside it, and the first
-    /// renewal to succeed counts (the other's answer if both fail): waiting for the first alone let the
+    /// renewal to succeed counts (if one fails, the other is waited for up to half the lease left):
+    /// waiting for the first alone let the
     /// lease end, while giving it up would lose a slow but live renewal its place (on SQLite, its turn
     /// at the file). The connection that answered is kept. At the shortest stale timeout the lease ends
     /// one interval after the renewal is sent, so one sent again after an interval came too late every
@@ -142,14 +164,15 @@ impl Heartbeat {
                     warn!(instance = %id, waited = ?again_after, "heartbeat not answered; renewing on a new connection too");
                     let second = spare.renew(&self.store, id, lease, delivered);
                     tokio::pin!(second);
+                    let other_within = self.lease_left() / 2;
                     tokio::select! {
                         answer = &mut first => match answer {
                             Ok(answer) => (Ok(answer), false),
-                            Err(_) => (second.await, true),
+                            Err(e) => (tokio::time::timeout(other_within, second).await.unwrap_or(Err(e)), true),
                         },
                         answer = &mut second => match answer {
                             Ok(answer) => (Ok(answer), true),
-                            Err(_) => (first.await, false),
+                            Err(e) => (tokio::time::timeout(other_within, first).await.unwrap_or(Err(e)), false),
                         },
                     }
                 }
@@ -163,7 +186,13 @@ impl Heartbeat {
 
     /// The lease of `id` was renewed: the processor may go on until `until`.
     fn extend_lease(&self, id: InstanceId, until: Deadline) {
-        self.assign.send_if_modified(|current| lease_extended(current, id, until));
+        self.assign.send_if_modified(|current| {
+            let ran_out = lease_extended(current, id, until);
+            if ran_out {
+                self.asks_round.fetch_add(1, Ordering::Release);
+            }
+            ran_out
+        });
     }
 
     /// The lease of `id` had expired: others may take (or have taken) its partitions. Fence at once,
@@ -191,6 +220,7 @@ impl Heartbeat {
             Ok(fresh) => {
                 *next_id = None;
                 let new = fresh.instance;
+                self.asks_round.fetch_add(1, Ordering::Release);
                 self.assign.send_modify(|current| *current = fresh);
                 info!(instance = %new, previous = %id, name = %self.config.name, "instance registered again under a new id");
                 true
