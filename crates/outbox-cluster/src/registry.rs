@@ -141,11 +141,10 @@ impl Heartbeat {
     /// lease has left if that is sooner (a connection left half-open by a failover or a dropped NAT
     /// entry never will), the same renewal goes out again on a new connection beside it, and the first
     /// renewal to succeed counts (if one fails, the other is waited for up to half the lease left):
-    /// waiting for the first alone let the
-    /// lease end, while giving it up would lose a slow but live renewal its place (on SQLite, its turn
-    /// at the file). The connection that answered is kept. At the shortest stale timeout the lease ends
-    /// one interval after the renewal is sent, so one sent again after an interval came too late every
-    /// time.
+    /// waiting for the first alone let the lease end, while giving it up would lose a slow but live
+    /// renewal its place (on SQLite, its turn at the file). The connection that answered is kept. At
+    /// the shortest stale timeout the lease ends one interval after the renewal is sent, so one sent
+    /// again after an interval came too late every time.
     async fn renew_once(
         &self,
         conn: &mut HeartbeatConnection,
