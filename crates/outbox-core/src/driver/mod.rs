@@ -332,6 +332,7 @@ impl Db {
     /// with this pool's settings) with JIT compilation off for its session, so the fetch is one
     /// statement: its planned cost rises with the table's statistics past `jit_above_cost`, and
     /// compiling it cost many times the query; its statements end on the server after `query_timeout`.
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub(crate) fn fetch_pool(&self, query_timeout: Duration) -> Option<Db> {
         match self {
             #[cfg(feature = "postgres")]
