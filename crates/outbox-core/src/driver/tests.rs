@@ -612,18 +612,22 @@ async fn a_dropped_begin_leaves_no_transaction_open(pool: PgPool) {
                     [("Db::begin", single.begin().map(drop).boxed()), ("own begin", own()), ("migrate", migrate())];
                 for (name, begin) in begins {
                     dropped_after(begin, polls, gap).await;
-                    single.execute("INSERT INTO dropped_begins (step) VALUES ($1)", &[rows.into()]).await.unwrap();
-                    rows += 1;
-                    let (seen,): (i64,) = db.fetch_one("SELECT count(*) FROM dropped_begins", &[]).await.unwrap();
-                    let backend = db.backend();
-                    assert_eq!(
-                        seen, rows,
-                        "{backend}: a row written after dropping {name} at poll {polls} ({gap:?} apart)"
-                    );
+                    let dropped = format!("{name} at poll {polls} ({gap:?} apart)");
+                    commits_at_once(&db, &single, "dropped_begins", &mut rows, &dropped).await;
                 }
             }
         }
     }
+}
+
+/// Writes row number `rows` into `table` on `single` (one connection) and checks that `db` sees all of
+/// them: it would not if `dropped` had left a transaction open on that connection.
+async fn commits_at_once(db: &Db, single: &Db, table: &str, rows: &mut i64, dropped: &str) {
+    let insert = format!("INSERT INTO {table} (step) VALUES ($1)");
+    single.execute(AssertSqlSafe(insert), &[(*rows).into()]).await.unwrap();
+    *rows += 1;
+    let (seen,): (i64,) = db.fetch_one(AssertSqlSafe(format!("SELECT count(*) FROM {table}")), &[]).await.unwrap();
+    assert_eq!(seen, *rows, "{}: a row written after dropping {dropped}", db.backend());
 }
 
 /// Polls `fut` up to `polls` times, `gap` of real time apart (a server answers meanwhile), and drops it
@@ -740,14 +744,8 @@ async fn a_dropped_schedule_leaves_no_transaction_open(pool: PgPool) {
                     _ => unreachable!("PostgreSQL and SQLite only"),
                 };
                 dropped_after(schedule, polls, gap).await;
-                single.execute("INSERT INTO dropped_schedules (step) VALUES ($1)", &[rows.into()]).await.unwrap();
-                rows += 1;
-                let (seen,): (i64,) = db.fetch_one("SELECT count(*) FROM dropped_schedules", &[]).await.unwrap();
-                let backend = db.backend();
-                assert_eq!(
-                    seen, rows,
-                    "{backend}: a row written after dropping a schedule at poll {polls} ({gap:?} apart)"
-                );
+                let dropped = format!("a schedule at poll {polls} ({gap:?} apart)");
+                commits_at_once(&db, &single, "dropped_schedules", &mut rows, &dropped).await;
             }
         }
     }
