@@ -104,23 +104,37 @@ async fn start_calls(
     Node::start(outbox.clone(), db, handlers, config).await.unwrap()
 }
 
-/// A node declared dead while it leaves (its handover waiting on slow handler calls) registers again
-/// under a new id, and that id leaves too: the other instance ends up with every partition and the node
-/// stops without waiting out its shutdown timeout. The new id used to count as live, so the leaving
-/// node's own rounds gave it partitions it never handed back (found in the fault test on SQLite).
+/// A node declared dead while it leaves (its handover waiting on handler calls) registers again under
+/// a new id, and that id leaves too: the other instance ends up with every partition and the node stops
+/// without waiting out its shutdown timeout. The new id used to count as live, so the leaving node's own
+/// rounds gave it partitions it never handed back (found in the fault test on SQLite).
 async fn a_node_declared_dead_while_leaving_still_leaves(db: TestDb) {
     logs();
     let outbox = outbox(&db, |c| c.shutdown_timeout = LONG * 2).await;
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
-    // a notices the end of its lease only at its next heartbeat, after b has taken its partitions.
-    let a = start_calls(&outbox, &db, slow_heartbeat("a"), &sink, &exclusive, 1000).await;
+    // a notices the end of its lease only at its next heartbeat, after b has taken its partitions. Its
+    // calls end only when cancelled, as they are when it fences itself at the declared death: calls
+    // that ended on their own let a finish leaving first when that heartbeat came late (a loaded
+    // machine, SQLite's writer busy), and a stopped node renews nothing, so it was never declared dead.
+    let stuck = {
+        let exclusive = exclusive.clone();
+        Handlers::new().default_route(Route::new(handler_fn(move |r| {
+            let inside = exclusive.enter("a", r.partition);
+            async move {
+                let _inside = inside;
+                std::future::pending::<Result<(), HandlerError>>().await
+            }
+        })))
+    };
+    let a = Node::start(outbox.clone(), &db, stuck, slow_heartbeat("a")).await.unwrap();
     let b = start_named(&outbox, &db, "b", &sink, &exclusive).await;
     let (a_id, b_id, a_assigned) = (a.id(), b.id(), a.assignment());
-    wait_for("two instances balanced", LONG, || async { owners(&db).await.values().all(|&n| n == 128) }).await;
-    // Records on every partition, so that a has calls running (up to 2 s each) when it leaves.
+    // Balanced between the two, not merely nobody owning more than half (before anyone owns anything).
+    let balanced = BTreeMap::from([(a_id, 128), (b_id, 128)]);
+    wait_for("two instances balanced", LONG, || async { owners(&db).await == balanced }).await;
+    // Records on most partitions, so that a has calls running when it leaves (its partitions without
+    // records it hands over at once).
     let producer = produce(&outbox, &db, 300, 5);
-    // Many calls, so that some still run (their partitions not handed over) when a's next heartbeat
-    // finds its lease ended: with few, a could finish leaving first, and never be declared dead.
     wait_for("a inside many calls", LONG, || async { exclusive.calls_of("a") >= 40 }).await;
     let leaving = tokio::spawn(a.shutdown());
     wait_for("a handing over", LONG, || async { owners(&db).await.get(&b_id).is_some_and(|&n| n > 128) }).await;
@@ -390,11 +404,9 @@ async fn a_crashed_instances_partitions_move_on_after_its_lease(db: TestDb) {
     let producer = produce(&outbox, &db, 40, 40);
     let a = start_named(&outbox, &db, "a", &sink, &exclusive).await;
     let b = start_named(&outbox, &db, "b", &sink, &exclusive).await;
-    wait_for("two instances balanced", LONG, || async {
-        owners(&db).await.values().all(|&n| n == 128) && owners(&db).await.len() == 2
-    })
-    .await;
     let b_id = b.id();
+    let balanced = BTreeMap::from([(a.id(), 128), (b_id, 128)]);
+    wait_for("two instances balanced", LONG, || async { owners(&db).await == balanced }).await;
     let crashed = Instant::now();
     b.kill();
     wait_for("a owns everything after b's lease expired", LONG, || async {
