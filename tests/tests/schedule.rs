@@ -19,6 +19,7 @@ every_backend!(
     bad_input_is_rejected_before_writing_and_the_transaction_stays_usable,
     migrations_are_idempotent_concurrent_and_use_their_own_table,
     scheduling_before_migrating_says_so,
+    scheduling_on_a_schema_a_migration_behind_says_so,
     key_rows_are_pruned_and_sequences_keep_growing,
     pruning_key_rows_far_from_the_database_fits_its_time_limit,
     a_reserved_word_names_a_schema,
@@ -266,6 +267,19 @@ async fn scheduling_before_migrating_says_so(db: TestDb) {
     let err = outbox.schedule(&mut tx, NewRecord::new("k", "t", "")).await.unwrap_err();
     assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
     assert!(err.to_string().contains("migrat"));
+}
+
+/// A schema missing a column a later migration adds (the service upgraded, its migration not run) is
+/// named as not migrated, as a missing table is, instead of the database's bare complaint.
+async fn scheduling_on_a_schema_a_migration_behind_says_so(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    exec!(db, "ALTER TABLE {s}records DROP COLUMN deliver_at");
+    let mut tx = db.begin().await;
+    let err = outbox.schedule(&mut tx, NewRecord::new("k", "t", "")).await.unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    drop(tx);
+    let err = outbox.stats(&db).await.unwrap_err();
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
 }
 
 /// A service whose role may not create schemas in its database (PostgreSQL's default for a role that does

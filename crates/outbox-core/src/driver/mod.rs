@@ -1122,7 +1122,7 @@ impl Error {
         }
     }
 
-    /// Whether the outbox's tables or schema are missing: the database needs `migrate` first.
+    /// Whether the outbox's tables, columns or schema are missing: the database needs `migrate` first.
     pub fn is_not_migrated(&self) -> bool {
         match self {
             Error::NotMigrated { .. } => true,

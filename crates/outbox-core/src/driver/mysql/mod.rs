@@ -155,10 +155,11 @@ pub(super) fn is_read_only(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
     Some(matches!(db.number(), 1290 | 1792 | 1836))
 }
 
-/// 1146 no such table. `None`: not a MySQL error.
+/// 1146 no such table, 1054 unknown column (a schema that a later migration has not reached). `None`:
+/// not a MySQL error.
 pub(super) fn is_not_migrated(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     let db = db.try_downcast_ref::<MySqlDatabaseError>()?;
-    Some(db.number() == 1146)
+    Some(matches!(db.number(), 1146 | 1054))
 }
 
 /// `sql` with PostgreSQL-style `$1`, `$2`, … (outside quotes) as MySQL's `?`, and the argument each `?`

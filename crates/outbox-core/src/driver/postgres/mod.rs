@@ -100,10 +100,11 @@ pub(super) fn is_read_only(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
     Some(db.code() == "25006")
 }
 
-/// 42P01 undefined table, 3F000 undefined schema. `None`: not a PostgreSQL error.
+/// 42P01 undefined table, 3F000 undefined schema, 42703 undefined column (a schema that a later
+/// migration has not reached). `None`: not a PostgreSQL error.
 pub(super) fn is_not_migrated(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     let db = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
-    Some(matches!(db.code(), "42P01" | "3F000"))
+    Some(matches!(db.code(), "42P01" | "3F000" | "42703"))
 }
 
 /// Schedules in one statement on the caller's connection (see `Conn::schedule`).

@@ -137,10 +137,17 @@ pub(super) fn is_read_only(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
     Some(false)
 }
 
-/// SQLite has no code of its own for a missing table: "no such table". `None`: not a SQLite error.
+/// SQLite has no code of its own for a missing table ("no such table") or column, as in a schema that a
+/// later migration has not reached ("no such column", or "table … has no column named …" from an
+/// insert). `None`: not a SQLite error.
 pub(super) fn is_not_migrated(db: &dyn sqlx::error::DatabaseError) -> Option<bool> {
     db.try_downcast_ref::<sqlx::sqlite::SqliteError>()?;
-    Some(db.message().starts_with("no such table"))
+    let message = db.message();
+    Some(
+        message.starts_with("no such table")
+            || message.starts_with("no such column")
+            || message.contains(" has no column named "),
+    )
 }
 
 /// Inserts records on the caller's connection (see `Conn::schedule`).
