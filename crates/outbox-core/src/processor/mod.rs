@@ -556,7 +556,11 @@ impl State {
             Ok((task, (key, outcomes))) => {
                 self.tasks.remove(&task);
                 if outcomes.is_empty() {
-                    self.in_flight.remove(&key);
+                    // Cancelled before any outcome (the lease ran out): its records are fetchable again,
+                    // and a fetch that started meanwhile (the lease renewed) passed over its key.
+                    if let Some(partition) = self.in_flight.remove(&key) {
+                        self.wanted.insert(partition);
+                    }
                     self.turns_held.remove(&key);
                 } else {
                     self.outcomes.extend(outcomes);
@@ -567,6 +571,9 @@ impl State {
                 let key = self.tasks.remove(&e.id()).unwrap_or_default();
                 let partition = self.in_flight.remove(&key);
                 self.turns_held.remove(&key);
+                if let Some(partition) = partition {
+                    self.wanted.insert(partition);
+                }
                 error!(error = %e, key, ?partition,
                     "delivery task ended without an outcome; its records will be delivered again");
             }
