@@ -186,6 +186,8 @@ impl Node {
     /// the lease runs out, as after a crash. A partition taken from a dead owner and still in its quiet
     /// period is left to its next owner to take as from a dead owner, after the rest of the period.
     /// Every task is stopped whatever a step returns; the first error is returned, and each is logged.
+    /// Pointing the targets at the others once deregistered only speeds their next round up: its
+    /// failure is a warning.
     ///
     /// Given up part way (its future dropped: a caller's time limit, a `select!`), it stops every task
     /// at once, as [`Node::kill`] does, and the partitions move on when the lease runs out.
@@ -243,20 +245,30 @@ impl Node {
             let _ = tokio::time::timeout(last / 2, background.wait()).await;
             let id = assignment.borrow().instance;
             let held = held.borrow().clone();
-            ownership::hand_over(outbox, store, id, &held, config).await
+            ownership::hand_over(store, id, &held, config).await
         };
-        let handed_over = tokio::time::timeout(last, release)
+        let released_by = tokio::time::Instant::now() + last;
+        let handed_over = tokio::time::timeout_at(released_by, release)
             .await
             .unwrap_or(Err(Error::Core(outbox_core::Error::QueryTimeout { work: "releasing at stop", after: last })));
         metrics::gauge!("outbox_owned_partitions").set(0.0);
         let id = self.id();
-        match &handed_over {
-            Ok(()) => {
-                info!(instance = %id, "instance stopped and deregistered (or, holding partitions in a quiet period, its lease ended)")
+        let handed_over = match handed_over {
+            Ok(moved) => {
+                info!(instance = %id, "instance stopped and deregistered (or, holding partitions in a quiet period, its lease ended)");
+                // In what is left of the same budget; past it, the leader's next round does the same.
+                let told = ownership::tell_next_owners(outbox, store, id, &moved);
+                if tokio::time::timeout_at(released_by, told).await.is_err() {
+                    warn!(instance = %id, "pointing the targets elsewhere at stop ran out of time; the leader's next round will");
+                }
+                Ok(())
             }
-            Err(e) => warn!(instance = %id, error = %e,
-                "could not release the partitions left or deregister; they move on when the lease runs out"),
-        }
+            Err(e) => {
+                warn!(instance = %id, error = %e,
+                    "could not release the partitions left or deregister; they move on when the lease runs out");
+                Err(e)
+            }
+        };
         let fault = self.fault.get().map_or(Ok(()), |fault| Err(Error::Task(fault.clone())));
         given_up.finished();
         drained.and(processed).and(handed_over).and(fault)

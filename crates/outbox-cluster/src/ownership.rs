@@ -391,22 +391,18 @@ async fn release_partitions(
     Ok(freed)
 }
 
-/// A graceful exit: releases the partitions `me` owns, deregisters `me`, then points the targets at
-/// the remaining instances and nudges the partitions' new targets (so they take them now, not at
-/// their next round). Releasing comes first: the targets only speed the next owners up (the leader
-/// writes them at its next round anyway), so a failure or a wait there costs no release. A partition
-/// still in its quiet period (per `held`: the exit did not wait for it), or owned by an acquisition
+/// A graceful exit: releases the partitions `me` owns and deregisters `me`; returns the partitions
+/// moved on, whose next owners [`tell_next_owners`] then speeds up. A partition still in its quiet period (per `held`: the exit did not wait for it), or owned by an acquisition
 /// the rounds never heard of (its reply lost, and no round since), is not released: its next owner
 /// would take it as free and deliver at once, while the owner it was taken from may still be
 /// delivering. It stays with `me`, whose lease ends now with a declared heartbeat of half what is left
 /// of the period: the next owner takes it as from a dead owner, quiet as long.
 pub(crate) async fn hand_over(
-    outbox: &Outbox,
     store: &Store,
     me: InstanceId,
     held: &Held,
     config: &ClusterConfig,
-) -> Result<()> {
+) -> Result<Vec<Partition>> {
     let mut owned = store.owned(me).await?;
     let now = Instant::now();
     let quiet_left = |p: &Partition, epoch: &Epoch| match held.get(p) {
@@ -433,16 +429,21 @@ pub(crate) async fn hand_over(
             store.end_lease(me, left / 2 + Duration::from_millis(1)).await?;
         }
     }
+    Ok(freed.into_iter().chain(kept.into_keys()).collect())
+}
+
+/// After a graceful exit: points the targets at the remaining instances and nudges the new targets of
+/// `moved`, so they take them now rather than at their next round. Only a speed-up (the leader writes
+/// the targets at its next round anyway), so it comes after the release, and a failure is a warning.
+pub(crate) async fn tell_next_owners(outbox: &Outbox, store: &Store, me: InstanceId, moved: &[Partition]) {
     let targets = match leaving_targets(outbox, store, me).await {
         Ok(targets) => targets,
         Err(e) => {
             warn!(instance = %me, error = %e, "could not point the targets elsewhere at stop; the leader's next round will");
-            return Ok(());
+            return;
         }
     };
-    let moved = freed.iter().chain(kept.keys());
-    nudge(outbox, store, me, moved.filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
-    Ok(())
+    nudge(outbox, store, me, moved.iter().filter_map(|p| targets.get(p).copied()).collect::<BTreeSet<_>>()).await;
 }
 
 /// The targets of the live instances other than `me`, written where they changed.
@@ -457,7 +458,7 @@ async fn leaving_targets(outbox: &Outbox, store: &Store, me: InstanceId) -> Resu
 mod tests {
     use std::time::Duration;
 
-    use outbox_core::{Config, Outbox, Partition};
+    use outbox_core::Partition;
     use sqlx::PgPool;
 
     use super::{Held, hand_over};
@@ -471,7 +472,6 @@ mod tests {
     /// delivering.
     #[sqlx::test(migrations = false)]
     async fn partitions_owned_unheard_at_shutdown_go_on_as_from_a_dead_owner(pool: PgPool) {
-        let outbox = Outbox::new(Config::default()).unwrap();
         let config = ClusterConfig {
             heartbeat_interval: Duration::from_millis(100),
             stale_timeout: Duration::from_millis(600),
@@ -485,7 +485,9 @@ mod tests {
             let taken = store.acquire(me).await.unwrap();
             let known = taken.iter().find(|t| t.partition == 5).unwrap();
             let held: Held = [(5, (known.epoch, None))].into();
-            hand_over(&outbox, &store, me, &held, &config).await.unwrap();
+            let mut moved = hand_over(&store, me, &held, &config).await.unwrap();
+            moved.sort();
+            assert_eq!(moved, partitions, "{backend}: released or kept, each has its next owner told");
 
             let next = registered(&store, DAY).await;
             target(&store, partitions.clone(), next).await;
