@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::driver::sqlite::{render, write, write_on};
-use outbox_core::driver::{millis, statement};
-use outbox_core::{Epochs, InstanceId, Partition};
+use outbox_core::driver::{json, millis, statement};
+use outbox_core::{Epoch, Epochs, InstanceId, Partition};
 use sqlx::{Connection, SqliteConnection, SqlitePool};
 
 use crate::error::Result;
@@ -70,15 +70,22 @@ UNION ALL
 SELECT NULL, id, NULL, NULL, NULL FROM {s}_instances
 WHERE expires_at > {now} AND taken_over_at IS NULL AND NOT draining";
 
-const SET_TARGET: &str = "UPDATE {s}_partitions SET target_owner = $2
-WHERE partition = $1 AND target_owner IS NOT $2 RETURNING partition";
+/// Writes the targets that changed, in one statement: `$1` is JSON `[[partition, hex owner], …]`. One
+/// statement per partition held the file's write lock for 256 round trips to sqlx's worker thread,
+/// while every other process's heartbeat waited for it (BENCHMARKS.md).
+const SET_TARGETS: &str = "UPDATE {s}_partitions SET target_owner = unhex(t.value ->> 1)
+FROM json_each($1) t
+WHERE partition = t.value ->> 0 AND target_owner IS NOT unhex(t.value ->> 1) RETURNING partition";
 
 const DRAIN: &str = "UPDATE {s}_instances SET draining = 1 WHERE id = $1";
 
 const OWNED: &str = "SELECT partition, epoch FROM {s}_partitions WHERE owner = $1 ORDER BY partition";
 
+/// Releases the partitions `$1` still owns at the epochs of `$2` (JSON `[[partition, epoch], …]`), in one
+/// statement (see [`SET_TARGETS`]).
 const RELEASE: &str = "UPDATE {s}_partitions SET owner = NULL, epoch = epoch + 1, changed_at = {now}
-WHERE partition = $2 AND epoch = $3 AND owner = $1 RETURNING partition";
+WHERE owner = $1 AND (partition, epoch) IN (SELECT value ->> 0, value ->> 1 FROM json_each($2))
+RETURNING partition";
 
 const INSTANCES: &str = "SELECT i.id, i.name, {time:i.started_at} AS started_at,
     {time:i.heartbeat_at} AS heartbeat_at, (i.expires_at > {now} AND i.taken_over_at IS NULL) AS live,
@@ -99,7 +106,7 @@ pub(super) struct SqliteStatements {
     take: Arc<str>,
     mark_taken_over: Arc<str>,
     view: Arc<str>,
-    set_target: Arc<str>,
+    set_targets: Arc<str>,
     drain: Arc<str>,
     owned: Arc<str>,
     release: Arc<str>,
@@ -129,7 +136,7 @@ impl SqliteStatements {
             take: build(TAKE),
             mark_taken_over: build(MARK_TAKEN_OVER),
             view: build(VIEW),
-            set_target: build(SET_TARGET),
+            set_targets: build(SET_TARGETS),
             drain: build(DRAIN),
             owned: build(OWNED),
             release: build(RELEASE),
@@ -233,18 +240,14 @@ impl SqliteStatements {
     }
 
     pub(super) async fn set_targets(&self, pool: &SqlitePool, targets: &Targets) -> Result<Vec<Partition>> {
+        let list: Vec<(i16, String)> =
+            targets.iter().map(|(&partition, owner)| (i16::from(partition), owner.0.simple().to_string())).collect();
+        let list = json(&list)?;
         let mut tx = write(pool).await?;
-        let mut changed = Vec::new();
-        for (&partition, &owner) in targets {
-            let row: Option<PartitionOnly> = sqlx::query_as(statement(&self.set_target))
-                .bind(i16::from(partition))
-                .bind(owner)
-                .fetch_optional(&mut *tx)
-                .await?;
-            changed.extend(row.map(|r| r.partition));
-        }
+        let changed: Vec<PartitionOnly> =
+            sqlx::query_as(statement(&self.set_targets)).bind(list).fetch_all(&mut *tx).await?;
         tx.commit().await?;
-        Ok(changed)
+        Ok(changed.into_iter().map(|r| r.partition).collect())
     }
 
     pub(super) async fn drain(&self, pool: &SqlitePool, me: InstanceId) -> Result<()> {
@@ -259,19 +262,13 @@ impl SqliteStatements {
     }
 
     pub(super) async fn release(&self, pool: &SqlitePool, me: InstanceId, held: &Epochs) -> Result<Vec<Partition>> {
+        let list: Vec<(i16, Epoch)> = held.iter().map(|(&partition, &epoch)| (i16::from(partition), epoch)).collect();
+        let list = json(&list)?;
         let mut tx = write(pool).await?;
-        let mut released = Vec::new();
-        for (&partition, &epoch) in held {
-            let row: Option<PartitionOnly> = sqlx::query_as(statement(&self.release))
-                .bind(me)
-                .bind(i16::from(partition))
-                .bind(epoch)
-                .fetch_optional(&mut *tx)
-                .await?;
-            released.extend(row.map(|r| r.partition));
-        }
+        let released: Vec<PartitionOnly> =
+            sqlx::query_as(statement(&self.release)).bind(me).bind(list).fetch_all(&mut *tx).await?;
         tx.commit().await?;
-        Ok(released)
+        Ok(released.into_iter().map(|r| r.partition).collect())
     }
 
     pub(super) async fn instances(&self, pool: &SqlitePool) -> Result<Vec<InstanceInfo>> {
