@@ -392,11 +392,12 @@ async fn release_partitions(
 }
 
 /// A graceful exit: releases the partitions `me` owns and deregisters `me`; returns the partitions
-/// moved on, whose next owners [`tell_next_owners`] then speeds up. A partition still in its quiet period (per `held`: the exit did not wait for it), or owned by an acquisition
-/// the rounds never heard of (its reply lost, and no round since), is not released: its next owner
-/// would take it as free and deliver at once, while the owner it was taken from may still be
-/// delivering. It stays with `me`, whose lease ends now with a declared heartbeat of half what is left
-/// of the period: the next owner takes it as from a dead owner, quiet as long.
+/// moved on, whose next owners [`tell_next_owners`] then speeds up. A partition still in its quiet
+/// period (per `held`: the exit did not wait for it), or owned by an acquisition the rounds never heard
+/// of (its reply lost, and no round since), is not released: its next owner would take it as free and
+/// deliver at once, while the owner it was taken from may still be delivering. It stays with `me`,
+/// whose lease ends now with a declared heartbeat of half what is left of the period: the next owner
+/// takes it as from a dead owner, quiet as long.
 pub(crate) async fn hand_over(
     store: &Store,
     me: InstanceId,
