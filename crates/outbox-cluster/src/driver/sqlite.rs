@@ -6,10 +6,11 @@
 //! single writer makes the check and the epoch bump one atomic step, as `FOR UPDATE` does on PostgreSQL.
 //! Liveness compares against SQLite's clock (the host's; all instances of a database file share it).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use outbox_core::driver::sqlite::{render, write, write_on};
 use outbox_core::driver::{json, millis, statement};
 use outbox_core::{Epoch, Epochs, InstanceId, Partition};
@@ -53,13 +54,17 @@ WHERE p.target_owner = $1 AND p.owner IS NOT $1
       SELECT 1 FROM {s}_instances i WHERE i.id = p.owner AND i.expires_at > {now} AND i.taken_over_at IS NULL))
   AND EXISTS (SELECT 1 FROM {s}_instances me WHERE me.id = $1 AND me.expires_at > {now} AND me.taken_over_at IS NULL)";
 
-/// Ends for good the lease of the owner `$1` whose partitions are being taken (see [`HEARTBEAT`]).
-const MARK_TAKEN_OVER: &str = "UPDATE {s}_instances SET taken_over_at = coalesce(taken_over_at, {now}) WHERE id = $1";
+/// Ends for good the leases of the owners `$1` (JSON `[hex id, …]`) whose partitions are being taken
+/// (see [`HEARTBEAT`]).
+const MARK_TAKEN_OVER: &str = "UPDATE {s}_instances SET taken_over_at = coalesce(taken_over_at, {now})
+WHERE id IN (SELECT unhex(value) FROM json_each($1))";
 
-/// Takes a partition; one taken from an owner is stamped `taken_over_at` (see `Taken`).
+/// Takes the partitions `$2` (JSON `[partition, …]`) in one statement (see [`SET_TARGETS`]); one taken
+/// from an owner is stamped `taken_over_at` (see `Taken`).
 const TAKE: &str = "UPDATE {s}_partitions SET owner = $1, epoch = epoch + 1, changed_at = {now},
     taken_over_at = CASE WHEN owner IS NULL THEN taken_over_at ELSE {now} END
-WHERE partition = $2 RETURNING epoch, {time:taken_over_at} AS taken_over_at";
+WHERE partition IN (SELECT value FROM json_each($2))
+RETURNING partition, epoch, {time:taken_over_at} AS taken_over_at";
 
 /// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
 /// part in the assignment (lease live by database time and never taken over, not draining), each id
@@ -211,27 +216,34 @@ impl SqliteStatements {
         let mut tx = write(pool).await?;
         let candidates: Vec<Acquirable> =
             sqlx::query_as(statement(&self.acquirable)).bind(me).fetch_all(&mut *tx).await?;
-        let owners: BTreeSet<InstanceId> = candidates.iter().filter_map(|c| c.owner).collect();
-        for owner in owners {
-            sqlx::query(statement(&self.mark_taken_over)).bind(owner).execute(&mut *tx).await?;
+        if candidates.is_empty() {
+            return Ok(Vec::new());
         }
-        let mut taken = Vec::with_capacity(candidates.len());
-        for candidate in candidates {
-            let (epoch, taken_over_at) = sqlx::query_as(statement(&self.take))
-                .bind(me)
-                .bind(i16::from(candidate.partition))
-                .fetch_one(&mut *tx)
-                .await?;
-            taken.push(Taken {
-                partition: candidate.partition,
-                epoch,
-                previous: candidate.owner,
-                previous_heartbeat_ms: candidate.heartbeat_ms,
-                taken_over_at,
-            });
+        let owners: BTreeSet<String> =
+            candidates.iter().filter_map(|c| Some(c.owner?.0.simple().to_string())).collect();
+        if !owners.is_empty() {
+            sqlx::query(statement(&self.mark_taken_over)).bind(json(&owners)?).execute(&mut *tx).await?;
         }
+        let partitions: Vec<i16> = candidates.iter().map(|c| i16::from(c.partition)).collect();
+        let rows: Vec<(i16, Epoch, Option<DateTime<Utc>>)> =
+            sqlx::query_as(statement(&self.take)).bind(me).bind(json(&partitions)?).fetch_all(&mut *tx).await?;
         tx.commit().await?;
-        Ok(taken)
+        let rows: BTreeMap<i16, (Epoch, Option<DateTime<Utc>>)> =
+            rows.into_iter().map(|(partition, epoch, at)| (partition, (epoch, at))).collect();
+        // Every candidate is taken: the single writer held the file since they were read.
+        Ok(candidates
+            .into_iter()
+            .filter_map(|c| {
+                let &(epoch, taken_over_at) = rows.get(&i16::from(c.partition))?;
+                Some(Taken {
+                    partition: c.partition,
+                    epoch,
+                    previous: c.owner,
+                    previous_heartbeat_ms: c.heartbeat_ms,
+                    taken_over_at,
+                })
+            })
+            .collect())
     }
 
     pub(super) async fn view(&self, pool: &SqlitePool) -> Result<View> {
