@@ -539,8 +539,7 @@ impl State {
                 // The key stays in flight until they are written (or fenced out).
                 self.outcomes.extend(not_called(run));
             } else {
-                self.in_flight.remove(&head.record.key);
-                self.wanted.insert(partition);
+                self.leave_flight(&head.record.key);
             }
         }
     }
@@ -551,17 +550,23 @@ impl State {
         current.grants(instance, partition, epoch) && self.fenced.get(&partition) != Some(&(instance, epoch))
     }
 
+    /// `key` leaves flight: its turn is handed back, and its partition read again (its next records, or
+    /// those it did not finish, are fetchable now).
+    fn leave_flight(&mut self, key: &str) -> Option<Partition> {
+        self.turns_held.remove(key);
+        let partition = self.in_flight.remove(key)?;
+        self.wanted.insert(partition);
+        Some(partition)
+    }
+
     fn on_joined(&mut self, joined: std::result::Result<(TaskId, (String, Vec<Outcome>)), tokio::task::JoinError>) {
         match joined {
             Ok((task, (key, outcomes))) => {
                 self.tasks.remove(&task);
                 if outcomes.is_empty() {
-                    // Cancelled before any outcome (the lease ran out): its records are fetchable again,
-                    // and a fetch that started meanwhile (the lease renewed) passed over its key.
-                    if let Some(partition) = self.in_flight.remove(&key) {
-                        self.wanted.insert(partition);
-                    }
-                    self.turns_held.remove(&key);
+                    // Cancelled before any outcome (the lease ran out): a fetch that started meanwhile
+                    // (the lease renewed) passed over its key.
+                    self.leave_flight(&key);
                 } else {
                     self.outcomes.extend(outcomes);
                 }
@@ -569,11 +574,7 @@ impl State {
             Err(e) => {
                 // Deliveries catch their handlers' panics; this is a bug in the processor or an abort.
                 let key = self.tasks.remove(&e.id()).unwrap_or_default();
-                let partition = self.in_flight.remove(&key);
-                self.turns_held.remove(&key);
-                if let Some(partition) = partition {
-                    self.wanted.insert(partition);
-                }
+                let partition = self.leave_flight(&key);
                 error!(error = %e, key, ?partition,
                     "delivery task ended without an outcome; its records will be delivered again");
             }
@@ -588,10 +589,7 @@ impl State {
         let unsettled: HashSet<&str> = retry.iter().flat_map(|(batch, _)| batch).map(|o| o.key.as_str()).collect();
         for outcome in settled {
             if !unsettled.contains(outcome.key.as_str()) {
-                self.in_flight.remove(&outcome.key);
-                self.turns_held.remove(&outcome.key);
-                // The key's next records, if any, are fetchable now.
-                self.wanted.insert(outcome.partition);
+                self.leave_flight(&outcome.key);
             }
             if written.ids.contains(&outcome.id) {
                 record_metrics(&outcome);
