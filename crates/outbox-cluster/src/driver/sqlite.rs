@@ -228,13 +228,12 @@ impl SqliteStatements {
         let rows: Vec<(i16, Epoch, Option<DateTime<Utc>>)> =
             sqlx::query_as(statement(&self.take)).bind(me).bind(json(&partitions)?).fetch_all(&mut *tx).await?;
         tx.commit().await?;
-        let rows: BTreeMap<i16, (Epoch, Option<DateTime<Utc>>)> =
-            rows.into_iter().map(|(partition, epoch, at)| (partition, (epoch, at))).collect();
-        // Every candidate is taken: the single writer held the file since they were read.
-        Ok(candidates
+        let candidates: BTreeMap<i16, Acquirable> =
+            candidates.into_iter().map(|c| (i16::from(c.partition), c)).collect();
+        Ok(rows
             .into_iter()
-            .filter_map(|c| {
-                let &(epoch, taken_over_at) = rows.get(&i16::from(c.partition))?;
+            .filter_map(|(partition, epoch, taken_over_at)| {
+                let c = candidates.get(&partition)?;
                 Some(Taken {
                     partition: c.partition,
                     epoch,
