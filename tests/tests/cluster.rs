@@ -105,9 +105,10 @@ async fn start_calls(
 }
 
 /// A node declared dead while it leaves (its handover waiting on handler calls) registers again under
-/// a new id, and that id leaves too: the other instance ends up with every partition and the node stops
-/// without waiting out its shutdown timeout. The new id used to count as live, so the leaving node's own
-/// rounds gave it partitions it never handed back (found in the fault test on SQLite).
+/// a new id, and that id leaves too (or, if the stop reached its release first, the registration is
+/// taken back): the other instance ends up with every partition and the node stops without waiting out
+/// its shutdown timeout. The new id used to count as live, so the leaving node's own rounds gave it
+/// partitions it never handed back (found in the fault test on SQLite).
 async fn a_node_declared_dead_while_leaving_still_leaves(db: TestDb) {
     logs();
     let outbox = outbox(&db, |c| c.shutdown_timeout = LONG * 2).await;
@@ -139,7 +140,11 @@ async fn a_node_declared_dead_while_leaving_still_leaves(db: TestDb) {
     let leaving = tokio::spawn(a.shutdown());
     wait_for("a handing over", LONG, || async { owners(&db).await.get(&b_id).is_some_and(|&n| n > 128) }).await;
     end_lease(&db, a_id).await;
-    wait_for("a registered again", LONG, || async { a_assigned.borrow().instance != a_id }).await;
+    wait_for("a declared dead", LONG, || async {
+        let now = a_assigned.borrow();
+        now.instance != a_id || !now.is_live()
+    })
+    .await;
     tokio::time::timeout(LONG, leaving).await.expect("the node waited out its shutdown timeout").unwrap().unwrap();
     wait_for("b owns every partition", LONG, || async { owners(&db).await == BTreeMap::from([(b_id, 256)]) }).await;
     producer.await.unwrap();
@@ -241,6 +246,61 @@ async fn a_registration_whose_answer_was_lost_leaves_no_second_instance(pool: sq
     drained(&db, LONG).await;
     a.shutdown().await.unwrap();
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
+}
+
+/// A node declared dead is stopped while its registration under a new id is on its way (a trigger holds
+/// it longer than the stop waits for its tasks before releasing), and its process ends once `shutdown`
+/// returns: no live instance is left, then or once the registration lands. Before, the new row was
+/// written after the stop had deregistered the old id, a live instance that nothing ran, which the
+/// rebalancer gave a share nobody delivered until its lease ran out.
+#[sqlx::test(migrations = false)]
+async fn a_registration_landing_after_a_stop_leaves_no_live_instance(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let outbox = outbox(&db, |c| {
+        c.query_timeout = Duration::from_secs(2);
+        c.shutdown_timeout = Duration::from_millis(200);
+    })
+    .await;
+    let (url, node_outbox) = (db.url().await, outbox.clone());
+    let (started, a) = tokio::sync::oneshot::channel();
+    let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
+    // The node in a runtime of its own, dropped when `shutdown` returns, as a process that then exits.
+    let process = tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        runtime.block_on(async {
+            let db = outbox_core::Db::connect(&url).await.unwrap();
+            // A lease far longer than the test: a stray registration would stay live throughout.
+            let config = outbox_cluster::ClusterConfig {
+                name: "a".into(),
+                stale_timeout: Duration::from_secs(600),
+                ..fast_cluster()
+            };
+            let a = Node::start(node_outbox, db, recording(&Sink::new()), config).await.unwrap();
+            started.send((a.id(), a.assignment())).ok().unwrap();
+            stopping.await.unwrap();
+            a.shutdown().await.unwrap();
+        });
+    });
+    let (first, assignment) = a.await.unwrap();
+    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&first) == Some(&256) }).await;
+
+    // Longer than the stop waits for its tasks (half the query timeout), shorter than the query timeout.
+    exec!(
+        db,
+        "CREATE FUNCTION {s}slowly() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(1.5); RETURN NEW; END $$ LANGUAGE plpgsql"
+    );
+    exec!(db, "CREATE TRIGGER slowly BEFORE INSERT ON {s}instances FOR EACH ROW EXECUTE FUNCTION {s}slowly()");
+    end_lease(&db, first).await;
+    // Fenced: the registration under a new id goes out next.
+    wait_for("a fenced", LONG, || async { assignment.borrow().epochs.is_empty() }).await;
+    stop.send(()).unwrap();
+    process.await.unwrap();
+    let live = "SELECT id FROM {s}instances WHERE expires_at > now()";
+    assert_eq!(rows!(db, (InstanceId,), live), [], "no live instance once the stop returned");
+    // Nor later: the registration lands (or is given up) within the query timeout of its start.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(rows!(db, (InstanceId,), live), [], "no live instance left behind by the stop");
 }
 
 /// A `shutdown` given up part way (a caller's time limit, a `select!`) stops the node's tasks with it,

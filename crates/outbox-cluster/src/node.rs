@@ -185,7 +185,8 @@ impl Node {
     /// the service's grace period to their sum. What it could not hand over in that time moves on when
     /// the lease runs out, as after a crash. A partition taken from a dead owner and still in its quiet
     /// period is left to its next owner to take as from a dead owner, after the rest of the period.
-    /// Every task is stopped whatever a step returns; the first error is returned, and each is logged.
+    /// Every task is stopped whatever a step returns, and ended before it returns (within the same
+    /// budget), so the process may exit at once; the first error is returned, and each is logged.
     /// Pointing the targets at the others once deregistered only speeds their next round up: its
     /// failure is a warning.
     ///
@@ -269,6 +270,11 @@ impl Node {
                 Err(e)
             }
         };
+        // A task still under way (a registration under a new id, which the heartbeat takes back once it
+        // lands) ends before the stop returns, within the budget.
+        if tokio::time::timeout_at(released_by, background.wait()).await.is_err() {
+            warn!(instance = %id, "a heartbeat or round still under way when the stop ended");
+        }
         let fault = self.fault.get().map_or(Ok(()), |fault| Err(Error::Task(fault.clone())));
         given_up.finished();
         drained.and(processed).and(handed_over).and(fault)

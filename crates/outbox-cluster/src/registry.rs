@@ -84,7 +84,7 @@ impl Heartbeat {
                     self.extend_lease(id, sent.after(remaining));
                 }
                 Ok(Ok(None)) => {
-                    if self.declared_dead(id, &mut next_id).await {
+                    if self.declared_dead(id, &mut next_id, &shutdown).await {
                         counted_from = self.delivered.load(Ordering::Relaxed);
                     }
                 }
@@ -198,8 +198,14 @@ impl Heartbeat {
     /// then register again under a new id, with no partitions; `true` once registered again. A failed
     /// registration may have been written all the same (only its answer lost), so the retry at the next
     /// heartbeat goes under the same new id, `next_id`: a fresh one each time would leave a row the
-    /// rebalancer counts as live, whose share of the partitions nobody takes until its lease ends.
-    async fn declared_dead(&self, id: InstanceId, next_id: &mut Option<InstanceId>) -> bool {
+    /// rebalancer counts as live, whose share of the partitions nobody takes until its lease ends. For
+    /// the same reason a registration that lands after the node was stopped is taken back at once.
+    async fn declared_dead(
+        &self,
+        id: InstanceId,
+        next_id: &mut Option<InstanceId>,
+        shutdown: &CancellationToken,
+    ) -> bool {
         // Not a second death when a registration that failed is retried.
         let found_now = next_id.is_none();
         let fenced = self.assign.send_if_modified(|current| {
@@ -215,7 +221,19 @@ impl Heartbeat {
             metrics::counter!("outbox_leases_expired_total").increment(1);
             warn!(instance = %id, "lease expired: the instance was declared dead; processing stopped, running handler calls cancelled");
         }
-        match register(&self.store, &self.config, *next_id.get_or_insert_with(InstanceId::new)).await {
+        let next = *next_id.get_or_insert_with(InstanceId::new);
+        let registered = register(&self.store, &self.config, next).await;
+        if shutdown.is_cancelled() {
+            // The stop deregistered the id it knew while this one was on its way (written even if its
+            // answer was lost).
+            match self.store.deregister(next).await {
+                Ok(()) => info!(instance = %next, previous = %id, "the node stopped during a registration: taken back"),
+                Err(e) => warn!(instance = %next, previous = %id, error = %e,
+                    "the node stopped during a registration, and taking it back failed; it goes when its lease runs out"),
+            }
+            return false;
+        }
+        match registered {
             Ok(fresh) => {
                 *next_id = None;
                 let new = fresh.instance;
