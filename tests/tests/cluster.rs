@@ -1013,7 +1013,9 @@ async fn a_stop_with_a_call_that_outlasts_it_ends_within_the_shutdown_timeout(db
             Ok::<(), HandlerError>(())
         }
     });
-    let node = Node::start(outbox.clone(), &db, Handlers::new().default_route(Route::new(slow)), fast_cluster())
+    // A lease of 2 s, not fast_cluster's 400 ms, which a heartbeat held up on a loaded machine can miss:
+    // a node declared dead cancels its call, and its stop then rightly finds nothing unfinished.
+    let node = Node::start(outbox.clone(), &db, Handlers::new().default_route(Route::new(slow)), slow_heartbeat("a"))
         .await
         .unwrap();
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
