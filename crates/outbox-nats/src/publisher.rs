@@ -13,7 +13,7 @@ use tracing::debug;
 use crate::Result;
 use crate::config::NatsConfig;
 use crate::outgoing::Outgoing;
-use crate::subject::SubjectTemplate;
+use crate::subject::{SubjectTemplate, matches};
 
 /// Header carrying the record key.
 pub const KEY_HEADER: &str = "Outbox-Key";
@@ -82,8 +82,8 @@ impl JetStreamHandler {
     /// not meet (it never will: the stream only moves on), or a subject that no stream captures while
     /// the configured stream is there. "No responders" means no stream, a stream without a leader right
     /// now, or the configured stream missing for a while (deleted and made again, restored); asking the
-    /// server which stream captures the subject, then whether the configured one is there, tells them
-    /// apart.
+    /// server which stream captures the subject, then whether the configured one is there (and, if it
+    /// is, whether it was made again meanwhile, capturing the subject), tells them apart.
     async fn classify(&self, record: &Record, subject: &str, error: PublishError) -> HandlerError {
         let context = about(record, subject);
         match error.kind() {
@@ -108,6 +108,13 @@ impl JetStreamHandler {
             PublishErrorKind::StreamNotFound => match self.js.stream_by_subject(subject).await {
                 Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
                     match self.js.get_stream(&self.stream).await {
+                        // Made again between the two lookups: the publish meets it next time.
+                        Ok(stream) if stream.cached_info().config.subjects.iter().any(|p| matches(p, subject)) => {
+                            HandlerError::retryable(format!(
+                                "{context}: no JetStream stream captured this subject; stream {:?} is back",
+                                self.stream
+                            ))
+                        }
                         Ok(_) => {
                             HandlerError::permanent(format!("{context}: no JetStream stream captures this subject"))
                         }
