@@ -18,6 +18,7 @@ every_backend!(
     a_time_already_past_is_at_once_and_an_absolute_time_is_kept,
     stats_count_records_scheduled_for_later_apart,
     a_wake_up_delivers_a_delayed_record_when_it_falls_due,
+    a_wake_up_for_many_later_times_delivers_each_record_when_it_falls_due,
     a_delay_counts_from_the_call_not_from_the_transaction_start,
 );
 
@@ -184,11 +185,74 @@ async fn a_wake_up_delivers_a_delayed_record_when_it_falls_due(db: TestDb) {
     wakes_when_due(&db, &consumer, &consumer).await;
 }
 
-/// `consumer` (polling once an hour) runs a node; `producer` schedules two records for later, on two
-/// keys, and wakes: each is delivered when its time comes, not before, and without waiting for a poll.
-async fn wakes_when_due(db: &TestDb, producer: &Outbox, consumer: &Outbox) {
+/// One wake-up for 2,000 records due at 2,000 different times (more than the in-process channel holds
+/// messages) delivers each when its time comes, though the node polls hourly. Before, each time was a
+/// message of its own: the processor fell behind the one call, heard "every partition, now" instead,
+/// and the times it missed waited for the hourly poll. The soonest half lies in partitions of its own,
+/// so no later wake-up fetches them by the way.
+async fn a_wake_up_for_many_later_times_delivers_each_record_when_it_falls_due(db: TestDb) {
+    let outbox = outbox(&db, hourly).await;
     let calls = Arc::new(Calls::default());
-    let node = start(consumer, db, calls.handlers()).await;
+    let node = ready_for_wake_ups(&db, &outbox, &calls).await;
+    let (soonest, latest) = (keys_in_partitions(0..128, 1000), keys_in_partitions(128..256, 1000));
+    let records = soonest
+        .into_iter()
+        .chain(latest)
+        .zip(0u64..)
+        .map(|(key, i)| NewRecord::new(key, "t", format!("{i}")).deliver_after(Duration::from_millis(500 + i)))
+        .collect();
+    let scheduled = commit(&outbox, &db, records).await;
+    outbox.wake(&db, &scheduled).await.unwrap();
+    wait_for("every record delivered", Duration::from_secs(60), || async { calls.all().len() == 2000 }).await;
+    node.shutdown().await.unwrap();
+}
+
+/// Timers for more later times than a processor keeps (4,096) each deliver their record in time: a
+/// node polling hourly, woken once per record (one transaction each), at 4,200 different times. Before,
+/// the latest timers past the limit were dropped, and their records waited for the hourly poll.
+#[sqlx::test(migrations = false)]
+async fn more_later_times_than_a_processor_keeps_timers_for_are_each_delivered(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let outbox = outbox(&db, hourly).await;
+    let calls = Arc::new(Calls::default());
+    let node = ready_for_wake_ups(&db, &outbox, &calls).await;
+    // Written within the first delay, so that every timer is set before any falls due.
+    let first = Duration::from_secs(20);
+    let records: Vec<_> = (0..4200u64)
+        .map(|i| NewRecord::new(format!("k{i}"), "t", format!("{i}")).deliver_after(first + Duration::from_millis(i)))
+        .collect();
+    let started = Instant::now();
+    for record in records {
+        let scheduled = commit(&outbox, &db, vec![record]).await;
+        outbox.wake(&db, &scheduled).await.unwrap();
+    }
+    assert!(started.elapsed() < first, "every timer set before the first falls due");
+    wait_for("every record delivered", Duration::from_secs(60), || async { calls.all().len() == 4200 }).await;
+    node.shutdown().await.unwrap();
+}
+
+/// `n` distinct keys spread evenly over `partitions`.
+fn keys_in_partitions(partitions: std::ops::Range<u16>, n: usize) -> Vec<String> {
+    let per = n.div_ceil(partitions.len());
+    let mut taken = std::collections::BTreeMap::<u16, usize>::new();
+    (0..)
+        .map(|i| format!("key-{i}"))
+        .filter(|key| {
+            let p = u16::from(partition_of(key));
+            let room = partitions.contains(&p) && taken.get(&p).copied().unwrap_or(0) < per;
+            if room {
+                *taken.entry(p).or_default() += 1;
+            }
+            room
+        })
+        .take(n)
+        .collect()
+}
+
+/// A node of `outbox` recording into `calls`, owning every partition, listening on PostgreSQL, and past
+/// its first fetch: from here on it fetches only when woken (or at its poll).
+async fn ready_for_wake_ups(db: &TestDb, outbox: &Outbox, calls: &Arc<Calls>) -> outbox_cluster::Node {
+    let node = start(outbox, db, calls.handlers()).await;
     let owns_all = || async { node.assignment().borrow().epochs.len() == 256 };
     wait_for("the node owning every partition", Duration::from_secs(30), owns_all).await;
     if db.db.backend() == "postgres" {
@@ -197,8 +261,15 @@ async fn wakes_when_due(db: &TestDb, producer: &Outbox, consumer: &Outbox) {
         wait_for("the processor listening", Duration::from_secs(30), || async { count(db, listening).await == 1 })
             .await;
     }
-    // Let the node's first fetch (at start) pass: from here on it fetches only when woken.
     tokio::time::sleep(Duration::from_millis(300)).await;
+    node
+}
+
+/// `consumer` (polling once an hour) runs a node; `producer` schedules two records for later, on two
+/// keys, and wakes: each is delivered when its time comes, not before, and without waiting for a poll.
+async fn wakes_when_due(db: &TestDb, producer: &Outbox, consumer: &Outbox) {
+    let calls = Arc::new(Calls::default());
+    let node = ready_for_wake_ups(db, consumer, &calls).await;
     let before = Instant::now();
     let later = DELAY * 2;
     let scheduled = commit(

@@ -156,7 +156,10 @@ const WAKES_PER_NOTICE: usize = 80;
 /// The wake-ups and nudges of one [`Outbox`](crate::Outbox) (and its clones) in this process.
 #[derive(Debug)]
 pub(crate) struct Wakeups {
-    sender: broadcast::Sender<Wake>,
+    /// One message per call or notice, with all its wake-ups: one per wake-up let a single call for
+    /// records due at many times outrun the channel, and a processor that fell behind heard "every
+    /// partition, now" in place of the times it missed.
+    sender: broadcast::Sender<Arc<[Wake]>>,
     nudges: broadcast::Sender<Nudge>,
     /// Names this `Outbox`'s notices, so its listeners pass over the ones it sent: its processors
     /// heard those when they were sent, and hearing them again would fetch twice per commit.
@@ -176,9 +179,9 @@ impl Default for Wakeups {
 }
 
 impl Wakeups {
-    pub(crate) fn send(&self, wake: Wake) {
+    pub(crate) fn send(&self, wakes: &[Wake]) {
         // No processor in this process: nothing to wake.
-        let _ = self.sender.send(wake);
+        let _ = self.sender.send(wakes.into());
     }
 
     pub(crate) fn subscribe(&self) -> Listener {
@@ -199,7 +202,7 @@ impl Wakeups {
     /// What a listener that has just (re)connected tells this process: notices sent while it was not
     /// listening were lost, so every processor looks at every partition and every round runs.
     pub(crate) fn missed(&self) {
-        self.send(Wake::now(Partitions::ALL));
+        self.send(&[Wake::now(Partitions::ALL)]);
         let _ = self.nudges.send(Nudge::EVERYONE);
     }
 
@@ -248,7 +251,7 @@ impl Wakeups {
         }
         match channel {
             Channel::Wake => match body.split(',').map(Wake::from_text).collect::<Option<Vec<_>>>() {
-                Some(wakes) => wakes.into_iter().for_each(|wake| self.send(wake)),
+                Some(wakes) => self.send(&wakes),
                 None => tracing::debug!(notice, "ignored a malformed wake-up"),
             },
             Channel::Nudge => match parse_ids(body) {
@@ -271,15 +274,15 @@ fn parse_ids(text: &str) -> Option<Vec<InstanceId>> {
 }
 
 /// One processor's end of the wake-ups.
-pub(crate) struct Listener(broadcast::Receiver<Wake>);
+pub(crate) struct Listener(broadcast::Receiver<Arc<[Wake]>>);
 
 impl Listener {
-    /// The next wake-up (every partition, now, if some were missed); pending forever once the sender is
-    /// gone (never, while the outbox lives).
-    pub(crate) async fn next(&mut self) -> Wake {
+    /// The next call's or notice's wake-ups (every partition, now, if some were missed); pending
+    /// forever once the sender is gone (never, while the outbox lives).
+    pub(crate) async fn next(&mut self) -> Arc<[Wake]> {
         match self.0.recv().await {
-            Ok(wake) => wake,
-            Err(broadcast::error::RecvError::Lagged(_)) => Wake::now(Partitions::ALL),
+            Ok(wakes) => wakes,
+            Err(broadcast::error::RecvError::Lagged(_)) => [Wake::now(Partitions::ALL)].into(),
             Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
         }
     }
@@ -325,7 +328,7 @@ mod tests {
         other.heard(Channel::Wake, "not a notice");
         other.heard(Channel::Wake, &notice[..90]);
         other.heard(Channel::Wake, &format!("{notice}+soon"));
-        assert_eq!(at_other.next().await, wake[0]);
+        assert_eq!(*at_other.next().await, wake);
         assert!(at_other.0.is_empty(), "a malformed notice woke a processor");
         assert!(at_sender.0.is_empty(), "an outbox heard its own notice again");
     }
@@ -350,9 +353,11 @@ mod tests {
         for (channel, notice) in &notices {
             other.heard(*channel, notice);
         }
-        for wake in &wakes {
-            assert_eq!(at_other.next().await, *wake);
+        let mut heard = Vec::new();
+        for _ in &notices {
+            heard.extend_from_slice(&at_other.next().await);
         }
+        assert_eq!(heard, wakes);
     }
 
     /// A nudge names the instances it was sent to, in as many notices as their ids need, and reaches

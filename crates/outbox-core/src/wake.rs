@@ -65,9 +65,7 @@ impl Outbox {
         if wakes.is_empty() {
             return Ok(());
         }
-        for &wake in wakes {
-            self.wakeups().send(wake);
-        }
+        self.wakeups().send(wakes);
         let notify = db.notify(self.statements(), self.wakeups(), Message::Wake(wakes));
         answered_within(self.config().query_timeout, "sending wake-ups", notify).await
     }

@@ -194,7 +194,7 @@ impl Processor {
                     if !state.outcomes.is_empty() && state.completion.is_none() => {}
                 () = sleep_until_opt(state.timers.first_key_value().map(|(&at, _)| at)) => state.timers_due(),
                 () = tokio::time::sleep_until(state.next_poll), if state.fetch.is_none() => state.poll_due(),
-                wake = woken.next() => state.on_woken(wake),
+                wakes = woken.next() => state.on_woken(&wakes),
                 changed = listening_rx.changed(), if listener_open => match changed {
                     Ok(()) => state.on_listening(*listening_rx.borrow_and_update()),
                     Err(_) => listener_open = false,
@@ -273,7 +273,7 @@ struct State {
     /// The partitions the next fetch reads (of those held): `ALL` for a poll.
     wanted: Partitions,
     /// Partitions to read later, when records there fall due: retries written here, and records
-    /// scheduled for later that a wake-up announced. At most [`MAX_TIMERS`]; polls find the rest.
+    /// scheduled for later that a wake-up announced. At most [`MAX_TIMERS`] (see `wake_at`).
     timers: BTreeMap<Instant, Partitions>,
     next_poll: Instant,
     last_found: Option<Instant>,
@@ -657,18 +657,26 @@ impl State {
         self.poll_due();
     }
 
-    fn on_woken(&mut self, wake: Wake) {
-        if wake.after.is_zero() {
-            self.wanted.extend(wake.partitions);
-        } else {
-            self.wake_at(Instant::now() + wake.after, wake.partitions);
+    fn on_woken(&mut self, wakes: &[Wake]) {
+        let now = Instant::now();
+        for wake in wakes {
+            if wake.after.is_zero() {
+                self.wanted.extend(wake.partitions);
+            } else {
+                self.wake_at(now + wake.after, wake.partitions);
+            }
         }
     }
 
     fn wake_at(&mut self, at: Instant, partitions: Partitions) {
         self.timers.entry(at).or_default().extend(partitions);
         if self.timers.len() > MAX_TIMERS {
-            self.timers.pop_last();
+            // The two latest become one at the later time: its partitions are fetched late, not at
+            // the next poll (which may be an hour away); the soonest, which matter most, stay exact.
+            if let (Some((last, mut merged)), Some((_, earlier))) = (self.timers.pop_last(), self.timers.pop_last()) {
+                merged.extend(earlier);
+                self.timers.insert(last, merged);
+            }
         }
     }
 
