@@ -24,6 +24,7 @@ every_backend!(
     pruning_key_rows_far_from_the_database_fits_its_time_limit,
     a_reserved_word_names_a_schema,
     a_batch_larger_than_one_statement_carries_is_written_whole,
+    a_batch_whose_keys_alone_are_over_a_packet_is_written_whole,
     a_payload_over_the_servers_packet_is_refused_before_writing,
     a_batch_over_what_one_statement_carries_is_refused_before_writing,
 );
@@ -346,6 +347,24 @@ async fn a_batch_larger_than_one_statement_carries_is_written_whole(db: TestDb) 
     for (i, ((seq, payload), s)) in rows.iter().zip(&scheduled).enumerate() {
         assert_eq!(*seq, s.seq);
         assert!(payload.len() == max && payload.iter().all(|&b| usize::from(b) == i), "record {i}");
+    }
+}
+
+/// A batch of many records on long keys, whose keys (and ids) alone are over MySQL's packet (16 MiB on
+/// MariaDB by default), is written whole. Before, MySQL took the keys' lock rows, and read the numbers
+/// back, each in one statement over the whole batch: the server closed the connection, an error that
+/// looked worth retrying, and came back on every retry.
+async fn a_batch_whose_keys_alone_are_over_a_packet_is_written_whole(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let n = 45_000;
+    let batch: Vec<NewRecord> = (0..n).map(|i| NewRecord::new(format!("{i:0>400}"), "t", "")).collect();
+    let mut tx = db.begin().await;
+    let scheduled = outbox.schedule_batch(&mut tx, &batch).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(scheduled.len(), n);
+    assert_eq!(pending(&db).await, i64::try_from(n).unwrap());
+    if let Some(rows) = db.key_rows().await {
+        assert_eq!(rows, i64::try_from(n).unwrap(), "a lock row for every key");
     }
 }
 

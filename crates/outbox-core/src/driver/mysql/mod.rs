@@ -231,8 +231,11 @@ pub(super) async fn schedule(
         })
         .collect::<Result<Vec<String>>>()?;
     fits_a_packet(conn, rows, &records).await?;
-    let ids = json(&rows.iter().map(|r| hex(r.id)).collect::<Vec<String>>())?;
-    let (keys, records) = (json(&keys)?, json_arrays(&records, INSERT_BYTES));
+    // Keys and ids in lists of a bounded size too: in one list each, a batch of many records on long
+    // keys was over the packet. The keys stay in sorted order across their lists.
+    let keys = keys.iter().map(json).collect::<Result<Vec<String>>>()?;
+    let ids = rows.iter().map(|r| json(&hex(r.id))).collect::<Result<Vec<String>>>()?;
+    let [keys, records, ids] = [keys, records, ids].map(|list| json_arrays(&list, INSERT_BYTES));
     let numbers = if !conn.is_in_transaction() && savepoint_in_applications_transaction(conn).await? {
         match insert(conn, s, &keys, &records, &ids).await {
             Ok(numbers) => {
@@ -261,19 +264,26 @@ pub(super) async fn schedule(
         .collect()
 }
 
-/// The statements of [`schedule`], in a transaction begun by the caller.
+/// The statements of [`schedule`], in a transaction begun by the caller; each list is a JSON array.
 async fn insert(
     conn: &mut MySqlConnection,
     s: &MySqlStatements,
-    keys: &str,
+    keys: &[String],
     records: &[String],
-    ids: &str,
+    ids: &[String],
 ) -> Result<Vec<(Uuid, i64)>> {
-    sqlx::query(statement(&s.lock_keys)).bind(keys).execute(&mut *conn).await?;
+    for chunk in keys {
+        sqlx::query(statement(&s.lock_keys)).bind(chunk).execute(&mut *conn).await?;
+    }
     for chunk in records {
         sqlx::query(statement(&s.insert)).bind(chunk).execute(&mut *conn).await?;
     }
-    Ok(sqlx::query_as(statement(&s.numbers)).bind(ids).fetch_all(conn).await?)
+    let mut numbers = Vec::with_capacity(ids.len());
+    for chunk in ids {
+        numbers
+            .extend(sqlx::query_as::<_, (Uuid, i64)>(statement(&s.numbers)).bind(chunk).fetch_all(&mut *conn).await?);
+    }
+    Ok(numbers)
 }
 
 /// Whether `conn`, outside every transaction sqlx began, is inside one the application began itself;
@@ -292,9 +302,9 @@ async fn savepoint_in_applications_transaction(conn: &mut MySqlConnection) -> Re
     }
 }
 
-/// Records' JSON per insert statement. MySQL answers a statement over `max_allowed_packet` (16 MiB by
-/// default on MariaDB, 4 MiB on MySQL 5.7) by closing the connection, an error that looks transient and
-/// would come back on every retry; so a batch of large payloads goes as several statements of the one
+/// JSON per statement of [`schedule`]. MySQL answers a statement over `max_allowed_packet` (16 MiB by
+/// default on MariaDB, 4 MiB on MySQL 5.7) with an error, or by closing the connection, which looks
+/// transient and would come back on every retry; so a large batch goes as several statements of the one
 /// transaction, in batch order (the `AUTO_INCREMENT` numbers follow).
 const INSERT_BYTES: usize = 1 << 20;
 
