@@ -225,11 +225,7 @@ async fn a_registration_whose_answer_was_lost_leaves_no_second_instance(pool: sq
     let first = a.id();
     wait_for("a owns everything", LONG, || async { owners(&db).await.get(&first) == Some(&256) }).await;
 
-    exec!(
-        db,
-        "CREATE FUNCTION {s}slowly() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(0.6); RETURN NEW; END $$ LANGUAGE plpgsql"
-    );
-    exec!(db, "CREATE TRIGGER slowly BEFORE INSERT ON {s}instances FOR EACH ROW EXECUTE FUNCTION {s}slowly()");
+    slow_registrations(&db, "0.6").await;
     end_lease(&db, first).await;
     wait_for("a registration written, its answer given up", LONG, || async {
         count(&db, "SELECT count(*) FROM {s}instances").await >= 2
@@ -286,11 +282,7 @@ async fn a_registration_landing_after_a_stop_leaves_no_live_instance(pool: sqlx:
     wait_for("a owns everything", LONG, || async { owners(&db).await.get(&first) == Some(&256) }).await;
 
     // Longer than the stop waits for its tasks (half the query timeout), shorter than the query timeout.
-    exec!(
-        db,
-        "CREATE FUNCTION {s}slowly() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(1.5); RETURN NEW; END $$ LANGUAGE plpgsql"
-    );
-    exec!(db, "CREATE TRIGGER slowly BEFORE INSERT ON {s}instances FOR EACH ROW EXECUTE FUNCTION {s}slowly()");
+    slow_registrations(&db, "1.5").await;
     end_lease(&db, first).await;
     // Fenced: the registration under a new id goes out next.
     wait_for("a fenced", LONG, || async { assignment.borrow().epochs.is_empty() }).await;
@@ -301,6 +293,16 @@ async fn a_registration_landing_after_a_stop_leaves_no_live_instance(pool: sqlx:
     // Nor later: the registration lands (or is given up) within the query timeout of its start.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(rows!(db, (InstanceId,), live), [], "no live instance left behind by the stop");
+}
+
+/// Makes every registration of an instance (PostgreSQL) take `seconds` more, until its trigger
+/// `slowly` on `instances` is dropped.
+async fn slow_registrations(db: &TestDb, seconds: &str) {
+    let slowly = format!(
+        "CREATE FUNCTION {{s}}slowly() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep({seconds}); RETURN NEW; END $$ LANGUAGE plpgsql"
+    );
+    db.exec(&slowly, &[]).await;
+    exec!(db, "CREATE TRIGGER slowly BEFORE INSERT ON {s}instances FOR EACH ROW EXECUTE FUNCTION {s}slowly()");
 }
 
 /// A `shutdown` given up part way (a caller's time limit, a `select!`) stops the node's tasks with it,
