@@ -217,6 +217,9 @@ impl SqliteStatements {
         let candidates: Vec<Acquirable> =
             sqlx::query_as(statement(&self.acquirable)).bind(me).fetch_all(&mut *tx).await?;
         if candidates.is_empty() {
+            // Ended here: dropped, its rollback would be queued while the turn passed on at once, and
+            // the next writer's `BEGIN IMMEDIATE` could find the file still locked and sleep.
+            tx.commit().await?;
             return Ok(Vec::new());
         }
         let owners: BTreeSet<String> =
