@@ -114,34 +114,55 @@ async fn an_id_registered_again_is_registered_afresh(pool: PgPool) {
 async fn acquire_takes_free_and_dead_owners_partitions_only_and_bumps_epochs(pool: PgPool) {
     for store in stores(pool).await {
         let backend = store.db().backend();
-        let (me, alive, dead) = (
+        let (me, alive, dead, also_dead) = (
             registered(&store, DAY).await,
             registered(&store, DAY).await,
             registered(&store, Lease { heartbeat: Duration::from_millis(1234), ..DAY }).await,
+            registered(&store, Lease { heartbeat: Duration::from_millis(2345), ..DAY }).await,
         );
         target(&store, [1, 2], alive).await;
         target(&store, [3, 4], dead).await;
+        target(&store, [7], also_dead).await;
         assert_eq!(store.acquire(alive).await.unwrap().len(), 2, "{backend}");
         assert_eq!(store.acquire(dead).await.unwrap().len(), 2, "{backend}");
+        assert_eq!(store.acquire(also_dead).await.unwrap().len(), 1, "{backend}");
         store.end_lease(dead, Duration::from_millis(1)).await.unwrap();
+        store.end_lease(also_dead, Duration::from_millis(1)).await.unwrap();
 
         // Targets: only those that differ are written and reported.
-        let mut targets: crate::rebalance::Targets = (1..=5).map(|p| (p, me)).collect();
+        let mut targets: crate::rebalance::Targets = [1, 2, 3, 4, 5, 7].into_iter().map(|p| (p, me)).collect();
         targets.insert(6, alive);
         let mut changed = store.set_targets(&targets).await.unwrap();
         changed.sort_unstable();
-        assert_eq!(changed, [1, 2, 3, 4, 5, 6], "{backend}");
+        assert_eq!(changed, [1, 2, 3, 4, 5, 6, 7], "{backend}");
         assert!(store.set_targets(&targets).await.unwrap().is_empty(), "{backend}: nothing changed");
 
         let before = store.view().await.unwrap().partitions;
         let mut taken = store.acquire(me).await.unwrap();
         taken.sort_by_key(|t| t.partition);
         let got: Vec<_> = taken.iter().map(|t| (t.partition, t.previous, t.previous_heartbeat_ms)).collect();
-        // 1 and 2 belong to a live owner; 3 and 4 to a dead one; 5 is free; 6 is targeted elsewhere.
-        assert_eq!(got, [(3, Some(dead), Some(1234)), (4, Some(dead), Some(1234)), (5, None, None)], "{backend}");
+        // 1 and 2 belong to a live owner; 3, 4 and 7 to two dead ones, taken in one acquisition; 5 is
+        // free; 6 is targeted elsewhere.
+        assert_eq!(
+            got,
+            [
+                (3, Some(dead), Some(1234)),
+                (4, Some(dead), Some(1234)),
+                (5, None, None),
+                (7, Some(also_dead), Some(2345))
+            ],
+            "{backend}"
+        );
         for t in &taken {
             let old = before.iter().find(|r| r.partition == t.partition).unwrap().epoch;
             assert_eq!(t.epoch, Epoch(old.0 + 1), "{backend}: partition {}", t.partition);
+            // When it was taken from an owner that did not give it up; never for a free one.
+            assert_eq!(t.taken_over_at.is_some(), t.previous.is_some(), "{backend}: partition {}", t.partition);
+        }
+        let after = store.view().await.unwrap().partitions;
+        for t in &taken {
+            let row = after.iter().find(|r| r.partition == t.partition).unwrap();
+            assert_eq!(row.taken_over_at, t.taken_over_at, "{backend}: partition {} as stored", t.partition);
         }
         assert!(store.acquire(me).await.unwrap().is_empty(), "{backend}: nothing left to take");
         let owned = store.owned(me).await.unwrap();
