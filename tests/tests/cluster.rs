@@ -305,6 +305,90 @@ async fn slow_registrations(db: &TestDb, seconds: &str) {
     exec!(db, "CREATE TRIGGER slowly BEFORE INSERT ON {s}instances FOR EACH ROW EXECUTE FUNCTION {s}slowly()");
 }
 
+/// A record waiting for its retry when its partition moves to another process (its owner stops) is
+/// retried there when its time comes, though that process polls hourly: the owner hands its timers on
+/// as wake-ups. Before, the next owner found the record not yet due when it took the partition, and
+/// the retry waited for its poll.
+#[sqlx::test(migrations = false)]
+async fn a_retry_due_after_its_partition_moved_is_made_in_time(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let tune = |c: &mut outbox_core::Config| {
+        hourly(c);
+        c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(3), 5);
+    };
+    let (first, second) = (outbox(&db, tune).await, outbox(&db, tune).await);
+    let failing = handler_fn(|_| async { Err::<(), _>(HandlerError::retryable("not yet")) });
+    let a = Node::start(first.clone(), &db, Handlers::new().default_route(Route::new(failing)), fast_cluster())
+        .await
+        .unwrap();
+    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    let scheduled = commit(&first, &db, vec![NewRecord::new("k", "t", "")]).await;
+    first.wake(&db, &scheduled).await.unwrap();
+    wait_for("the first call failed", LONG, || async {
+        count(&db, "SELECT count(*) FROM {s}records WHERE attempts = 1").await == 1
+    })
+    .await;
+    let sink = Sink::new();
+    let b = Node::start(second.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
+    let listening =
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'";
+    wait_for("both processors listening", LONG, || async { count(&db, listening).await == 2 }).await;
+    a.shutdown().await.unwrap();
+    wait_for("b owns everything", LONG, || async { owners(&db).await.get(&b.id()) == Some(&256) }).await;
+    wait_for("the retry made by b", LONG, || async { sink.len() == 1 }).await;
+    b.shutdown().await.unwrap();
+}
+
+/// The same when partitions move because another process joined: the retries of the records on the
+/// partitions it is given are made there in time, and every record is delivered.
+#[sqlx::test(migrations = false)]
+async fn retries_due_after_a_rebalance_are_made_in_time(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let tune = |c: &mut outbox_core::Config| {
+        hourly(c);
+        c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(3), 5);
+    };
+    let (first, second) = (outbox(&db, tune).await, outbox(&db, tune).await);
+    let sink = Sink::new();
+    // a fails each key's first call, then delivers it.
+    let tried = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let (seen, recorded) = (tried.clone(), sink.clone());
+    let once = handler_fn(move |r: outbox_core::Record| {
+        let first_call = seen.lock().unwrap().insert(r.key.clone());
+        let recorded = recorded.clone();
+        async move {
+            if first_call {
+                return Err(HandlerError::retryable("not yet"));
+            }
+            recorded.record(&r);
+            Ok(())
+        }
+    });
+    let a =
+        Node::start(first.clone(), &db, Handlers::new().default_route(Route::new(once)), fast_cluster()).await.unwrap();
+    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    // A key in every partition.
+    let mut keys = BTreeMap::new();
+    for key in (0..).map(|i| format!("key-{i}")) {
+        keys.entry(outbox_core::partition_of(&key)).or_insert(key);
+        if keys.len() == 256 {
+            break;
+        }
+    }
+    let scheduled = commit(&first, &db, keys.into_values().map(|k| NewRecord::new(k, "t", "")).collect()).await;
+    first.wake(&db, &scheduled).await.unwrap();
+    wait_for("every first call failed", LONG, || async {
+        count(&db, "SELECT count(*) FROM {s}records WHERE attempts = 1").await == 256
+    })
+    .await;
+    let b = Node::start(second.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
+    let balanced = BTreeMap::from([(a.id(), 128), (b.id(), 128)]);
+    wait_for("a and b balanced", LONG, || async { owners(&db).await == balanced }).await;
+    wait_for("every record delivered", LONG, || async { sink.len() == 256 }).await;
+    b.shutdown().await.unwrap();
+    a.shutdown().await.unwrap();
+}
+
 /// A `shutdown` given up part way (a caller's time limit, a `select!`) stops the node's tasks with it,
 /// as a crash would: the lease runs out and another node takes every partition. Before, its heartbeat
 /// and ownership rounds ran on for the life of the process, a live instance the leader kept giving a

@@ -43,6 +43,16 @@ impl Partitions {
         }
     }
 
+    /// The partitions of `other` that are also here.
+    pub(crate) fn and(self, other: Partitions) -> Partitions {
+        Partitions(std::array::from_fn(|i| self.0[i] & other.0[i]))
+    }
+
+    /// The partitions here that are not in `other`.
+    pub(crate) fn without(self, other: Partitions) -> Partitions {
+        Partitions(std::array::from_fn(|i| self.0[i] & !other.0[i]))
+    }
+
     // The text form travels only through PostgreSQL's NOTIFY.
     #[cfg(any(feature = "postgres", test))]
     pub(crate) fn to_hex(self) -> String {

@@ -133,6 +133,7 @@ impl Processor {
             shutdown: shutdown.clone(),
         });
         let mut state = State::new(config, self.delivered.clone());
+        state.held = held_in(&self.assignment.borrow());
         let mut woken = self.outbox.wakeups().subscribe();
         let (listening, mut listening_rx) = watch::channel(false);
         let stop_listening = CancellationToken::new();
@@ -150,6 +151,7 @@ impl Processor {
             state.start_completion(&self.outbox, &self.db);
             if state.stop_deadline.is_some() && state.is_idle() {
                 info!("processor stopped: in-flight records completed");
+                hand_on(self.outbox.clone(), self.db.clone(), state.timers_of(Partitions::ALL)).await;
                 return Ok(());
             }
             let lease_deadline = current.lease.filter(|_| current.is_live()).map(|d| d.instant());
@@ -165,6 +167,7 @@ impl Processor {
                     // Waits for the aborted calls to be dropped: one in the middle of a poll on another
                     // thread runs on until it yields, and the node releases the partitions next.
                     state.deliveries.shutdown().await;
+                    hand_on(self.outbox.clone(), self.db.clone(), state.timers_of(Partitions::ALL)).await;
                     return Err(Error::ShutdownTimeout(state.config.shutdown_timeout));
                 }
                 Some(joined) = state.deliveries.join_next_with_id() => {
@@ -209,9 +212,13 @@ impl Processor {
                         shutdown.cancel();
                     }
                     let current = self.assignment.borrow();
-                    state.on_assignment(&current);
+                    let handed_on = state.on_assignment(&current);
                     // Registered again (its lease ran out): this processor's logs name the new id.
                     tracing::Span::current().record("instance", tracing::field::display(&current.instance));
+                    drop(current);
+                    if !handed_on.is_empty() {
+                        tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), handed_on));
+                    }
                 }
             }
         }
@@ -275,6 +282,8 @@ struct State {
     /// Partitions to read later, when records there fall due: retries written here, and records
     /// scheduled for later that a wake-up announced. At most [`MAX_TIMERS`] (see `wake_at`).
     timers: BTreeMap<Instant, Partitions>,
+    /// The partitions of the latest assignment: those that leave it have their timers handed on.
+    held: Partitions,
     next_poll: Instant,
     last_found: Option<Instant>,
     stop_deadline: Option<Instant>,
@@ -312,6 +321,7 @@ impl State {
             cancels: Cancels::default(),
             wanted: Partitions::ALL,
             timers: BTreeMap::new(),
+            held: Partitions::default(),
             last_found: None,
             stop_deadline: None,
             assignment_open: true,
@@ -639,7 +649,12 @@ impl State {
         self.complete_backoff = (self.complete_backoff * 2).min(COMPLETE_RETRY_MAX);
     }
 
-    fn on_assignment(&mut self, current: &Assignment) {
+    /// Takes in a new assignment; returns the timers of the partitions that left it, for their next
+    /// owners.
+    fn on_assignment(&mut self, current: &Assignment) -> Vec<Wake> {
+        let held = self.held;
+        self.held = held_in(current);
+        let handed_on = self.timers_of(held.without(self.held));
         self.fenced.retain(|p, held| current.epochs.get(p) == Some(&held.1) && current.instance == held.0);
         // Calls of an earlier instance id are cancelled, all of them (the lease may not have run out
         // here, nor the processor have seen the assignment in between). Calls of partitions that left
@@ -648,6 +663,25 @@ impl State {
         self.cancels.grants.retain(|(p, _, epoch), _| current.epochs.get(p) == Some(epoch));
         self.fetches.retain(|p| current.epochs.contains_key(&p));
         self.wanted = Partitions::ALL;
+        handed_on
+    }
+
+    /// Takes the timers of `partitions` out, as wake-ups after the time left to each (whole
+    /// milliseconds, rounded up).
+    fn timers_of(&mut self, partitions: Partitions) -> Vec<Wake> {
+        let now = Instant::now();
+        let mut wakes = Vec::new();
+        self.timers.retain(|at, timer| {
+            let moved = timer.and(partitions);
+            if !moved.is_empty() {
+                let left = at.saturating_duration_since(now).as_nanos().div_ceil(1_000_000);
+                let after = Duration::from_millis(u64::try_from(left).unwrap_or(u64::MAX));
+                wakes.push(Wake { partitions: moved, after });
+                *timer = timer.without(partitions);
+            }
+            !timer.is_empty()
+        });
+        wakes
     }
 
     /// The `LISTEN` connection came up or was lost. Either way a wake-up may have been missed while it
@@ -819,6 +853,28 @@ fn record_metrics(outcome: &Outcome) {
 
 /// How long after the last fetch that found records the processor keeps polling at the active rate.
 const ACTIVE_WINDOW: Duration = Duration::from_secs(1);
+
+/// The partitions `assignment` holds.
+fn held_in(assignment: &Assignment) -> Partitions {
+    let mut held = Partitions::default();
+    for &p in assignment.epochs.keys() {
+        held.insert(p);
+    }
+    held
+}
+
+/// Tells the next owners of partitions this processor gave up, in this process and (on PostgreSQL) in
+/// the others, when the records it was waiting for there fall due (retries written here, records
+/// scheduled for later): otherwise they find them only at a poll, which may be `listen_poll_interval`
+/// away, having found them not yet due when they took the partitions.
+async fn hand_on(outbox: Outbox, db: Db, timers: Vec<Wake>) {
+    if timers.is_empty() {
+        return;
+    }
+    if let Err(e) = outbox.send_wakes(&db, &timers).await {
+        warn!(error = %e, timers = timers.len(), "could not hand on the timers of partitions given up; their next owners' polls find the records");
+    }
+}
 
 /// Timers a processor keeps at most (see `State::timers`).
 const MAX_TIMERS: usize = 4096;
