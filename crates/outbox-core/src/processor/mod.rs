@@ -151,7 +151,8 @@ impl Processor {
             state.start_completion(&self.outbox, &self.db);
             if state.stop_deadline.is_some() && state.is_idle() {
                 info!("processor stopped: in-flight records completed");
-                hand_on(self.outbox.clone(), self.db.clone(), state.timers_of(Partitions::ALL)).await;
+                // Not waited for: the stop's time is bounded, and a lost hand-on costs only latency.
+                tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), state.timers_of(Partitions::ALL)));
                 return Ok(());
             }
             let lease_deadline = current.lease.filter(|_| current.is_live()).map(|d| d.instant());
@@ -167,7 +168,7 @@ impl Processor {
                     // Waits for the aborted calls to be dropped: one in the middle of a poll on another
                     // thread runs on until it yields, and the node releases the partitions next.
                     state.deliveries.shutdown().await;
-                    hand_on(self.outbox.clone(), self.db.clone(), state.timers_of(Partitions::ALL)).await;
+                    tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), state.timers_of(Partitions::ALL)));
                     return Err(Error::ShutdownTimeout(state.config.shutdown_timeout));
                 }
                 Some(joined) = state.deliveries.join_next_with_id() => {
