@@ -281,8 +281,9 @@ async fn a_registration_landing_after_a_stop_leaves_no_live_instance(pool: sqlx:
     let (first, assignment) = a.await.unwrap();
     wait_for("a owns everything", LONG, || async { owners(&db).await.get(&first) == Some(&256) }).await;
 
-    // Longer than the stop waits for its tasks (half the query timeout), shorter than the query timeout.
-    slow_registrations(&db, "1.5").await;
+    // Longer than the stop waits for its tasks (half the query timeout) by far more than the stop takes
+    // to get there, shorter than the query timeout.
+    slow_registrations(&db, "1.8").await;
     end_lease(&db, first).await;
     // Fenced: the registration under a new id goes out next.
     wait_for("a fenced", LONG, || async { assignment.borrow().epochs.is_empty() }).await;
@@ -314,7 +315,9 @@ async fn a_retry_due_after_its_partition_moved_is_made_in_time(pool: sqlx::PgPoo
     let db = TestDb::postgres(pool);
     let tune = |c: &mut outbox_core::Config| {
         hourly(c);
-        c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(3), 5);
+        // Long enough that the next owner takes the partitions well before it: its fetch then finds
+        // the records not yet due.
+        c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(10), 5);
     };
     let (first, second) = (outbox(&db, tune).await, outbox(&db, tune).await);
     let failing = handler_fn(|_| async { Err::<(), _>(HandlerError::retryable("not yet")) });
@@ -346,7 +349,9 @@ async fn retries_due_after_a_rebalance_are_made_in_time(pool: sqlx::PgPool) {
     let db = TestDb::postgres(pool);
     let tune = |c: &mut outbox_core::Config| {
         hourly(c);
-        c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(3), 5);
+        // Long enough that the next owner takes the partitions well before it: its fetch then finds
+        // the records not yet due.
+        c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(10), 5);
     };
     let (first, second) = (outbox(&db, tune).await, outbox(&db, tune).await);
     let sink = Sink::new();
@@ -382,6 +387,59 @@ async fn retries_due_after_a_rebalance_are_made_in_time(pool: sqlx::PgPool) {
     })
     .await;
     let b = Node::start(second.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
+    let balanced = BTreeMap::from([(a.id(), 128), (b.id(), 128)]);
+    wait_for("a and b balanced", LONG, || async { owners(&db).await == balanced }).await;
+    wait_for("every record delivered", LONG, || async { sink.len() == 256 }).await;
+    b.shutdown().await.unwrap();
+    a.shutdown().await.unwrap();
+}
+
+/// The same for a retry written after its partition left the assignment: a call running when the
+/// partitions move (a graceful handover lets it finish) fails, and the retry goes to the next owner.
+#[sqlx::test(migrations = false)]
+async fn a_retry_written_after_its_partition_moved_is_made_in_time(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let tune = |c: &mut outbox_core::Config| {
+        hourly(c);
+        c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(10), 5);
+    };
+    let (first, second) = (outbox(&db, tune).await, outbox(&db, tune).await);
+    let sink = Sink::new();
+    // a's first call of each key waits for the gate, then fails; later ones deliver.
+    let (open, opened) = tokio::sync::watch::channel(false);
+    let tried = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let (seen, recorded) = (tried.clone(), sink.clone());
+    let gated = handler_fn(move |r: outbox_core::Record| {
+        let first_call = seen.lock().unwrap().insert(r.key.clone());
+        let (recorded, mut opened) = (recorded.clone(), opened.clone());
+        async move {
+            if first_call {
+                opened.wait_for(|&open| open).await.unwrap();
+                return Err(HandlerError::retryable("not yet"));
+            }
+            recorded.record(&r);
+            Ok(())
+        }
+    });
+    let a = Node::start(first.clone(), &db, Handlers::new().default_route(Route::new(gated)), fast_cluster())
+        .await
+        .unwrap();
+    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    let mut keys = BTreeMap::new();
+    for key in (0..).map(|i| format!("key-{i}")) {
+        keys.entry(outbox_core::partition_of(&key)).or_insert(key);
+        if keys.len() == 256 {
+            break;
+        }
+    }
+    let scheduled = commit(&first, &db, keys.into_values().map(|k| NewRecord::new(k, "t", "")).collect()).await;
+    first.wake(&db, &scheduled).await.unwrap();
+    wait_for("every first call running", LONG, || async { tried.lock().unwrap().len() == 256 }).await;
+    let b = Node::start(second.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
+    // Half the partitions left a's assignment while their calls run.
+    let assigned = a.assignment();
+    wait_for("a assigned half", LONG, || async { assigned.borrow().epochs.len() == 128 }).await;
+    open.send(true).unwrap();
     let balanced = BTreeMap::from([(a.id(), 128), (b.id(), 128)]);
     wait_for("a and b balanced", LONG, || async { owners(&db).await == balanced }).await;
     wait_for("every record delivered", LONG, || async { sink.len() == 256 }).await;

@@ -106,6 +106,12 @@ impl Wake {
     }
 }
 
+/// `wait` in whole milliseconds, rounded up (a wake-up's unit): a processor woken early finds nothing
+/// and waits for its poll.
+pub(crate) fn millis_up(wait: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(wait.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX))
+}
+
 /// What a notice tells other processes.
 #[derive(Debug, Clone, Copy)]
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))] // notices travel only through PostgreSQL

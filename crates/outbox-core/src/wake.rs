@@ -19,7 +19,7 @@ use crate::Outbox;
 use crate::assignment::InstanceId;
 use crate::driver::{Db, answered_within};
 use crate::error::Result;
-use crate::notice::{Message, Nudges, Partitions, Wake};
+use crate::notice::{Message, Nudges, Partitions, Wake, millis_up};
 use crate::record::{Delay, Scheduled};
 
 impl Outbox {
@@ -53,9 +53,7 @@ impl Outbox {
                 Some(Delay::After(after)) => after,
                 Some(Delay::At(at)) => (at - now).to_std().unwrap_or_default(),
             };
-            // Whole milliseconds, rounded up: a processor woken early finds nothing and waits for its poll.
-            let millis = u64::try_from(wait.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX);
-            by_wait.entry(Duration::from_millis(millis)).or_default().insert(s.partition);
+            by_wait.entry(millis_up(wait)).or_default().insert(s.partition);
         }
         let wakes: Vec<Wake> = by_wait.into_iter().map(|(after, partitions)| Wake { partitions, after }).collect();
         self.send_wakes(&db.into(), &wakes).await

@@ -66,7 +66,7 @@ use crate::config::Config;
 use crate::driver::{Db, answered_within};
 use crate::error::{Error, Result};
 use crate::handler::Handlers;
-use crate::notice::{Partitions, Wake};
+use crate::notice::{Partitions, Wake, millis_up};
 use crate::partition::Partition;
 use crate::stored::{Fetched, Found, Outcome, Request, Verdict, Written};
 
@@ -78,6 +78,7 @@ pub struct Processor {
     assignment: watch::Receiver<Assignment>,
     busy: watch::Sender<BTreeSet<Partition>>,
     delivered: Arc<AtomicU64>,
+    listening: watch::Sender<bool>,
 }
 
 impl Processor {
@@ -90,7 +91,15 @@ impl Processor {
             assignment,
             busy: watch::Sender::default(),
             delivered: Arc::default(),
+            listening: watch::Sender::new(false),
         }
+    }
+
+    /// Whether its `LISTEN` connection is up, so that it hears wake-ups from other processes (and the
+    /// timers an owner hands on when it gives partitions up); `None` where they do not travel
+    /// (MySQL, SQLite).
+    pub fn listening(&self) -> Option<watch::Receiver<bool>> {
+        self.db.can_listen().then(|| self.listening.subscribe())
     }
 
     /// Records this processor has delivered (by their handler or a fallback) and completed, counted
@@ -135,7 +144,7 @@ impl Processor {
         let mut state = State::new(config, self.delivered.clone());
         state.held = held_in(&self.assignment.borrow());
         let mut woken = self.outbox.wakeups().subscribe();
-        let (listening, mut listening_rx) = watch::channel(false);
+        let (listening, mut listening_rx) = (self.listening.clone(), self.listening.subscribe());
         let stop_listening = CancellationToken::new();
         let _stop_listening = stop_listening.clone().drop_guard();
         let mut listener_open = self.db.can_listen();
@@ -149,10 +158,14 @@ impl Processor {
             }
             state.start_fetch(&self.outbox, fetches, &current);
             state.start_completion(&self.outbox, &self.db);
-            if state.stop_deadline.is_some() && state.is_idle() {
+            if !state.handing_on.is_empty() {
+                tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), std::mem::take(&mut state.handing_on)));
+            }
+            if let Some(deadline) = state.stop_deadline.filter(|_| state.is_idle()) {
                 info!("processor stopped: in-flight records completed");
-                // Not waited for: the stop's time is bounded, and a lost hand-on costs only latency.
-                tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), state.timers_of(Partitions::ALL)));
+                // Within the stop's own deadline; past it, the next owners find the records at a poll.
+                let timers = state.timers_of(state.held);
+                let _ = tokio::time::timeout_at(deadline, hand_on(self.outbox.clone(), self.db.clone(), timers)).await;
                 return Ok(());
             }
             let lease_deadline = current.lease.filter(|_| current.is_live()).map(|d| d.instant());
@@ -168,7 +181,6 @@ impl Processor {
                     // Waits for the aborted calls to be dropped: one in the middle of a poll on another
                     // thread runs on until it yields, and the node releases the partitions next.
                     state.deliveries.shutdown().await;
-                    tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), state.timers_of(Partitions::ALL)));
                     return Err(Error::ShutdownTimeout(state.config.shutdown_timeout));
                 }
                 Some(joined) = state.deliveries.join_next_with_id() => {
@@ -213,13 +225,9 @@ impl Processor {
                         shutdown.cancel();
                     }
                     let current = self.assignment.borrow();
-                    let handed_on = state.on_assignment(&current);
+                    state.on_assignment(&current);
                     // Registered again (its lease ran out): this processor's logs name the new id.
                     tracing::Span::current().record("instance", tracing::field::display(&current.instance));
-                    drop(current);
-                    if !handed_on.is_empty() {
-                        tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), handed_on));
-                    }
                 }
             }
         }
@@ -285,6 +293,8 @@ struct State {
     timers: BTreeMap<Instant, Partitions>,
     /// The partitions of the latest assignment: those that leave it have their timers handed on.
     held: Partitions,
+    /// Timers of partitions no longer held, for their next owners (see [`hand_on`]).
+    handing_on: Vec<Wake>,
     next_poll: Instant,
     last_found: Option<Instant>,
     stop_deadline: Option<Instant>,
@@ -323,6 +333,7 @@ impl State {
             wanted: Partitions::ALL,
             timers: BTreeMap::new(),
             held: Partitions::default(),
+            handing_on: Vec::new(),
             last_found: None,
             stop_deadline: None,
             assignment_open: true,
@@ -608,7 +619,13 @@ impl State {
                     self.delivered.fetch_add(1, Ordering::Relaxed);
                 }
                 if let Verdict::Retry { delay, .. } = outcome.verdict {
-                    self.wake_at(Instant::now() + delay, Partitions::of(outcome.partition));
+                    let partition = Partitions::of(outcome.partition);
+                    if self.held.contains(outcome.partition) {
+                        self.wake_at(Instant::now() + delay, partition);
+                    } else {
+                        // Given up while the call ran (a graceful handover lets it finish).
+                        self.handing_on.push(Wake { partitions: partition, after: millis_up(delay) });
+                    }
                 }
             } else if written.held.contains(&outcome.grant()) {
                 debug!(record = %outcome.id, key = %outcome.key, partition = outcome.partition,
@@ -650,12 +667,12 @@ impl State {
         self.complete_backoff = (self.complete_backoff * 2).min(COMPLETE_RETRY_MAX);
     }
 
-    /// Takes in a new assignment; returns the timers of the partitions that left it, for their next
-    /// owners.
-    fn on_assignment(&mut self, current: &Assignment) -> Vec<Wake> {
+    /// Takes in a new assignment; the timers of the partitions that left it go to their next owners.
+    fn on_assignment(&mut self, current: &Assignment) {
         let held = self.held;
         self.held = held_in(current);
         let handed_on = self.timers_of(held.without(self.held));
+        self.handing_on.extend(handed_on);
         self.fenced.retain(|p, held| current.epochs.get(p) == Some(&held.1) && current.instance == held.0);
         // Calls of an earlier instance id are cancelled, all of them (the lease may not have run out
         // here, nor the processor have seen the assignment in between). Calls of partitions that left
@@ -664,7 +681,6 @@ impl State {
         self.cancels.grants.retain(|(p, _, epoch), _| current.epochs.get(p) == Some(epoch));
         self.fetches.retain(|p| current.epochs.contains_key(&p));
         self.wanted = Partitions::ALL;
-        handed_on
     }
 
     /// Takes the timers of `partitions` out, as wake-ups after the time left to each (whole
@@ -675,9 +691,7 @@ impl State {
         self.timers.retain(|at, timer| {
             let moved = timer.and(partitions);
             if !moved.is_empty() {
-                let left = at.saturating_duration_since(now).as_nanos().div_ceil(1_000_000);
-                let after = Duration::from_millis(u64::try_from(left).unwrap_or(u64::MAX));
-                wakes.push(Wake { partitions: moved, after });
+                wakes.push(Wake { partitions: moved, after: millis_up(at.saturating_duration_since(now)) });
                 *timer = timer.without(partitions);
             }
             !timer.is_empty()
