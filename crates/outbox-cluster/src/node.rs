@@ -102,6 +102,7 @@ impl Node {
         };
         info!(instance = %first.instance, name = %config.name, "instance registered");
 
+        let first_id = first.instance;
         let (assign, assignment) = watch::channel(first);
         let assign = Arc::new(assign);
         // Cancelled by a task that ends unasked: every task stops.
@@ -121,8 +122,17 @@ impl Node {
         let processor = Processor::new(outbox.clone(), store.db().clone(), handlers, assignment.clone());
         let busy = processor.busy_partitions();
         let delivered = processor.delivered();
+        let listening = processor.listening();
         let run = processor.run(stop_processor.clone());
         let processor = tokio::spawn(watched("processor", &stop_processor).run(async { Ok(run.await?) }));
+        if let Some(mut listening) = listening {
+            // Listening before it takes partitions, so it hears the timers their owners hand on when they
+            // give them up; past the limit it goes on without (polls find the records).
+            let heard = tokio::time::timeout(outbox.config().query_timeout, listening.wait_for(|&on| on)).await;
+            if heard.is_err() {
+                warn!(instance = %first_id, "not listening for wake-ups yet; joining without");
+            }
+        }
         let asks_round = Arc::new(AtomicU64::new(0));
         let heartbeat = Heartbeat {
             store: store.clone(),
@@ -185,8 +195,10 @@ impl Node {
     /// the service's grace period to their sum. What it could not hand over in that time moves on when
     /// the lease runs out, as after a crash. A partition taken from a dead owner and still in its quiet
     /// period is left to its next owner to take as from a dead owner, after the rest of the period.
-    /// Every task is stopped whatever a step returns, and ended before it returns (within the same
-    /// budget), so the process may exit at once; the first error is returned, and each is logged.
+    /// Every task is stopped whatever a step returns, and waited for within the same budget, so that
+    /// the process may exit once it returns (a registration still under way past the budget, on a
+    /// database that slow, is taken back when it lands if the process lives on); the first error is
+    /// returned, and each is logged.
     /// Pointing the targets at the others once deregistered only speeds their next round up: its
     /// failure is a warning.
     ///
@@ -271,7 +283,7 @@ impl Node {
             }
         };
         // A task still under way (a registration under a new id, which the heartbeat takes back once it
-        // lands) ends before the stop returns, within the budget.
+        // lands) is waited for, within the budget.
         if tokio::time::timeout_at(released_by, background.wait()).await.is_err() {
             warn!(instance = %id, "a heartbeat or round still under way when the stop ended");
         }
