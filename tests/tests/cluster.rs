@@ -306,6 +306,56 @@ async fn slow_registrations(db: &TestDb, seconds: &str) {
     exec!(db, "CREATE TRIGGER slowly BEFORE INSERT ON {s}instances FOR EACH ROW EXECUTE FUNCTION {s}slowly()");
 }
 
+/// Polls hourly and retries 10 s after a failure: long enough that a next owner takes the partitions
+/// well before, so its fetch at takeover finds the records not yet due.
+fn hourly_retrying(c: &mut outbox_core::Config) {
+    hourly(c);
+    c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(10), 5);
+}
+
+/// Two outboxes on `db` (as two processes) retrying as [`hourly_retrying`], and a node of the first
+/// owning every partition, whose handler fails each key's first call once `gate` is open and records
+/// later ones in `sink`; with the keys called so far.
+async fn first_calls_failing(
+    db: &TestDb,
+    sink: &Arc<Sink>,
+    gate: tokio::sync::watch::Receiver<bool>,
+) -> (Outbox, Outbox, Node, Arc<std::sync::Mutex<std::collections::HashSet<String>>>) {
+    let (first, second) = (outbox(db, hourly_retrying).await, outbox(db, hourly_retrying).await);
+    let tried = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let (seen, recorded) = (tried.clone(), sink.clone());
+    let failing = handler_fn(move |r: outbox_core::Record| {
+        let first_call = seen.lock().unwrap().insert(r.key.clone());
+        let (recorded, mut gate) = (recorded.clone(), gate.clone());
+        async move {
+            if first_call {
+                gate.wait_for(|&open| open).await.unwrap();
+                return Err(HandlerError::retryable("not yet"));
+            }
+            recorded.record(&r);
+            Ok(())
+        }
+    });
+    let a = Node::start(first.clone(), db, Handlers::new().default_route(Route::new(failing)), fast_cluster())
+        .await
+        .unwrap();
+    wait_for("a owns everything", LONG, || async { owners(db).await.get(&a.id()) == Some(&256) }).await;
+    (first, second, a, tried)
+}
+
+/// Commits and wakes one record in every partition through `outbox`.
+async fn one_record_per_partition(outbox: &Outbox, db: &TestDb) {
+    let mut keys = BTreeMap::new();
+    for key in (0..).map(|i| format!("key-{i}")) {
+        keys.entry(outbox_core::partition_of(&key)).or_insert(key);
+        if keys.len() == 256 {
+            break;
+        }
+    }
+    let scheduled = commit(outbox, db, keys.into_values().map(|k| NewRecord::new(k, "t", "")).collect()).await;
+    outbox.wake(db, &scheduled).await.unwrap();
+}
+
 /// A record waiting for its retry when its partition moves to another process (its owner stops) is
 /// retried there when its time comes, though that process polls hourly: the owner hands its timers on
 /// as wake-ups. Before, the next owner found the record not yet due when it took the partition, and
@@ -313,29 +363,15 @@ async fn slow_registrations(db: &TestDb, seconds: &str) {
 #[sqlx::test(migrations = false)]
 async fn a_retry_due_after_its_partition_moved_is_made_in_time(pool: sqlx::PgPool) {
     let db = TestDb::postgres(pool);
-    let tune = |c: &mut outbox_core::Config| {
-        hourly(c);
-        // Long enough that the next owner takes the partitions well before it: its fetch then finds
-        // the records not yet due.
-        c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(10), 5);
-    };
-    let (first, second) = (outbox(&db, tune).await, outbox(&db, tune).await);
-    let failing = handler_fn(|_| async { Err::<(), _>(HandlerError::retryable("not yet")) });
-    let a = Node::start(first.clone(), &db, Handlers::new().default_route(Route::new(failing)), fast_cluster())
-        .await
-        .unwrap();
-    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    let sink = Sink::new();
+    let (first, second, a, _) = first_calls_failing(&db, &sink, tokio::sync::watch::channel(true).1).await;
     let scheduled = commit(&first, &db, vec![NewRecord::new("k", "t", "")]).await;
     first.wake(&db, &scheduled).await.unwrap();
     wait_for("the first call failed", LONG, || async {
         count(&db, "SELECT count(*) FROM {s}records WHERE attempts = 1").await == 1
     })
     .await;
-    let sink = Sink::new();
     let b = Node::start(second.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
-    let listening =
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'";
-    wait_for("both processors listening", LONG, || async { count(&db, listening).await == 2 }).await;
     a.shutdown().await.unwrap();
     wait_for("b owns everything", LONG, || async { owners(&db).await.get(&b.id()) == Some(&256) }).await;
     wait_for("the retry made by b", LONG, || async { sink.len() == 1 }).await;
@@ -347,41 +383,9 @@ async fn a_retry_due_after_its_partition_moved_is_made_in_time(pool: sqlx::PgPoo
 #[sqlx::test(migrations = false)]
 async fn retries_due_after_a_rebalance_are_made_in_time(pool: sqlx::PgPool) {
     let db = TestDb::postgres(pool);
-    let tune = |c: &mut outbox_core::Config| {
-        hourly(c);
-        // Long enough that the next owner takes the partitions well before it: its fetch then finds
-        // the records not yet due.
-        c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(10), 5);
-    };
-    let (first, second) = (outbox(&db, tune).await, outbox(&db, tune).await);
     let sink = Sink::new();
-    // a fails each key's first call, then delivers it.
-    let tried = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
-    let (seen, recorded) = (tried.clone(), sink.clone());
-    let once = handler_fn(move |r: outbox_core::Record| {
-        let first_call = seen.lock().unwrap().insert(r.key.clone());
-        let recorded = recorded.clone();
-        async move {
-            if first_call {
-                return Err(HandlerError::retryable("not yet"));
-            }
-            recorded.record(&r);
-            Ok(())
-        }
-    });
-    let a =
-        Node::start(first.clone(), &db, Handlers::new().default_route(Route::new(once)), fast_cluster()).await.unwrap();
-    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
-    // A key in every partition.
-    let mut keys = BTreeMap::new();
-    for key in (0..).map(|i| format!("key-{i}")) {
-        keys.entry(outbox_core::partition_of(&key)).or_insert(key);
-        if keys.len() == 256 {
-            break;
-        }
-    }
-    let scheduled = commit(&first, &db, keys.into_values().map(|k| NewRecord::new(k, "t", "")).collect()).await;
-    first.wake(&db, &scheduled).await.unwrap();
+    let (first, second, a, _) = first_calls_failing(&db, &sink, tokio::sync::watch::channel(true).1).await;
+    one_record_per_partition(&first, &db).await;
     wait_for("every first call failed", LONG, || async {
         count(&db, "SELECT count(*) FROM {s}records WHERE attempts = 1").await == 256
     })
@@ -399,41 +403,10 @@ async fn retries_due_after_a_rebalance_are_made_in_time(pool: sqlx::PgPool) {
 #[sqlx::test(migrations = false)]
 async fn a_retry_written_after_its_partition_moved_is_made_in_time(pool: sqlx::PgPool) {
     let db = TestDb::postgres(pool);
-    let tune = |c: &mut outbox_core::Config| {
-        hourly(c);
-        c.retry = outbox_core::RetryPolicy::fixed(Duration::from_secs(10), 5);
-    };
-    let (first, second) = (outbox(&db, tune).await, outbox(&db, tune).await);
     let sink = Sink::new();
-    // a's first call of each key waits for the gate, then fails; later ones deliver.
-    let (open, opened) = tokio::sync::watch::channel(false);
-    let tried = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
-    let (seen, recorded) = (tried.clone(), sink.clone());
-    let gated = handler_fn(move |r: outbox_core::Record| {
-        let first_call = seen.lock().unwrap().insert(r.key.clone());
-        let (recorded, mut opened) = (recorded.clone(), opened.clone());
-        async move {
-            if first_call {
-                opened.wait_for(|&open| open).await.unwrap();
-                return Err(HandlerError::retryable("not yet"));
-            }
-            recorded.record(&r);
-            Ok(())
-        }
-    });
-    let a = Node::start(first.clone(), &db, Handlers::new().default_route(Route::new(gated)), fast_cluster())
-        .await
-        .unwrap();
-    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
-    let mut keys = BTreeMap::new();
-    for key in (0..).map(|i| format!("key-{i}")) {
-        keys.entry(outbox_core::partition_of(&key)).or_insert(key);
-        if keys.len() == 256 {
-            break;
-        }
-    }
-    let scheduled = commit(&first, &db, keys.into_values().map(|k| NewRecord::new(k, "t", "")).collect()).await;
-    first.wake(&db, &scheduled).await.unwrap();
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let (first, second, a, tried) = first_calls_failing(&db, &sink, gate).await;
+    one_record_per_partition(&first, &db).await;
     wait_for("every first call running", LONG, || async { tried.lock().unwrap().len() == 256 }).await;
     let b = Node::start(second.clone(), &db, recording(&sink), fast_cluster()).await.unwrap();
     // Half the partitions left a's assignment while their calls run.
