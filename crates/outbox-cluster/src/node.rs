@@ -102,7 +102,6 @@ impl Node {
         };
         info!(instance = %first.instance, name = %config.name, "instance registered");
 
-        let first_id = first.instance;
         let (assign, assignment) = watch::channel(first);
         let assign = Arc::new(assign);
         // Cancelled by a task that ends unasked: every task stops.
@@ -122,17 +121,8 @@ impl Node {
         let processor = Processor::new(outbox.clone(), store.db().clone(), handlers, assignment.clone());
         let busy = processor.busy_partitions();
         let delivered = processor.delivered();
-        let listening = processor.listening();
         let run = processor.run(stop_processor.clone());
         let processor = tokio::spawn(watched("processor", &stop_processor).run(async { Ok(run.await?) }));
-        if let Some(mut listening) = listening {
-            // Listening before it takes partitions, so it hears the timers their owners hand on when they
-            // give them up; past the limit it goes on without (polls find the records).
-            let heard = tokio::time::timeout(outbox.config().query_timeout, listening.wait_for(|&on| on)).await;
-            if heard.is_err() {
-                warn!(instance = %first_id, "not listening for wake-ups yet; joining without");
-            }
-        }
         let asks_round = Arc::new(AtomicU64::new(0));
         let heartbeat = Heartbeat {
             store: store.clone(),

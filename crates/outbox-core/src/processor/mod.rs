@@ -78,7 +78,6 @@ pub struct Processor {
     assignment: watch::Receiver<Assignment>,
     busy: watch::Sender<BTreeSet<Partition>>,
     delivered: Arc<AtomicU64>,
-    listening: watch::Sender<bool>,
 }
 
 impl Processor {
@@ -91,15 +90,7 @@ impl Processor {
             assignment,
             busy: watch::Sender::default(),
             delivered: Arc::default(),
-            listening: watch::Sender::new(false),
         }
-    }
-
-    /// Whether its `LISTEN` connection is up, so that it hears wake-ups from other processes (and the
-    /// timers an owner hands on when it gives partitions up); `None` where they do not travel
-    /// (MySQL, SQLite).
-    pub fn listening(&self) -> Option<watch::Receiver<bool>> {
-        self.db.can_listen().then(|| self.listening.subscribe())
     }
 
     /// Records this processor has delivered (by their handler or a fallback) and completed, counted
@@ -144,7 +135,7 @@ impl Processor {
         let mut state = State::new(config, self.delivered.clone());
         state.held = held_in(&self.assignment.borrow());
         let mut woken = self.outbox.wakeups().subscribe();
-        let (listening, mut listening_rx) = (self.listening.clone(), self.listening.subscribe());
+        let (listening, mut listening_rx) = watch::channel(false);
         let stop_listening = CancellationToken::new();
         let _stop_listening = stop_listening.clone().drop_guard();
         let mut listener_open = self.db.can_listen();
@@ -158,15 +149,15 @@ impl Processor {
             }
             state.start_fetch(&self.outbox, fetches, &current);
             state.start_completion(&self.outbox, &self.db);
-            if !state.handing_on.is_empty() {
-                tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), std::mem::take(&mut state.handing_on)));
-            }
             if let Some(deadline) = state.stop_deadline.filter(|_| state.is_idle()) {
                 info!("processor stopped: in-flight records completed");
                 // Within the stop's own deadline; past it, the next owners find the records at a poll.
-                let timers = state.timers_of(state.held);
+                let timers = state.left_to_hand_on();
                 let _ = tokio::time::timeout_at(deadline, hand_on(self.outbox.clone(), self.db.clone(), timers)).await;
                 return Ok(());
+            }
+            if !state.handing_on.is_empty() {
+                tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), std::mem::take(&mut state.handing_on)));
             }
             let lease_deadline = current.lease.filter(|_| current.is_live()).map(|d| d.instant());
 
@@ -181,6 +172,8 @@ impl Processor {
                     // Waits for the aborted calls to be dropped: one in the middle of a poll on another
                     // thread runs on until it yields, and the node releases the partitions next.
                     state.deliveries.shutdown().await;
+                    // Not waited for: the stop is out of time already.
+                    tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), state.left_to_hand_on()));
                     return Err(Error::ShutdownTimeout(state.config.shutdown_timeout));
                 }
                 Some(joined) = state.deliveries.join_next_with_id() => {
@@ -681,6 +674,13 @@ impl State {
         self.cancels.grants.retain(|(p, _, epoch), _| current.epochs.get(p) == Some(epoch));
         self.fetches.retain(|p| current.epochs.contains_key(&p));
         self.wanted = Partitions::ALL;
+    }
+
+    /// At a stop: the timers still to hand on, and those of the partitions held.
+    fn left_to_hand_on(&mut self) -> Vec<Wake> {
+        let mut timers = std::mem::take(&mut self.handing_on);
+        timers.extend(self.timers_of(self.held));
+        timers
     }
 
     /// Takes the timers of `partitions` out, as wake-ups after the time left to each (whole
