@@ -208,24 +208,22 @@ async fn a_wake_up_for_many_later_times_delivers_each_record_when_it_falls_due(d
 }
 
 /// Timers for more later times than a processor keeps (4,096) each deliver their record in time: a
-/// node polling hourly, woken once per record (one transaction each), at 4,200 different times. Before,
-/// the latest timers past the limit were dropped, and their records waited for the hourly poll.
+/// node polling hourly, woken for 4,200 records due at as many times. Before, the latest timers past the
+/// limit were dropped, and their records waited for the hourly poll.
 #[sqlx::test(migrations = false)]
 async fn more_later_times_than_a_processor_keeps_timers_for_are_each_delivered(pool: sqlx::PgPool) {
     let db = TestDb::postgres(pool);
     let outbox = outbox(&db, hourly).await;
     let calls = Arc::new(Calls::default());
     let node = ready_for_wake_ups(&db, &outbox, &calls).await;
-    // Written within the first delay, so that every timer is set before any falls due.
-    let first = Duration::from_secs(20);
+    // Written and announced within the first delay, so that every timer is set before any falls due.
+    let first = Duration::from_secs(5);
     let records: Vec<_> = (0..4200u64)
         .map(|i| NewRecord::new(format!("k{i}"), "t", format!("{i}")).deliver_after(first + Duration::from_millis(i)))
         .collect();
     let started = Instant::now();
-    for record in records {
-        let scheduled = commit(&outbox, &db, vec![record]).await;
-        outbox.wake(&db, &scheduled).await.unwrap();
-    }
+    let scheduled = commit(&outbox, &db, records).await;
+    outbox.wake(&db, &scheduled).await.unwrap();
     assert!(started.elapsed() < first, "every timer set before the first falls due");
     wait_for("every record delivered", Duration::from_secs(60), || async { calls.all().len() == 4200 }).await;
     node.shutdown().await.unwrap();
