@@ -345,14 +345,8 @@ async fn first_calls_failing(
 
 /// Commits and wakes one record in every partition through `outbox`.
 async fn one_record_per_partition(outbox: &Outbox, db: &TestDb) {
-    let mut keys = BTreeMap::new();
-    for key in (0..).map(|i| format!("key-{i}")) {
-        keys.entry(outbox_core::partition_of(&key)).or_insert(key);
-        if keys.len() == 256 {
-            break;
-        }
-    }
-    let scheduled = commit(outbox, db, keys.into_values().map(|k| NewRecord::new(k, "t", "")).collect()).await;
+    let records = (0..=255u8).map(|p| NewRecord::new(keys_in(p, "key", 1).remove(0), "t", "")).collect();
+    let scheduled = commit(outbox, db, records).await;
     outbox.wake(db, &scheduled).await.unwrap();
 }
 

@@ -194,10 +194,13 @@ async fn a_wake_up_for_many_later_times_delivers_each_record_when_it_falls_due(d
     let outbox = outbox(&db, hourly).await;
     let calls = Arc::new(Calls::default());
     let node = ready_for_wake_ups(&db, &outbox, &calls).await;
-    let (soonest, latest) = (keys_in_partitions(0..128, 1000), keys_in_partitions(128..256, 1000));
+    // 1,000 keys in partitions 0-127, then 1,000 in 128-255 (8 in each, the last ones left out).
+    let keys = (0..=255u8).flat_map(|p| keys_in(p, "key", 8));
+    let (soonest, latest) = keys.partition::<Vec<_>, _>(|k| partition_of(k) < 128);
     let records = soonest
         .into_iter()
-        .chain(latest)
+        .take(1000)
+        .chain(latest.into_iter().take(1000))
         .zip(0u64..)
         .map(|(key, i)| NewRecord::new(key, "t", format!("{i}")).deliver_after(Duration::from_millis(500 + i)))
         .collect();
@@ -227,24 +230,6 @@ async fn more_later_times_than_a_processor_keeps_timers_for_are_each_delivered(p
     assert!(started.elapsed() < first, "every timer set before the first falls due");
     wait_for("every record delivered", Duration::from_secs(60), || async { calls.all().len() == 4200 }).await;
     node.shutdown().await.unwrap();
-}
-
-/// `n` distinct keys spread evenly over `partitions`.
-fn keys_in_partitions(partitions: std::ops::Range<u16>, n: usize) -> Vec<String> {
-    let per = n.div_ceil(partitions.len());
-    let mut taken = std::collections::BTreeMap::<u16, usize>::new();
-    (0..)
-        .map(|i| format!("key-{i}"))
-        .filter(|key| {
-            let p = u16::from(partition_of(key));
-            let room = partitions.contains(&p) && taken.get(&p).copied().unwrap_or(0) < per;
-            if room {
-                *taken.entry(p).or_default() += 1;
-            }
-            room
-        })
-        .take(n)
-        .collect()
 }
 
 /// A node of `outbox` recording into `calls`, owning every partition, listening on PostgreSQL, and past

@@ -135,11 +135,6 @@ async fn a_completion_waiting_for_a_locked_record(db: &TestDb, through: &TestDb)
     (blocker, node, sink)
 }
 
-/// `n` distinct keys with `prefix` that fall into `partition`.
-fn keys_in(partition: outbox_core::Partition, prefix: &str, n: usize) -> Vec<String> {
-    (0..).map(|i| format!("{prefix}-{i}")).filter(|k| partition_of(k) == partition).take(n).collect()
-}
-
 /// A completion that finds its record already gone (here the handler deleted it; in production an
 /// earlier attempt of the same completion committed before its connection dropped) is settled, not
 /// "fenced": the partition goes on being processed.

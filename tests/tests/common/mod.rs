@@ -141,6 +141,11 @@ pub async fn start(outbox: &Outbox, db: &TestDb, handlers: Handlers) -> Node {
     Node::start(outbox.clone(), db, handlers, fast_cluster()).await.unwrap()
 }
 
+/// `n` distinct keys with `prefix` that fall into `partition`.
+pub fn keys_in(partition: Partition, prefix: &str, n: usize) -> Vec<String> {
+    (0..).map(|i| format!("{prefix}-{i}")).filter(|k| outbox_core::partition_of(k) == partition).take(n).collect()
+}
+
 /// One delivery as a handler saw it.
 #[derive(Debug, Clone)]
 pub struct Delivery {
