@@ -40,6 +40,7 @@ every_backend!(
     a_start_whose_registration_answer_is_lost_leaves_no_instance_behind,
     a_fetch_too_large_for_its_time_limit_is_tried_again_smaller,
     a_completion_too_large_for_its_time_limit_is_tried_again_smaller,
+    workers_refuse_a_pool_whose_connections_have_autocommit_off,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -288,6 +289,37 @@ async fn a_stop_that_cannot_point_the_targets_elsewhere_still_releases_and_dereg
     assert_eq!(count(&db, "SELECT count(*) FROM {s}partitions WHERE owner IS NOT NULL").await, 0);
     let left = rows!(db, (InstanceId,), "SELECT id FROM {s}instances");
     assert_eq!(left, [(other,)], "{id} deregistered");
+}
+
+/// Workers started on a MySQL pool whose connections have `autocommit` off (a server-wide
+/// `autocommit = 0`, or an application's connect hook) are refused, naming the setting. Before, each of
+/// their single statements (a fetch, a heartbeat) opened a transaction that stayed open on its pooled
+/// connection: fetches read an old snapshot and heartbeats were never committed, and records waited
+/// without a word. The application still schedules through such a pool, in transactions it commits, and
+/// workers on a pool of their own deliver.
+async fn workers_refuse_a_pool_whose_connections_have_autocommit_off(db: TestDb) {
+    let Some(off) = db.with_autocommit_off().await else { return };
+    let outbox = outbox(&db, |_| {}).await;
+    let refused = |e: &Error| matches!(e, Error::UnsuitableSession(reason) if reason.contains("autocommit"));
+    let sink = Sink::new();
+    match Node::start(outbox.clone(), &off, recording(&sink), fast_cluster()).await {
+        Err(outbox_cluster::Error::Core(e)) => assert!(refused(&e), "{e}"),
+        Err(e) => panic!("{e}"),
+        Ok(node) => panic!("a node started on it: {}", node.id()),
+    }
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}instances").await, 0, "no instance left behind");
+    let assignment = tokio::sync::watch::channel(outbox_core::Assignment::new(InstanceId::new(), [].into())).1;
+    let processor = outbox_core::Processor::new(outbox.clone(), off.db.clone(), recording(&sink), assignment);
+    let run = tokio::time::timeout(LONG, processor.run(tokio_util::sync::CancellationToken::new())).await;
+    let run = run.expect("the processor ran on");
+    assert!(run.as_ref().is_err_and(refused), "{run:?}");
+
+    commit(&outbox, &off, vec![NewRecord::new("k", "t", "")]).await;
+    let workers = off.db.new_pool(&outbox_core::ConnectOptions::default()).await.unwrap();
+    let node = Node::start(outbox.clone(), workers, recording(&sink), fast_cluster()).await.unwrap();
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(sink.of_key("k").len(), 1);
 }
 
 /// A route's retry policy is checked when the route is built: a jitter above 1 (which made the delay

@@ -132,6 +132,11 @@ pub enum Error {
     /// A configuration value is invalid; the message names the field.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// Workers cannot run on the database session as it is set up: the message says which setting and
+    /// what to do (MySQL: `autocommit` off, where each single statement of theirs would stay in an open
+    /// transaction, its reads stale and its writes never committed).
+    #[error("the database session cannot run the outbox's workers: {0}")]
+    UnsuitableSession(String),
     /// The schema has not been migrated (or is older than this library).
     #[error("the outbox schema {schema:?} is missing or not migrated: run the migrator (Outbox::migrate) first")]
     NotMigrated {

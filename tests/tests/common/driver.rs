@@ -86,6 +86,24 @@ impl TestDb {
         Some((TestDb { db, ..self.clone() }, proxy))
     }
 
+    /// The same database in a pool of its own whose connections have `autocommit` off (as a server-wide
+    /// `autocommit = 0` or an application's connect hook leaves them); `None` where the backend has no
+    /// such setting (PostgreSQL, SQLite).
+    pub async fn with_autocommit_off(&self) -> Option<TestDb> {
+        if !self.is_mysql() {
+            return None;
+        }
+        use sqlx::Executor;
+        let options: sqlx::mysql::MySqlConnectOptions = self.url().await.parse().unwrap();
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(4)
+            .after_connect(|conn, _| Box::pin(async move { conn.execute("SET autocommit = 0").await.map(drop) }))
+            .connect_with(options)
+            .await
+            .unwrap();
+        Some(TestDb { db: Db::from(pool), ..self.clone() })
+    }
+
     /// Renders a statement written for every backend: `{s}` is the outbox's table qualifier (`outbox.` on
     /// PostgreSQL, `outbox_` on SQLite and MySQL, so `{s}records`), `{now}` the database clock as the
     /// tables store it, `{ago:N}` N seconds before it; on MySQL the columns `key` and `partition`

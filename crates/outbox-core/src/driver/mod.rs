@@ -412,6 +412,19 @@ impl Db {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).skip(id).await)
     }
 
+    /// Checks that workers can run on this pool's connections, within `limit`: on MySQL, that they have
+    /// `autocommit` on ([`Error::UnsuitableSession`] if not). The processor and a cluster node check it
+    /// when they start.
+    #[cfg_attr(not(feature = "mysql"), allow(unused_variables))]
+    pub async fn check_worker_session(&self, limit: Duration) -> Result<()> {
+        match self {
+            #[cfg(feature = "mysql")]
+            Db::MySql(pool) => answered_within(limit, "session check", mysql::check_session(pool)).await,
+            #[allow(unreachable_patterns)] // in a build with MySQL alone
+            _ => Ok(()),
+        }
+    }
+
     /// Pending and FAILED counts per partition holding records, with the oldest pending record's age.
     pub(crate) async fn stats(&self, statements: &Statements) -> Result<Vec<PartitionStats>> {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).stats().await)

@@ -109,12 +109,14 @@ impl Processor {
 
     /// Runs until `shutdown`, then stops fetching, lets in-flight deliveries finish, completes them and
     /// returns. Gives up after `shutdown_timeout` with [`Error::ShutdownTimeout`]; what was not completed
-    /// is delivered again later (at least once).
+    /// is delivered again later (at least once). Refuses to start, with [`Error::UnsuitableSession`], on
+    /// connections workers cannot run on ([`Db::check_worker_session`]).
     ///
     /// # Cancel safety
     /// Dropping the future abandons in-flight deliveries without completing them; they are redelivered.
     #[instrument(skip_all, fields(instance = %self.assignment.borrow().instance))]
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        self.db.check_worker_session(self.outbox.config().query_timeout).await?;
         let own = self.db.fetch_pool(self.outbox.config().query_timeout);
         let fetches = own.clone().unwrap_or_else(|| self.db.clone());
         let stopped = self.deliver(shutdown, &fetches).await;

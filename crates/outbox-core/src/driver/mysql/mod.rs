@@ -61,6 +61,24 @@ pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<MySql
     super::sized(options, true).connect_with(server).await.map_err(|source| Error::Connect { database, source })
 }
 
+/// `Db::check_worker_session` on MySQL: `autocommit` on. Off, each of the workers' single statements (a
+/// fetch, a heartbeat, a purge) would open a transaction that stays open on its pooled connection, its
+/// reads an old snapshot and its writes never committed.
+pub(super) async fn check_session(pool: &MySqlPool) -> Result<()> {
+    let query = "SELECT CAST(@@SESSION.autocommit AS SIGNED)";
+    let on: i64 = super::finishing(pool, async |conn| sqlx::query_scalar(query).fetch_one(conn).await).await?;
+    if on == 1 {
+        return Ok(());
+    }
+    Err(Error::UnsuitableSession(
+        "the pool's MySQL connections have autocommit off (a server-wide `autocommit = 0`, or the pool's \
+         connect hook): the workers' single statements would stay in open transactions, reading old \
+         snapshots and never committing. Run the workers on a pool whose connections have it on (one \
+         `Db::new_pool` opens carries no connect hook), or set `autocommit = 1` on the server"
+            .into(),
+    ))
+}
+
 /// Runs `work` in one of the outbox's own transactions on `conn` (completions, ownership rounds,
 /// pruning), begun with `begin` ([`begin_statement`]), and commits it if `work` succeeds.
 ///
