@@ -82,15 +82,13 @@ pub struct Node {
 }
 
 impl Node {
-    /// Validates `config` and the database's sessions ([`Db::check_worker_session`]), registers the
-    /// instance and starts its tasks. A registration that fails is
+    /// Validates `config`, registers the instance (on a connection that passes
+    /// [`Db::check_worker_session`]) and starts its tasks. A registration that fails is
     /// taken back (within `query_timeout` more), so a start that an application tries again leaves no
     /// instance behind that nothing runs.
     pub async fn start(outbox: Outbox, db: impl Into<Db>, handlers: Handlers, config: ClusterConfig) -> Result<Node> {
         config.validate()?;
-        let db = db.into();
-        db.check_worker_session(outbox.config().query_timeout).await?;
-        let store = Store::new(db, &outbox, outbox.config().query_timeout.min(config.lease() / 2));
+        let store = Store::new(db.into(), &outbox, outbox.config().query_timeout.min(config.lease() / 2));
         let id = InstanceId::new();
         let first = match registry::register(&store, &config, id).await {
             Ok(first) => first,

@@ -101,7 +101,8 @@ impl Store {
     /// remaining time as the database answered it. An `id` already registered is registered afresh
     /// (lease, name, counts, takeover stamp), so a registration whose answer was lost is retried under
     /// the same id and leaves no second row, live but never heartbeating, for the rebalancer to target.
-    /// Only an id that never owned a partition may be registered again.
+    /// Only an id that never owned a partition may be registered again. Refused on a connection workers
+    /// cannot run on ([`Db::check_worker_session`]), before anything is written.
     pub(crate) async fn register(&self, id: InstanceId, name: &str, lease: Lease) -> Result<Duration> {
         dispatch!(self, "registering the instance", |conn, s| s.register(conn, id, name, lease).await)
     }

@@ -199,6 +199,7 @@ impl MySqlStatements {
         name: &str,
         lease: Lease,
     ) -> Result<Duration> {
+        outbox_core::driver::mysql::check_session(&mut *conn).await?;
         sqlx::query(statement(&self.register))
             .bind(id)
             .bind(name)

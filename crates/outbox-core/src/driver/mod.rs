@@ -413,13 +413,16 @@ impl Db {
     }
 
     /// Checks that workers can run on this pool's connections, within `limit`: on MySQL, that they have
-    /// `autocommit` on ([`Error::UnsuitableSession`] if not). The processor and a cluster node check it
-    /// when they start.
+    /// `autocommit` on ([`Error::UnsuitableSession`] if not). The processor checks it when it starts, and
+    /// a cluster node on the connection it registers on.
     #[cfg_attr(not(feature = "mysql"), allow(unused_variables))]
     pub async fn check_worker_session(&self, limit: Duration) -> Result<()> {
         match self {
             #[cfg(feature = "mysql")]
-            Db::MySql(pool) => answered_within(limit, "session check", mysql::check_session(pool)).await,
+            Db::MySql(pool) => {
+                answered_within(limit, "session check", finishing(pool, async |conn| mysql::check_session(conn).await))
+                    .await
+            }
             #[allow(unreachable_patterns)] // in a build with MySQL alone
             _ => Ok(()),
         }

@@ -61,12 +61,12 @@ pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<MySql
     super::sized(options, true).connect_with(server).await.map_err(|source| Error::Connect { database, source })
 }
 
-/// `Db::check_worker_session` on MySQL: `autocommit` on. Off, each of the workers' single statements (a
-/// fetch, a heartbeat, a purge) would open a transaction that stays open on its pooled connection, its
-/// reads an old snapshot and its writes never committed.
-pub(super) async fn check_session(pool: &MySqlPool) -> Result<()> {
-    let query = "SELECT CAST(@@SESSION.autocommit AS SIGNED)";
-    let on: i64 = super::finishing(pool, async |conn| sqlx::query_scalar(query).fetch_one(conn).await).await?;
+/// Whether workers can run on `conn` ([`crate::Db::check_worker_session`]): `autocommit` on. Off, each
+/// of their single statements (a fetch, a heartbeat, a purge) would open a transaction that stays open
+/// on its pooled connection, its reads an old snapshot and its writes never committed. For the cluster
+/// layer, which checks the connection it registers an instance on.
+pub async fn check_session(conn: &mut MySqlConnection) -> Result<()> {
+    let on: i64 = sqlx::query_scalar("SELECT CAST(@@SESSION.autocommit AS SIGNED)").fetch_one(conn).await?;
     if on == 1 {
         return Ok(());
     }
