@@ -14,6 +14,7 @@ use common::*;
 use outbox_cluster::Node;
 use outbox_core::{HandlerError, Handlers, InstanceId, NewRecord, Outbox, Route, handler_fn};
 use rand::RngExt;
+use sqlx::AssertSqlSafe;
 use tokio::time::Instant;
 
 every_backend!(
@@ -304,6 +305,69 @@ async fn slow_registrations(db: &TestDb, seconds: &str) {
     );
     db.exec(&slowly, &[]).await;
     exec!(db, "CREATE TRIGGER slowly BEFORE INSERT ON {s}instances FOR EACH ROW EXECUTE FUNCTION {s}slowly()");
+}
+
+/// A release that goes unanswered (given up at its time limit) may still commit: until a release of its
+/// partitions is answered they stay out of the processor's assignment, even if targeted back here
+/// meanwhile. Before, such a partition was delivered again under the epoch of the pending release; once
+/// that committed, the partition was free for any instance to take with no quiet period while those
+/// calls ran, and their outcomes were fenced out: the record was delivered twice. Here the release waits
+/// for a lock past its time limit, the target comes back while it waits, and it then takes 3 s to commit.
+#[sqlx::test(migrations = false)]
+async fn a_partition_whose_release_went_unanswered_is_not_delivered_until_it_is_answered(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    // The leader runs nothing: the test writes the targets. The node's rounds run only when nudged.
+    let leader = register_instance(&db).await;
+    let config = outbox_cluster::ClusterConfig { rebalance_interval: Duration::from_secs(3600), ..fast_cluster() };
+    let sink = Sink::new();
+    let a = Node::start(outbox.clone(), &db, recording(&sink), config).await.unwrap();
+    let nudge = async || outbox.nudge(&db, &[a.id()]).await.unwrap();
+    exec!(db, "UPDATE {s}partitions SET target_owner = $1", a.id());
+    nudge().await;
+    wait_for("a owns everything", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    let slowly = "CREATE FUNCTION {s}slow_releases() RETURNS trigger AS $$ BEGIN
+        IF EXISTS (SELECT 1 FROM was JOIN now USING (partition) WHERE was.owner IS NOT NULL AND now.owner IS NULL)
+        THEN PERFORM pg_sleep(3); END IF; RETURN NULL; END $$ LANGUAGE plpgsql";
+    db.exec(slowly, &[]).await;
+    exec!(
+        db,
+        "CREATE TRIGGER slow_releases AFTER UPDATE ON {s}partitions REFERENCING OLD TABLE AS was NEW TABLE AS now
+        FOR EACH STATEMENT EXECUTE FUNCTION {s}slow_releases()"
+    );
+    let partition: outbox_core::Partition = 7;
+    let epoch = || async { db.scalar::<i64>("SELECT epoch FROM {s}partitions WHERE partition = 7", &[]).await };
+    let given_up_at = epoch().await;
+
+    // Targeted elsewhere, then locked: the release waits for the lock past its time limit.
+    exec!(db, "UPDATE {s}partitions SET target_owner = $1 WHERE partition = 7", leader);
+    let mut lock = db.begin().await;
+    lock.execute(AssertSqlSafe(db.sql("SELECT 1 FROM {s}partitions WHERE partition = 7 FOR UPDATE")), &[])
+        .await
+        .unwrap();
+    nudge().await;
+    wait_for("the release waits for the lock", LONG, || async { db.lock_waiters().await == 1 }).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Targeted back while the release waits; the release then runs and takes 3 s to commit.
+    lock.execute(
+        AssertSqlSafe(db.sql("UPDATE {s}partitions SET target_owner = $1 WHERE partition = 7")),
+        &[a.id().into()],
+    )
+    .await
+    .unwrap();
+    lock.commit().await.unwrap();
+    let key = keys_in(partition, "k", 1).remove(0);
+    commit(&outbox, &db, vec![NewRecord::new(&key, "t", "")]).await;
+    nudge().await;
+    wait_for("the release committed", LONG, || async { epoch().await > given_up_at }).await;
+    nudge().await;
+    drained(&db, LONG).await;
+    let calls: Vec<i64> = sink.of_key(&key).iter().map(|d| d.epoch.0).collect();
+    assert_eq!(calls.len(), 1, "calls under epochs {calls:?}");
+    assert_ne!(calls[0], given_up_at, "called under the epoch of the pending release");
+    exec!(db, "DROP TRIGGER slow_releases ON {s}partitions");
+    a.shutdown().await.unwrap();
 }
 
 /// Polls hourly and retries 10 s after a failure: long enough that a next owner takes the partitions

@@ -60,6 +60,11 @@ struct Rounds {
     giving_up: BTreeMap<Partition, (Epoch, Option<InstanceId>)>,
     /// Partitions taken from a dead owner, held back from the processor until their quiet period ends.
     quiet: Quiet,
+    /// Partitions of a release that went unanswered (given up at its time limit, or its answer lost),
+    /// each at the epoch it was sent for: it may still commit, and the next owner then takes the
+    /// partition as free, with no quiet period. Until a release of them is answered they stay out of the
+    /// processor's assignment, even if targeted here again, and are released again.
+    unanswered: Epochs,
     /// When this instance, as the leader, last reaped expired instance rows.
     reaped: Option<Instant>,
     /// Whether a round has run under this id (after its first, a new instance nudges the leader).
@@ -76,6 +81,7 @@ impl Rounds {
             instance,
             giving_up: BTreeMap::new(),
             quiet: BTreeMap::new(),
+            unanswered: Epochs::new(),
             reaped: None,
             started: false,
             leaving: false,
@@ -189,8 +195,13 @@ impl Ownership {
             }
         }
         rounds.quiet.retain(|p, (epoch, until)| owned.get(p) == Some(epoch) && *until > Instant::now());
-        let keep: Epochs =
-            owned.iter().filter(|(p, _)| mine(p) && !rounds.quiet.contains_key(p)).map(|(&p, &e)| (p, e)).collect();
+        rounds.unanswered.retain(|p, epoch| owned.get(p) == Some(epoch));
+        let unanswered = |p: &Partition| rounds.unanswered.contains_key(p);
+        let keep: Epochs = owned
+            .iter()
+            .filter(|(p, _)| mine(p) && !rounds.quiet.contains_key(p) && !unanswered(p))
+            .map(|(&p, &e)| (p, e))
+            .collect();
         metrics::gauge!("outbox_owned_partitions").set(keep.len() as f64);
         metrics::gauge!("outbox_live_instances").set(live.len() as f64);
         let taken_over: BTreeMap<Partition, DateTime<Utc>> =
@@ -206,7 +217,7 @@ impl Ownership {
         // Out of the assignment now; released below once nothing of them is in flight.
         rounds.giving_up = owned
             .into_iter()
-            .filter(|(p, _)| !mine(p))
+            .filter(|(p, _)| !mine(p) || unanswered(p))
             .map(|(p, epoch)| (p, (epoch, targets.get(&p).copied())))
             .collect();
         self.release_drained(rounds).await?;
@@ -279,7 +290,9 @@ impl Ownership {
             .map(|(&p, &(epoch, _))| (p, epoch))
             .collect();
         if !release.is_empty() {
-            let freed = release_partitions(&self.store, rounds.instance, &release, "rebalance").await?;
+            let released = release_partitions(&self.store, rounds.instance, &release, "rebalance").await;
+            let freed = released.inspect_err(|_| rounds.unanswered.extend(&release))?;
+            rounds.unanswered.retain(|p, _| !release.contains_key(p));
             let to = freed.iter().filter_map(|p| rounds.giving_up.get(p).and_then(|&(_, to)| to));
             let to: BTreeSet<InstanceId> = to.collect();
             rounds.giving_up.retain(|p, _| !release.contains_key(p));
