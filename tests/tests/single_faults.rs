@@ -314,9 +314,11 @@ async fn workers_refuse_a_pool_whose_connections_have_autocommit_off(db: TestDb)
     let run = run.expect("the processor ran on");
     assert!(run.as_ref().is_err_and(refused), "{run:?}");
 
-    commit(&outbox, &off, vec![NewRecord::new("k", "t", "")]).await;
+    // Nothing the refused starts did holds the next one up (a take-back of the registration, uncommitted
+    // on such a session, held a lock that every registration waited for).
     let workers = off.db.new_pool(&outbox_core::ConnectOptions::default()).await.unwrap();
     let node = Node::start(outbox.clone(), workers, recording(&sink), fast_cluster()).await.unwrap();
+    commit(&outbox, &off, vec![NewRecord::new("k", "t", "")]).await;
     drained(&db, LONG).await;
     node.shutdown().await.unwrap();
     assert_eq!(sink.of_key("k").len(), 1);

@@ -92,6 +92,9 @@ impl Node {
         let id = InstanceId::new();
         let first = match registry::register(&store, &config, id).await {
             Ok(first) => first,
+            // Refused before anything was written; on such a session a take-back would itself stay
+            // uncommitted, holding its locks on a pooled connection.
+            Err(e @ Error::Core(outbox_core::Error::UnsuitableSession(_))) => return Err(e),
             Err(e) => {
                 // The row may be written with its answer lost: left there, it is a live instance that
                 // nothing runs, which the leader hands partitions to until its lease runs out.
