@@ -24,6 +24,7 @@ every_backend!(
     a_partition_handed_on_during_its_quiet_period_stays_quiet,
     a_partition_acquired_by_a_lost_reply_stays_quiet,
     a_partition_still_quiet_when_its_owner_stops_stays_quiet,
+    a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
     a_stop_given_up_part_way_stops_every_task,
@@ -826,6 +827,37 @@ async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
     assert!(
         first >= before_the_takeover + Duration::from_secs(3),
         "the first delivery came {:?} after the takeover began, within its 3 s quiet period",
+        first - before_the_takeover
+    );
+    assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
+}
+
+/// As above, with one more partition, taken free (no quiet period), whose release the database refuses
+/// at the stop: the stop still ends its lease with a declared heartbeat that covers the rest of the
+/// quiet period. Before, the refused release ended the stop first; the lease ran out as usual (600 ms),
+/// and the next instance waited only twice the stopped one's heartbeat before delivering.
+async fn a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop(db: TestDb) {
+    let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_millis(100)).await;
+    owner_of_all_dead_since_a_minute(&db, 1500).await;
+    exec!(db, "UPDATE {s}partitions SET owner = NULL, epoch = epoch + 1 WHERE partition = 0");
+    commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
+    let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
+
+    let before_the_takeover = Instant::now();
+    let a = start_named(&outbox, &db, "a", &sink, &exclusive).await;
+    wait_for("a took every partition", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    db.refuse_releases().await;
+    assert!(a.shutdown().await.is_err(), "the release was refused");
+    let b = start_named(&outbox, &db, "b", &sink, &exclusive).await;
+    drained(&db, LONG).await;
+    db.allow_releases().await;
+    b.shutdown().await.unwrap();
+
+    let from_quiet_partitions = sink.all().into_iter().filter(|d| outbox_core::partition_of(&d.key) != 0);
+    let first = from_quiet_partitions.map(|d| d.at).min().unwrap();
+    assert!(
+        first >= before_the_takeover + Duration::from_secs(3),
+        "the first delivery of a partition taken over came {:?} after the takeover began, within its 3 s quiet period",
         first - before_the_takeover
     );
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());

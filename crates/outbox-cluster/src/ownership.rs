@@ -410,32 +410,39 @@ async fn release_partitions(
 /// of (its reply lost, and no round since), is not released: its next owner would take it as free and
 /// deliver at once, while the owner it was taken from may still be delivering. It stays with `me`,
 /// whose lease ends now with a declared heartbeat of half what is left of the period: the next owner
-/// takes it as from a dead owner, quiet as long.
+/// takes it as from a dead owner, quiet as long. The lease is ended so even when the release of the
+/// others fails (their next owners then wait as long too), or when what `me` owns cannot be read (the
+/// periods the rounds know of).
 pub(crate) async fn hand_over(
     store: &Store,
     me: InstanceId,
     held: &Held,
     config: &ClusterConfig,
 ) -> Result<Vec<Partition>> {
-    let mut owned = store.owned(me).await?;
     let now = Instant::now();
-    let quiet_left = |p: &Partition, epoch: &Epoch| match held.get(p) {
-        Some((e, until)) if e == epoch => until.filter(|&until| until > now).map(|until| until - now),
-        _ => {
-            let quiet = unheard_quiet(config);
-            warn!(partition = *p, %epoch, instance = %me, ?quiet,
-                "owning a partition whose acquisition was never confirmed at shutdown; its next owner waits a quiet period");
-            Some(quiet)
+    let quiet_left = |until: Option<Instant>| until.filter(|&until| until > now).map(|until| until - now);
+    let mut kept: BTreeMap<Partition, Duration> =
+        held.iter().filter_map(|(&p, &(_, until))| Some((p, quiet_left(until)?))).collect();
+    let released = async {
+        let mut owned = store.owned(me).await?;
+        for (p, epoch) in &owned {
+            if held.get(p).is_none_or(|(e, _)| e != epoch) {
+                let quiet = unheard_quiet(config);
+                warn!(partition = *p, %epoch, instance = %me, ?quiet,
+                    "owning a partition whose acquisition was never confirmed at shutdown; its next owner waits a quiet period");
+                kept.insert(*p, quiet);
+            }
         }
-    };
-    let kept: BTreeMap<Partition, Duration> = owned.iter().filter_map(|(p, e)| Some((*p, quiet_left(p, e)?))).collect();
-    owned.retain(|p, _| !kept.contains_key(p));
-    // Usually empty: the leaving rounds handed everything over already.
-    let freed =
-        if owned.is_empty() { Vec::new() } else { release_partitions(store, me, &owned, "graceful shutdown").await? };
-    match kept.values().max() {
-        None => store.deregister(me).await?,
-        Some(&left) => {
+        owned.retain(|p, _| !kept.contains_key(p));
+        // Usually empty: the leaving rounds handed everything over already.
+        if owned.is_empty() { Ok(Vec::new()) } else { release_partitions(store, me, &owned, "graceful shutdown").await }
+    }
+    .await;
+    match (kept.values().max(), &released) {
+        (None, Ok(_)) => store.deregister(me).await?,
+        // What could not be released moves on when the lease runs out, as from a dead owner.
+        (None, Err(_)) => {}
+        (Some(&left), _) => {
             for (partition, left) in &kept {
                 info!(partition, instance = %me, quiet_left = ?left,
                     "partition kept at shutdown: in its quiet period; its next owner waits out the rest");
@@ -443,7 +450,7 @@ pub(crate) async fn hand_over(
             store.end_lease(me, left / 2 + Duration::from_millis(1)).await?;
         }
     }
-    Ok(freed.into_iter().chain(kept.into_keys()).collect())
+    Ok(released?.into_iter().chain(kept.into_keys()).collect())
 }
 
 /// After a graceful exit: points the targets at the remaining instances and nudges the new targets of

@@ -315,6 +315,30 @@ impl TestDb {
         .await;
     }
 
+    /// Makes every release of a partition (its owner cleared) fail, as a database that refuses it would
+    /// (or a lock it waits for past the time limit); [`TestDb::allow_releases`] ends it.
+    pub async fn refuse_releases(&self) {
+        self.refusing_trigger(
+            "CREATE TRIGGER refuse_release BEFORE UPDATE ON outbox_partitions FOR EACH ROW
+             BEGIN IF NEW.owner IS NULL AND OLD.owner IS NOT NULL THEN
+                 SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'release refused by the test';
+             END IF; END",
+            "CREATE TRIGGER refuse_release BEFORE UPDATE OF owner ON {s}partitions
+             WHEN NEW.owner IS NULL AND OLD.owner IS NOT NULL
+             BEGIN SELECT RAISE(ABORT, 'release refused by the test'); END",
+            "CREATE TRIGGER refuse_release BEFORE UPDATE OF owner ON outbox.partitions
+             FOR EACH ROW WHEN (NEW.owner IS NULL AND OLD.owner IS NOT NULL)
+             EXECUTE FUNCTION outbox.refuse('release refused by the test')",
+        )
+        .await;
+    }
+
+    /// Ends [`TestDb::refuse_releases`].
+    pub async fn allow_releases(&self) {
+        let on = if self.is_sqlite() || self.is_mysql() { "" } else { " ON outbox.partitions" };
+        self.exec(&format!("DROP TRIGGER refuse_release{on}"), &[]).await;
+    }
+
     /// Makes every deletion of a record row take `millis` more (a slow disk, a trigger of the
     /// application's); `false` where the backend cannot sleep in a statement (SQLite).
     pub async fn slow_record_deletes(&self, millis: u32) -> bool {
