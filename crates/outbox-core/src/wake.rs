@@ -27,7 +27,9 @@ impl Outbox {
     /// for records scheduled for later, when their time comes (by this host's clock; a processor that
     /// stops meanwhile, or misses it, leaves them to its successor's poll). Call it after the transaction
     /// that scheduled them has committed (before, the records are not yet visible, and the owner looks
-    /// in vain).
+    /// in vain). An error (no answer within `query_timeout`, PostgreSQL's notification queue full) comes
+    /// after that commit: the records are stored whatever this returns, so log it rather than fail the
+    /// request, whose client might run the business transaction again.
     ///
     /// Processors of this `Outbox` in this process hear it at once. On PostgreSQL it also sends one
     /// `NOTIFY` (its own statement, after the caller's commit), heard by the processors of every other
@@ -40,7 +42,9 @@ impl Outbox {
     /// let mut tx = pool.begin().await?;
     /// let scheduled = outbox.schedule(&mut *tx, NewRecord::new("o-1", "order.created", "{}")).await?;
     /// tx.commit().await?;
-    /// outbox.wake(&pool, &[scheduled]).await?;
+    /// if let Err(e) = outbox.wake(&pool, &[scheduled]).await {
+    ///     tracing::warn!(error = %e, "wake-up not sent; the record goes at its owner's next poll");
+    /// }
     /// # Ok(()) }
     /// ```
     pub async fn wake(&self, db: impl Into<Db>, scheduled: &[Scheduled]) -> Result<()> {
