@@ -10,6 +10,8 @@ use common::*;
 use outbox_core::operator::FailedFilter;
 use outbox_core::{Completion, Error, NewRecord, partition_of};
 
+const LONG: Duration = Duration::from_secs(60);
+
 every_backend!(
     stats_count_pending_and_failed_per_partition_with_the_oldest_age,
     purge_deletes_only_expired_completed_records_in_bounded_batches,
@@ -17,6 +19,7 @@ every_backend!(
     a_requeue_waiting_for_a_row_holds_up_no_writer,
     delete_on_complete_keeps_no_completed_rows,
     operator_calls_refuse_bad_keys_and_limits_with_typed_errors,
+    operator_calls_given_up_by_their_caller_give_their_connection_up,
 );
 
 async fn stats_count_pending_and_failed_per_partition_with_the_oldest_age(db: TestDb) {
@@ -140,4 +143,31 @@ async fn operator_calls_refuse_bad_keys_and_limits_with_typed_errors(db: TestDb)
     let filter = FailedFilter { limit: Some(2), ..FailedFilter::default() };
     assert_eq!(outbox.failed(&db, &filter).await.unwrap().len(), 2);
     assert_eq!(failed_count(&db).await, 3, "nothing changed");
+}
+
+/// Operator calls given up by their caller (the operator page's time limit, a cancelled request) give
+/// their pooled connection up with them. Before, each one waiting for a table lock
+/// (maintenance, a migration) kept its place in the pool until the lock went: each refresh of the
+/// operator page took one more, until the application's own statements and the workers' completions
+/// waited for a connection.
+async fn operator_calls_given_up_by_their_caller_give_their_connection_up(db: TestDb) {
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    let options = outbox_core::ConnectOptions { max_connections: 2, acquire_timeout: Duration::from_secs(5) };
+    let small = db.db.new_pool(&options).await.unwrap();
+    let Some(maintenance) = db.lock_records_table().await else { return };
+    let id = uuid::Uuid::now_v7();
+    let limit = Duration::from_millis(300);
+    for _ in 0..2 {
+        assert!(tokio::time::timeout(limit, outbox.stats(&small)).await.is_err(), "stats waited for the lock");
+        assert!(tokio::time::timeout(limit, outbox.failed(&small, &FailedFilter::default())).await.is_err());
+    }
+    // The reads end on the server too, past `query_timeout` (MySQL ends a wait whose connection closed).
+    wait_for("the reads given up ended on the server", LONG, || async { db.lock_waiters().await == 0 }).await;
+    for _ in 0..2 {
+        assert!(tokio::time::timeout(limit, outbox.requeue(&small, id)).await.is_err());
+        assert!(tokio::time::timeout(limit, outbox.skip(&small, id)).await.is_err());
+    }
+    let answered = small.fetch_one::<(i32,)>(sqlx::AssertSqlSafe("SELECT 1"), &[]).await;
+    maintenance.release().await;
+    assert!(answered.is_ok(), "the pool had no connection left: {answered:?}");
 }

@@ -315,6 +315,23 @@ impl TestDb {
         .await;
     }
 
+    /// Locks the records table against every other session, as maintenance or a migration does, until
+    /// [`TableLock::release`]; `None` on SQLite.
+    pub async fn lock_records_table(&self) -> Option<TableLock> {
+        use sqlx::{Connection, Executor};
+        if self.is_sqlite() {
+            return None;
+        }
+        if self.is_mysql() {
+            let mut conn = sqlx::MySqlConnection::connect(&self.url().await).await.unwrap();
+            conn.execute("LOCK TABLES outbox_records WRITE").await.unwrap();
+            return Some(TableLock::MySql(conn));
+        }
+        let mut tx = self.begin().await;
+        tx.execute(AssertSqlSafe(self.sql("LOCK TABLE {s}records IN ACCESS EXCLUSIVE MODE")), &[]).await.unwrap();
+        Some(TableLock::Postgres(tx))
+    }
+
     /// Makes every release of a partition (its owner cleared) fail, as a database that refuses it would
     /// (or a lock it waits for past the time limit); [`TestDb::allow_releases`] ends it.
     pub async fn refuse_releases(&self) {
@@ -487,4 +504,20 @@ fn client_ports(pid: u32, server_port: u16) -> Vec<u16> {
         }
     }
     ports
+}
+
+/// A lock on the records table ([`TestDb::lock_records_table`]).
+pub enum TableLock {
+    Postgres(outbox_core::Tx),
+    MySql(sqlx::MySqlConnection),
+}
+
+impl TableLock {
+    pub async fn release(self) {
+        use sqlx::Connection;
+        match self {
+            TableLock::Postgres(tx) => tx.rollback().await.unwrap(),
+            TableLock::MySql(conn) => conn.close().await.unwrap(),
+        }
+    }
 }

@@ -566,10 +566,12 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
         .await
     }
 
+    /// Under `finishing`, as every operator call: one its caller gives up closes its connection, where
+    /// it kept a place in the pool until the server finished.
     pub(crate) async fn failed(&self, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
         let partition = filter.partition.map(i16::from);
         let after = filter.after.as_ref().map(|a| i16::from(a.partition));
-        Ok(sqlx::query_as(statement(&self.statements.list_failed))
+        let query = sqlx::query_as(statement(&self.statements.list_failed))
             .bind(filter.payloads)
             .bind(filter.key.as_deref())
             .bind(filter.key.as_deref())
@@ -581,9 +583,8 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             .bind(filter.after.as_ref().map(|a| a.seq))
             .bind(filter.limit.unwrap_or(100))
             .bind(count(FAILED_PAGE_PAYLOAD_BYTES))
-            .bind(filter.payloads)
-            .fetch_all(self.pool)
-            .await?)
+            .bind(filter.payloads);
+        super::finishing(self.pool, async |conn| Ok(query.fetch_all(conn).await?)).await
     }
 
     /// At READ COMMITTED, as the purges below: at the server's REPEATABLE READ a requeue of a key or of
@@ -618,7 +619,8 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     }
 
     pub(crate) async fn stats(&self) -> Result<Vec<PartitionStats>> {
-        let rows: Vec<StatsRow> = sqlx::query_as(statement(&self.statements.stats)).fetch_all(self.pool).await?;
+        let query = sqlx::query_as::<_, StatsRow>(statement(&self.statements.stats));
+        let rows = super::finishing(self.pool, async |conn| query.fetch_all(conn).await).await?;
         Ok(rows.into_iter().map(PartitionStats::from).collect())
     }
 

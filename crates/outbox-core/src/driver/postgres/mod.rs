@@ -187,11 +187,21 @@ pub(super) async fn begin<'c>(conn: &'c mut PgConnection, s: &PgStatements) -> R
 
 /// Runs `query` in a transaction of [`begin`]'s; returns the rows it affected.
 async fn bounded(pool: &PgPool, s: &PgStatements, query: sqlx::query::Query<'_, Postgres, PgArguments>) -> Result<u64> {
+    within_limits(pool, s, async |tx| Ok(query.execute(tx).await?.rows_affected())).await
+}
+
+/// Runs `work` in a transaction of [`begin`]'s, whose statements the server ends past `query_timeout`,
+/// under `finishing`.
+async fn within_limits<T>(
+    pool: &PgPool,
+    s: &PgStatements,
+    work: impl AsyncFnOnce(&mut PgConnection) -> Result<T>,
+) -> Result<T> {
     super::finishing(pool, async |conn| {
         let mut tx = begin(conn, s).await?;
-        let affected = query.execute(&mut *tx).await?.rows_affected();
+        let done = work(&mut tx).await?;
         tx.commit().await?;
-        Ok(affected)
+        Ok(done)
     })
     .await
 }
@@ -414,8 +424,12 @@ impl Driver<'_, PgPool, PgStatements> {
         Ok(written)
     }
 
+    /// Under `finishing`, as every operator call: one its caller gives up (waiting for a table lock, say)
+    /// closes its connection, where it kept a place in the pool until the server finished. The reads also
+    /// end on the server past `query_timeout`: a closed connection alone leaves one waiting for a lock
+    /// there until the lock goes, and each refresh of the operator page would add one.
     pub(crate) async fn failed(&self, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
-        Ok(sqlx::query_as(statement(&self.statements.list_failed))
+        let query = sqlx::query_as(statement(&self.statements.list_failed))
             .bind(filter.key.as_deref())
             .bind(filter.partition.map(i16::from))
             .bind(filter.limit.unwrap_or(100))
@@ -423,9 +437,8 @@ impl Driver<'_, PgPool, PgStatements> {
             .bind(filter.after.as_ref().map(|a| a.key.as_str()))
             .bind(filter.after.as_ref().map(|a| a.seq))
             .bind(filter.payloads)
-            .bind(count(FAILED_PAGE_PAYLOAD_BYTES))
-            .fetch_all(self.pool)
-            .await?)
+            .bind(count(FAILED_PAGE_PAYLOAD_BYTES));
+        within_limits(self.pool, self.statements, async |conn| Ok(query.fetch_all(conn).await?)).await
     }
 
     pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
@@ -434,16 +447,17 @@ impl Driver<'_, PgPool, PgStatements> {
             Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
             Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
         };
-        Ok(query.execute(self.pool).await?.rows_affected())
+        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
     }
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
         let query = sqlx::query(statement(&self.statements.skip)).bind(id);
-        Ok(query.fetch_optional(self.pool).await?.is_some())
+        super::finishing(self.pool, async |conn| Ok(query.fetch_optional(conn).await?.is_some())).await
     }
 
     pub(crate) async fn stats(&self) -> Result<Vec<PartitionStats>> {
-        let rows: Vec<StatsRow> = sqlx::query_as(statement(&self.statements.stats)).fetch_all(self.pool).await?;
+        let query = sqlx::query_as::<_, StatsRow>(statement(&self.statements.stats));
+        let rows = within_limits(self.pool, self.statements, async |conn| Ok(query.fetch_all(conn).await?)).await?;
         Ok(rows.into_iter().map(PartitionStats::from).collect())
     }
 
