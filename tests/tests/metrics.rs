@@ -156,3 +156,27 @@ async fn the_ownership_task_waits_while_its_lease_has_run_out(db: TestDb) {
     // A tick every 100 ms (the rebalance interval) sets the gauge about ten times a second.
     assert!(in_a_second < 100, "the gauge was set {in_a_second} times in a second: the ownership task spins");
 }
+
+/// A handler call that blocks its thread (a synchronous sleep inside an async handler) can be neither
+/// timed out nor cancelled, and its key waited without a word. It is reported once it has run past
+/// twice `handler_timeout` and a second, and `outbox_handler_calls_overdue` counts it while it runs.
+/// On a runtime of two threads, as a blocked thread leaves the other to the processor; its tasks record
+/// into a recorder set for the whole process (this file's other tests record into their own threads').
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_call_that_blocks_its_thread_is_reported_overdue() {
+    let kept: &'static Kept = Box::leak(Box::new(Kept::new()));
+    assert!(metrics::set_global_recorder(kept).is_ok(), "no other test sets the global recorder");
+    let db = TestDb::sqlite().await;
+    let outbox = outbox(&db, |c| c.handler_timeout = Duration::from_millis(200)).await;
+    commit(&outbox, &db, vec![NewRecord::new("stuck", "t", "")]).await;
+    let blocking = handler_fn(|_| async {
+        std::thread::sleep(Duration::from_secs(3));
+        Ok::<(), HandlerError>(())
+    });
+    let node = start(&outbox, &db, Handlers::new().default_route(Route::new(blocking))).await;
+    let overdue = || kept.gauge("outbox_handler_calls_overdue");
+    wait_for("the call reported overdue", LONG, || async { overdue() == Some(1.0) }).await;
+    drained(&db, LONG).await;
+    wait_for("no call overdue once it returned", LONG, || async { overdue() == Some(0.0) }).await;
+    node.shutdown().await.unwrap();
+}

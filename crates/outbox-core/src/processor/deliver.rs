@@ -5,7 +5,7 @@
 
 use std::any::Any;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -14,9 +14,10 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, error, info, warn};
 
-use crate::assignment::Assignment;
+use crate::assignment::{Assignment, InstanceId};
 use crate::config::Config;
 use crate::handler::{FailureKind, HandlerError, Handlers, Route};
+use crate::partition::Partition;
 use crate::record::Record;
 use crate::stored::{Fetched, Outcome, Verdict};
 
@@ -33,6 +34,52 @@ pub(super) struct Context {
     pub(super) shutdown: CancellationToken,
 }
 
+/// The call a run is in, for the processor's watch over calls that do not return (`State::check_overdue`): a
+/// handler that blocks its thread (a synchronous call inside an async handler) can be neither timed out
+/// nor cancelled, and its key would wait without a word.
+#[derive(Debug, Default)]
+pub(super) struct InCall(Mutex<Option<Call>>);
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Call {
+    pub(super) record: uuid::Uuid,
+    pub(super) partition: Partition,
+    pub(super) instance: InstanceId,
+    pub(super) started: tokio::time::Instant,
+    reported: bool,
+}
+
+impl InCall {
+    /// The call of `fetched`, until the value returned is dropped (the call ended, or was dropped).
+    fn begin(&self, fetched: &Fetched) -> Ending<'_> {
+        let (record, partition, instance) = (fetched.record.id, fetched.record.partition, fetched.instance);
+        self.set(Some(Call { record, partition, instance, started: tokio::time::Instant::now(), reported: false }));
+        Ending(self)
+    }
+
+    fn set(&self, call: Option<Call>) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = call;
+    }
+
+    /// The call under way if it has run longer than `limit`, and whether this is the first time it was
+    /// found so.
+    pub(super) fn overdue(&self, limit: Duration) -> Option<(Call, bool)> {
+        let mut call = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let call = call.as_mut().filter(|c| c.started.elapsed() > limit)?;
+        let first = !std::mem::replace(&mut call.reported, true);
+        Some((*call, first))
+    }
+}
+
+/// Ends the call it was returned for when dropped.
+struct Ending<'a>(&'a InCall);
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        self.0.set(None);
+    }
+}
+
 /// Delivers a key's run one record at a time, each finished before the next starts. Before each
 /// record it checks that the partition is still granted to this instance at the run's epoch and the
 /// lease has not run out. Stops after a record that is not completed (a retry or FAILED: the rest must
@@ -44,6 +91,7 @@ pub(super) async fn deliver_run(
     ctx: Arc<Context>,
     run: Vec<Fetched>,
     fenced: CancellationToken,
+    in_call: Arc<InCall>,
 ) -> (String, Vec<Outcome>) {
     let key = run.first().map(|f| f.record.key.clone()).unwrap_or_default();
     let mut outcomes = Vec::with_capacity(run.len());
@@ -52,6 +100,7 @@ pub(super) async fn deliver_run(
     // Once shutting down, no record is started after the first.
     while let Some(fetched) = run.next_if(|f| (outcomes.is_empty() || !ctx.shutdown.is_cancelled()) && granted(f)) {
         let record = &fetched.record;
+        let _call = in_call.begin(&fetched);
         let (verdict, attempts) = tokio::select! {
             biased;
             () = fenced.cancelled() => {

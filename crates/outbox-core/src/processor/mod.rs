@@ -58,7 +58,7 @@ pub use deliver::MAX_ERROR_BYTES;
 
 use self::careful::{Calls, TakenOver};
 use self::complete::{Completed, complete, write};
-use self::deliver::{Context, deliver_run, not_called, out_of_unfinished_calls};
+use self::deliver::{Context, InCall, deliver_run, not_called, out_of_unfinished_calls};
 use self::fetch::Fetches;
 use crate::Outbox;
 use crate::assignment::{Assignment, Epoch, InstanceId};
@@ -211,6 +211,8 @@ impl Processor {
                     Err(_) => listener_open = false,
                 },
                 () = sleep_until_opt(lease_deadline) => {}
+                () = tokio::time::sleep_until(state.next_overdue_check),
+                    if !state.tasks.is_empty() || state.overdue > 0 => state.check_overdue(),
                 changed = self.assignment.changed(), if state.assignment_open => {
                     if changed.is_err() {
                         // The ownership layer is gone, so ownership can no longer be confirmed: stop as
@@ -248,8 +250,12 @@ struct State {
     /// Keys dispatched and not yet completed in the database, with their partition.
     in_flight: HashMap<String, Partition>,
     deliveries: JoinSet<(String, Vec<Outcome>)>,
-    /// The key of each delivery task, to release it if the task ends without an answer.
-    tasks: HashMap<TaskId, String>,
+    /// The key of each delivery task (to release it if the task ends without an answer), and the call
+    /// it is in.
+    tasks: HashMap<TaskId, (String, Arc<InCall>)>,
+    /// Calls found running past [`overdue_after`] at the latest check, and when the next check is.
+    overdue: usize,
+    next_overdue_check: Instant,
     /// Partitions once taken over from an owner that did not give them up (`careful.rs`).
     taken_over: TakenOver,
     /// Runs whose calls are being counted before they start, with their turns (`careful.rs`).
@@ -307,6 +313,8 @@ impl State {
             in_flight: HashMap::new(),
             deliveries: JoinSet::new(),
             tasks: HashMap::new(),
+            overdue: 0,
+            next_overdue_check: Instant::now(),
             taken_over: TakenOver::new(&config),
             counting: FuturesUnordered::new(),
             turns: Arc::new(Semaphore::new(careful::turns(&config) as usize)),
@@ -481,8 +489,29 @@ impl State {
             self.turns_held.insert(key.clone(), turn);
         }
         let fenced = self.cancels.token(partition, instance, epoch);
-        let task = self.deliveries.spawn(deliver_run(context.clone(), run, fenced).in_current_span());
-        self.tasks.insert(task.id(), key);
+        let in_call = Arc::new(InCall::default());
+        let task = self.deliveries.spawn(deliver_run(context.clone(), run, fenced, in_call.clone()).in_current_span());
+        self.tasks.insert(task.id(), (key, in_call));
+    }
+
+    /// Logs each call that has run past [`overdue_after`], once, and counts those still running: their
+    /// timeouts end well-behaved calls before then, so the handler does not yield (a blocking call in
+    /// an async handler) or the runtime is starved. Such a call can be neither timed out nor
+    /// cancelled: its key waits, and a stop waits for it.
+    fn check_overdue(&mut self) {
+        let limit = overdue_after(&self.config);
+        self.overdue = 0;
+        for (key, in_call) in self.tasks.values() {
+            let Some((call, first)) = in_call.overdue(limit) else { continue };
+            self.overdue += 1;
+            if first {
+                error!(record = %call.record, key, partition = call.partition, instance = %call.instance,
+                    running_for = ?call.started.elapsed(), handler_timeout = ?self.config.handler_timeout,
+                    "handler call still running long past its timeout: the handler does not yield (a blocking call in an async handler? run it on spawn_blocking) or the runtime is starved; its key waits for it");
+            }
+        }
+        metrics::gauge!("outbox_handler_calls_overdue").set(self.overdue as f64);
+        self.next_overdue_check = Instant::now() + OVERDUE_CHECK;
     }
 
     /// Counts the marked calls of `runs` (their keys in flight) in one write, once it has `per_run`
@@ -590,7 +619,7 @@ impl State {
             }
             Err(e) => {
                 // Deliveries catch their handlers' panics; this is a bug in the processor or an abort.
-                let key = self.tasks.remove(&e.id()).unwrap_or_default();
+                let key = self.tasks.remove(&e.id()).map(|(key, _)| key).unwrap_or_default();
                 let partition = self.leave_flight(&key);
                 error!(error = %e, key, ?partition,
                     "delivery task ended without an outcome; its records will be delivered again");
@@ -899,6 +928,15 @@ const MAX_TIMERS: usize = 4096;
 /// How long the wake-up listener waits before connecting again: at first, and at most (a pooler that
 /// hears nothing stays one, and each attempt leaves a `LISTEN` on one of its sessions).
 const LISTEN_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(600));
+
+/// How often the calls under way are looked at for those past [`overdue_after`].
+const OVERDUE_CHECK: Duration = Duration::from_secs(1);
+
+/// How long a call may run before it is reported overdue: a handler and then a fallback may each take
+/// `handler_timeout`, and a second more covers a busy runtime.
+fn overdue_after(config: &Config) -> Duration {
+    config.handler_timeout.saturating_mul(2).saturating_add(Duration::from_secs(1))
+}
 
 const COMPLETE_RETRY_MIN: Duration = Duration::from_millis(100);
 const COMPLETE_RETRY_MAX: Duration = Duration::from_secs(5);
