@@ -25,6 +25,7 @@ every_backend!(
     a_partition_acquired_by_a_lost_reply_stays_quiet,
     a_partition_still_quiet_when_its_owner_stops_stays_quiet,
     a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop,
+    a_partition_still_quiet_stays_quiet_when_the_release_of_the_others_waits_out_the_stop,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
     a_stop_given_up_part_way_stops_every_task,
@@ -837,20 +838,54 @@ async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
 /// quiet period. Before, the refused release ended the stop first; the lease ran out as usual (600 ms),
 /// and the next instance waited only twice the stopped one's heartbeat before delivering.
 async fn a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop(db: TestDb) {
-    let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_millis(100)).await;
-    owner_of_all_dead_since_a_minute(&db, 1500).await;
+    quiet_through_a_failed_release_at_stop(&db, async || {
+        db.refuse_releases().await;
+        async { db.allow_releases().await }
+    })
+    .await;
+}
+
+/// As above, the release waiting for a row lock past the stop's budget (`query_timeout`, 1 s) instead:
+/// the lease is ended before the release is sent. Before, the stop was given up inside the release.
+async fn a_partition_still_quiet_stays_quiet_when_the_release_of_the_others_waits_out_the_stop(db: TestDb) {
+    if db.is_sqlite() {
+        return; // no row locks: a transaction holding the file's write lock holds up everything
+    }
+    quiet_through_a_failed_release_at_stop(&db, async || {
+        let mut lock = db.begin().await;
+        let locked = db.sql("SELECT 1 FROM {s}partitions WHERE partition = 0 FOR UPDATE");
+        lock.execute(sqlx::AssertSqlSafe(locked), &[]).await.unwrap();
+        async { lock.rollback().await.unwrap() }
+    })
+    .await;
+}
+
+/// A node takes 255 partitions from an owner whose lease ran out and that heartbeated every 1.5 s (a
+/// 3 s quiet period) and one more free, and stops while `fail_release` makes the free one's release
+/// fail (it returns what ends that); the next node delivers nothing of the others before the period
+/// ends.
+async fn quiet_through_a_failed_release_at_stop<F: Future<Output = ()>>(
+    db: &TestDb,
+    fail_release: impl AsyncFnOnce() -> F,
+) {
+    let outbox = outbox(db, |c| {
+        c.shutdown_timeout = Duration::from_millis(100);
+        c.query_timeout = Duration::from_secs(1);
+    })
+    .await;
+    owner_of_all_dead_since_a_minute(db, 1500).await;
     exec!(db, "UPDATE {s}partitions SET owner = NULL, epoch = epoch + 1 WHERE partition = 0");
-    commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
+    commit(&outbox, db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
 
     let before_the_takeover = Instant::now();
-    let a = start_named(&outbox, &db, "a", &sink, &exclusive).await;
-    wait_for("a took every partition", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
-    db.refuse_releases().await;
-    assert!(a.shutdown().await.is_err(), "the release was refused");
-    let b = start_named(&outbox, &db, "b", &sink, &exclusive).await;
-    drained(&db, LONG).await;
-    db.allow_releases().await;
+    let a = start_named(&outbox, db, "a", &sink, &exclusive).await;
+    wait_for("a took every partition", LONG, || async { owners(db).await.get(&a.id()) == Some(&256) }).await;
+    let end_the_failure = fail_release().await;
+    assert!(a.shutdown().await.is_err(), "the release failed");
+    end_the_failure.await;
+    let b = start_named(&outbox, db, "b", &sink, &exclusive).await;
+    drained(db, LONG).await;
     b.shutdown().await.unwrap();
 
     let from_quiet_partitions = sink.all().into_iter().filter(|d| outbox_core::partition_of(&d.key) != 0);

@@ -254,14 +254,11 @@ impl Ownership {
     /// whose reply was lost (committed, then the connection dropped). Their previous owner, unknown, may
     /// still be delivering, so they get the longest quiet period this instance's settings imply.
     fn hold_back_unheard(&self, rounds: &mut Rounds, owned: &Epochs) {
-        let held = self.held(rounds);
         let quiet = unheard_quiet(&self.config);
-        for (&partition, &epoch) in owned {
-            if held.get(&partition).is_none_or(|&(e, _)| e != epoch) {
-                warn!(partition, %epoch, instance = %rounds.instance, ?quiet,
-                    "owning a partition whose acquisition was never confirmed; delivering it after a quiet period");
-                rounds.quiet.insert(partition, (epoch, Instant::now() + quiet));
-            }
+        for (partition, epoch) in unheard(&self.held(rounds), owned) {
+            warn!(partition, %epoch, instance = %rounds.instance, ?quiet,
+                "owning a partition whose acquisition was never confirmed; delivering it after a quiet period");
+            rounds.quiet.insert(partition, (epoch, Instant::now() + quiet));
         }
     }
 
@@ -409,48 +406,52 @@ async fn release_partitions(
 /// period (per `held`: the exit did not wait for it), or owned by an acquisition the rounds never heard
 /// of (its reply lost, and no round since), is not released: its next owner would take it as free and
 /// deliver at once, while the owner it was taken from may still be delivering. It stays with `me`,
-/// whose lease ends now with a declared heartbeat of half what is left of the period: the next owner
-/// takes it as from a dead owner, quiet as long. The lease is ended so even when the release of the
-/// others fails (their next owners then wait as long too), or when what `me` owns cannot be read (the
-/// periods the rounds know of).
+/// whose lease ends first, with a declared heartbeat of half what is left of the period: the next owner
+/// takes it as from a dead owner, quiet as long, however the release of the others goes (refused, or
+/// waiting for a lock past the stop's budget), and with the periods the rounds know of if what `me`
+/// owns cannot be read.
 pub(crate) async fn hand_over(
     store: &Store,
     me: InstanceId,
     held: &Held,
     config: &ClusterConfig,
 ) -> Result<Vec<Partition>> {
+    let owned = store.owned(me).await;
     let now = Instant::now();
-    let quiet_left = |until: Option<Instant>| until.filter(|&until| until > now).map(|until| until - now);
     let mut kept: BTreeMap<Partition, Duration> =
-        held.iter().filter_map(|(&p, &(_, until))| Some((p, quiet_left(until)?))).collect();
-    let released = async {
-        let mut owned = store.owned(me).await?;
-        for (p, epoch) in &owned {
-            if held.get(p).is_none_or(|(e, _)| e != epoch) {
-                let quiet = unheard_quiet(config);
-                warn!(partition = *p, %epoch, instance = %me, ?quiet,
-                    "owning a partition whose acquisition was never confirmed at shutdown; its next owner waits a quiet period");
-                kept.insert(*p, quiet);
-            }
-        }
-        owned.retain(|p, _| !kept.contains_key(p));
-        // Usually empty: the leaving rounds handed everything over already.
-        if owned.is_empty() { Ok(Vec::new()) } else { release_partitions(store, me, &owned, "graceful shutdown").await }
+        held.iter().filter_map(|(&p, &(_, until))| Some((p, until.filter(|&until| until > now)? - now))).collect();
+    for (partition, epoch) in owned.iter().flat_map(|owned| unheard(held, owned)) {
+        let quiet = unheard_quiet(config);
+        warn!(partition, %epoch, instance = %me, ?quiet,
+            "owning a partition whose acquisition was never confirmed at shutdown; its next owner waits a quiet period");
+        kept.insert(partition, quiet);
     }
-    .await;
-    match (kept.values().max(), &released) {
-        (None, Ok(_)) => store.deregister(me).await?,
-        // What could not be released moves on when the lease runs out, as from a dead owner.
-        (None, Err(_)) => {}
-        (Some(&left), _) => {
+    let ended = match kept.values().max() {
+        None => Ok(()),
+        Some(&left) => {
             for (partition, left) in &kept {
                 info!(partition, instance = %me, quiet_left = ?left,
                     "partition kept at shutdown: in its quiet period; its next owner waits out the rest");
             }
-            store.end_lease(me, left / 2 + Duration::from_millis(1)).await?;
+            store.end_lease(me, left / 2 + Duration::from_millis(1)).await
         }
+    };
+    let mut owned = owned?;
+    owned.retain(|p, _| !kept.contains_key(p));
+    // Usually empty: the leaving rounds handed everything over already.
+    let freed =
+        if owned.is_empty() { Vec::new() } else { release_partitions(store, me, &owned, "graceful shutdown").await? };
+    ended?;
+    if kept.is_empty() {
+        store.deregister(me).await?;
     }
-    Ok(released?.into_iter().chain(kept.into_keys()).collect())
+    Ok(freed.into_iter().chain(kept.into_keys()).collect())
+}
+
+/// The partitions of `owned` that `held` does not hold at the same epoch: acquired by an acquisition
+/// whose reply was lost.
+fn unheard<'a>(held: &'a Held, owned: &'a Epochs) -> impl Iterator<Item = (Partition, Epoch)> + 'a {
+    owned.iter().filter(|(p, epoch)| held.get(p).is_none_or(|(e, _)| e != *epoch)).map(|(&p, &e)| (p, e))
 }
 
 /// After a graceful exit: points the targets at the remaining instances and nudges the new targets of
