@@ -194,6 +194,17 @@ impl TestDb {
         self.scalar(sql, &[]).await
     }
 
+    /// How many sessions of the test's database wait for a lock on a table: any lock on PostgreSQL, a
+    /// table's metadata lock (which `LOCK TABLES` holds) on MySQL; 0 on SQLite.
+    pub async fn table_lock_waiters(&self) -> i64 {
+        if !self.is_mysql() {
+            return self.lock_waiters().await;
+        }
+        let sql = "SELECT count(*) FROM information_schema.processlist
+                   WHERE db = DATABASE() AND state LIKE 'Waiting for table%lock'";
+        self.scalar(sql, &[]).await
+    }
+
     /// How many ownership acquisitions wait for the lock on an owner's instance row (0 on SQLite).
     pub async fn acquisitions_waiting(&self) -> i64 {
         let sql = match self.db.backend() {

@@ -5,6 +5,7 @@
 mod statements;
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::{PgArguments, PgConnectOptions, PgListener, PgNotification, PgPoolOptions};
@@ -187,18 +188,18 @@ pub(super) async fn begin<'c>(conn: &'c mut PgConnection, s: &PgStatements) -> R
 
 /// Runs `query` in a transaction of [`begin`]'s; returns the rows it affected.
 async fn bounded(pool: &PgPool, s: &PgStatements, query: sqlx::query::Query<'_, Postgres, PgArguments>) -> Result<u64> {
-    within_limits(pool, s, async |tx| Ok(query.execute(tx).await?.rows_affected())).await
+    within(pool, &s.begin, async |tx| Ok(query.execute(tx).await?.rows_affected())).await
 }
 
-/// Runs `work` in a transaction of [`begin`]'s, whose statements the server ends past `query_timeout`,
-/// under `finishing`.
-async fn within_limits<T>(
+/// Runs `work` under `finishing` in a transaction begun with `begin` (`PgStatements::begin` or
+/// `begin_operator`), whose limits the server holds it to when the client is gone.
+async fn within<T>(
     pool: &PgPool,
-    s: &PgStatements,
+    begin: &Arc<str>,
     work: impl AsyncFnOnce(&mut PgConnection) -> Result<T>,
 ) -> Result<T> {
     super::finishing(pool, async |conn| {
-        let mut tx = begin(conn, s).await?;
+        let mut tx = conn.begin_with(statement(begin)).await?;
         let done = work(&mut tx).await?;
         tx.commit().await?;
         Ok(done)
@@ -424,10 +425,10 @@ impl Driver<'_, PgPool, PgStatements> {
         Ok(written)
     }
 
-    /// Under `finishing`, as every operator call: one its caller gives up (waiting for a table lock, say)
-    /// closes its connection, where it kept a place in the pool until the server finished. The reads also
-    /// end on the server past `query_timeout`: a closed connection alone leaves one waiting for a lock
-    /// there until the lock goes, and each refresh of the operator page would add one.
+    /// Under `finishing`, as every operator call, and waiting for a lock at most `query_timeout` on the
+    /// server: given up by its caller (waiting for a table lock, say), one kept its place in the pool
+    /// until the server finished, and a closed connection alone leaves it waiting there until the lock
+    /// goes; each refresh of the operator page added one.
     pub(crate) async fn failed(&self, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
         let query = sqlx::query_as(statement(&self.statements.list_failed))
             .bind(filter.key.as_deref())
@@ -438,7 +439,7 @@ impl Driver<'_, PgPool, PgStatements> {
             .bind(filter.after.as_ref().map(|a| a.seq))
             .bind(filter.payloads)
             .bind(count(FAILED_PAGE_PAYLOAD_BYTES));
-        within_limits(self.pool, self.statements, async |conn| Ok(query.fetch_all(conn).await?)).await
+        within(self.pool, &self.statements.begin_operator, async |conn| Ok(query.fetch_all(conn).await?)).await
     }
 
     pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
@@ -447,17 +448,20 @@ impl Driver<'_, PgPool, PgStatements> {
             Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
             Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
         };
-        super::finishing(self.pool, async |conn| Ok(query.execute(conn).await?.rows_affected())).await
+        within(self.pool, &self.statements.begin_operator, async |conn| Ok(query.execute(conn).await?.rows_affected()))
+            .await
     }
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
         let query = sqlx::query(statement(&self.statements.skip)).bind(id);
-        super::finishing(self.pool, async |conn| Ok(query.fetch_optional(conn).await?.is_some())).await
+        within(self.pool, &self.statements.begin_operator, async |conn| Ok(query.fetch_optional(conn).await?.is_some()))
+            .await
     }
 
     pub(crate) async fn stats(&self) -> Result<Vec<PartitionStats>> {
         let query = sqlx::query_as::<_, StatsRow>(statement(&self.statements.stats));
-        let rows = within_limits(self.pool, self.statements, async |conn| Ok(query.fetch_all(conn).await?)).await?;
+        let operator = &self.statements.begin_operator;
+        let rows = within(self.pool, operator, async |conn| Ok(query.fetch_all(conn).await?)).await?;
         Ok(rows.into_iter().map(PartitionStats::from).collect())
     }
 

@@ -298,6 +298,9 @@ pub struct PgStatements {
     pub(crate) migrations_table: Arc<str>,
     /// Begins a transaction of the library's own (see `postgres::begin`).
     pub(crate) begin: Arc<str>,
+    /// Begins an operator call's transaction: as `begin`, but a statement may run as long as it needs
+    /// (a count over a large backlog, a requeue of everything); only its lock waits are bounded.
+    pub(crate) begin_operator: Arc<str>,
 }
 
 impl PgStatements {
@@ -353,6 +356,11 @@ impl PgStatements {
                      SET LOCAL lock_timeout = {ms}; SET LOCAL statement_timeout = {ms}"
                 )
                 .into()
+            },
+            begin_operator: {
+                let ms = query_timeout.as_millis().max(1);
+                format!("BEGIN; SET LOCAL idle_in_transaction_session_timeout = {ms}; SET LOCAL lock_timeout = {ms}")
+                    .into()
             },
         }
     }
