@@ -221,7 +221,14 @@ impl MySqlStatements {
     ) -> Result<Option<Duration>> {
         let conn = match own {
             Some(conn) => conn,
-            None => own.insert(MySqlConnection::connect_with(&pool.connect_options()).await?),
+            None => {
+                // The pool's options carry none of its connect hooks: on a server whose default is
+                // `autocommit = 0` (the workers' pool turning it on in a hook), each renewal would stay
+                // uncommitted, seen by this node alone, and hold its instance row locked.
+                let mut conn = MySqlConnection::connect_with(&pool.connect_options()).await?;
+                sqlx::raw_sql("SET autocommit = 1").execute(&mut conn).await?;
+                own.insert(conn)
+            }
         };
         let renewed = sqlx::query(statement(&self.heartbeat))
             .bind(millis(lease.live))
