@@ -116,7 +116,12 @@ impl Processor {
     /// Dropping the future abandons in-flight deliveries without completing them; they are redelivered.
     #[instrument(skip_all, fields(instance = %self.assignment.borrow().instance))]
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
-        self.db.check_worker_session(self.outbox.config().query_timeout).await?;
+        match self.db.check_worker_session(self.outbox.config().query_timeout).await {
+            Err(e @ Error::UnsuitableSession(_)) => return Err(e),
+            // Not refused: the loop meets the database's trouble as it always does.
+            Err(e) => warn!(error = %e, "could not check the database session; delivering anyway"),
+            Ok(()) => {}
+        }
         let own = self.db.fetch_pool(self.outbox.config().query_timeout);
         let fetches = own.clone().unwrap_or_else(|| self.db.clone());
         let stopped = self.deliver(shutdown, &fetches).await;
@@ -497,9 +502,11 @@ impl State {
     /// Logs each call that has run past [`overdue_after`], once, and counts those still running: their
     /// timeouts end well-behaved calls before then, so the handler does not yield (a blocking call in
     /// an async handler) or the runtime is starved. Such a call can be neither timed out nor
-    /// cancelled: its key waits, and a stop waits for it.
+    /// cancelled: its key waits, and a stop waits for it. The processor sees it only from a runtime
+    /// thread the call does not block (on a current-thread runtime, nothing runs until it returns).
     fn check_overdue(&mut self) {
         let limit = overdue_after(&self.config);
+        let before = self.overdue;
         self.overdue = 0;
         for (key, in_call) in self.tasks.values() {
             let Some((call, first)) = in_call.overdue(limit) else { continue };
@@ -510,7 +517,8 @@ impl State {
                     "handler call still running long past its timeout: the handler does not yield (a blocking call in an async handler? run it on spawn_blocking) or the runtime is starved; its key waits for it");
             }
         }
-        metrics::gauge!("outbox_handler_calls_overdue").set(self.overdue as f64);
+        // Changed by this processor's share: other processors of the process count theirs.
+        overdue_calls(self.overdue as f64 - before as f64);
         self.next_overdue_check = Instant::now() + OVERDUE_CHECK;
     }
 
@@ -928,6 +936,20 @@ const MAX_TIMERS: usize = 4096;
 /// How long the wake-up listener waits before connecting again: at first, and at most (a pooler that
 /// hears nothing stays one, and each attempt leaves a `LISTEN` on one of its sessions).
 const LISTEN_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(600));
+
+/// However the processor ends (a stop, its future dropped), the calls it counted overdue leave the gauge.
+impl Drop for State {
+    fn drop(&mut self) {
+        overdue_calls(-(self.overdue as f64));
+    }
+}
+
+/// Moves `outbox_handler_calls_overdue` by `change`.
+fn overdue_calls(change: f64) {
+    if change != 0.0 {
+        metrics::gauge!("outbox_handler_calls_overdue").increment(change);
+    }
+}
 
 /// How often the calls under way are looked at for those past [`overdue_after`].
 const OVERDUE_CHECK: Duration = Duration::from_secs(1);
