@@ -838,10 +838,11 @@ async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
 /// quiet period. Before, the refused release ended the stop first; the lease ran out as usual (600 ms),
 /// and the next instance waited only twice the stopped one's heartbeat before delivering.
 async fn a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop(db: TestDb) {
-    quiet_through_a_failed_release_at_stop(&db, async || {
-        db.refuse_releases().await;
-        async { db.allow_releases().await }
-    })
+    quiet_through_a_failed_release_at_stop(
+        &db,
+        async || db.refuse_releases().await,
+        async |()| db.allow_releases().await,
+    )
     .await;
 }
 
@@ -851,22 +852,23 @@ async fn a_partition_still_quiet_stays_quiet_when_the_release_of_the_others_wait
     if db.is_sqlite() {
         return; // no row locks: a transaction holding the file's write lock holds up everything
     }
-    quiet_through_a_failed_release_at_stop(&db, async || {
+    let lock = async || {
         let mut lock = db.begin().await;
         let locked = db.sql("SELECT 1 FROM {s}partitions WHERE partition = 0 FOR UPDATE");
         lock.execute(sqlx::AssertSqlSafe(locked), &[]).await.unwrap();
-        async { lock.rollback().await.unwrap() }
-    })
-    .await;
+        lock
+    };
+    quiet_through_a_failed_release_at_stop(&db, lock, async |lock| lock.rollback().await.unwrap()).await;
 }
 
 /// A node takes 255 partitions from an owner whose lease ran out and that heartbeated every 1.5 s (a
 /// 3 s quiet period) and one more free, and stops while `fail_release` makes the free one's release
-/// fail (it returns what ends that); the next node delivers nothing of the others before the period
-/// ends.
-async fn quiet_through_a_failed_release_at_stop<F: Future<Output = ()>>(
+/// fail (`mend`, given what it returned, ends that); the next node delivers nothing of the others
+/// before the period ends.
+async fn quiet_through_a_failed_release_at_stop<T>(
     db: &TestDb,
-    fail_release: impl AsyncFnOnce() -> F,
+    fail_release: impl AsyncFnOnce() -> T,
+    mend: impl AsyncFnOnce(T),
 ) {
     let outbox = outbox(db, |c| {
         c.shutdown_timeout = Duration::from_millis(100);
@@ -881,9 +883,9 @@ async fn quiet_through_a_failed_release_at_stop<F: Future<Output = ()>>(
     let before_the_takeover = Instant::now();
     let a = start_named(&outbox, db, "a", &sink, &exclusive).await;
     wait_for("a took every partition", LONG, || async { owners(db).await.get(&a.id()) == Some(&256) }).await;
-    let end_the_failure = fail_release().await;
+    let failing = fail_release().await;
     assert!(a.shutdown().await.is_err(), "the release failed");
-    end_the_failure.await;
+    mend(failing).await;
     let b = start_named(&outbox, db, "b", &sink, &exclusive).await;
     drained(db, LONG).await;
     b.shutdown().await.unwrap();
