@@ -420,6 +420,9 @@ pub(crate) async fn hand_over(
     let now = Instant::now();
     let mut kept: BTreeMap<Partition, Duration> =
         held.iter().filter_map(|(&p, &(_, until))| Some((p, until.filter(|&until| until > now)? - now))).collect();
+    if let Ok(owned) = &owned {
+        kept.retain(|p, _| owned.contains_key(p));
+    }
     for (partition, epoch) in owned.iter().flat_map(|owned| unheard(held, owned)) {
         let quiet = unheard_quiet(config);
         warn!(partition, %epoch, instance = %me, ?quiet,
