@@ -268,8 +268,11 @@ pub(crate) enum Verdict {
         error: String,
     },
     /// Not called, though its call was counted before (`careful.rs`): the count is taken back, and the
-    /// record is due, with the attempts it was fetched with and no error.
-    NotCalled,
+    /// record is due, as it was fetched: its attempts, and no error, or for a suspect (`unfinished`) its
+    /// call that did not finish. No delivery failed: no retry is counted.
+    NotCalled {
+        unfinished: bool,
+    },
 }
 
 /// What a record that stays in the queue is written with.
@@ -288,7 +291,7 @@ impl Verdict {
             Verdict::Delivered | Verdict::Fallback => return None,
             Verdict::Retry { delay, error } => (Some(error.as_str()), *delay, false),
             Verdict::Failed { error } => (Some(error.as_str()), Duration::ZERO, true),
-            Verdict::NotCalled => (None, Duration::ZERO, false),
+            Verdict::NotCalled { unfinished } => (unfinished.then_some(crate::UNFINISHED_CALL), Duration::ZERO, false),
         };
         Some(StillQueued { error, delay, failed })
     }

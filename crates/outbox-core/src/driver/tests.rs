@@ -190,7 +190,7 @@ async fn a_call_not_made_takes_its_count_back(pool: PgPool) {
         let fetch = async || db.fetch(outbox.statements(), &request(instance, 10, 0, usize::MAX)).await.unwrap().runs;
         assert!(fetch().await.is_empty(), "{}: counted, the record backs off", db.backend());
 
-        let not_called = Outcome { attempts: 0, verdict: Verdict::NotCalled, ..counted };
+        let not_called = Outcome { attempts: 0, verdict: Verdict::NotCalled { unfinished: false }, ..counted };
         let written = db.complete(outbox.statements(), std::slice::from_ref(&not_called)).await.unwrap();
         assert!(written.ids.contains(&scheduled.id), "{}", db.backend());
         let runs = fetch().await;

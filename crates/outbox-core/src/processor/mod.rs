@@ -901,7 +901,7 @@ fn record_metrics(outcome: &Outcome) {
         }
         Verdict::Retry { .. } => metrics::counter!("outbox_records_retried_total").increment(1),
         Verdict::Failed { .. } => metrics::counter!("outbox_records_failed_total").increment(1),
-        Verdict::NotCalled => {}
+        Verdict::NotCalled { .. } => {}
     }
 }
 
