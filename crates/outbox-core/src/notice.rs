@@ -19,9 +19,7 @@ impl Partitions {
 
     /// Just `p`.
     pub(crate) fn of(p: Partition) -> Self {
-        let mut set = Self::default();
-        set.insert(p);
-        set
+        [p].into_iter().collect()
     }
 
     pub(crate) fn insert(&mut self, p: Partition) {
@@ -70,6 +68,16 @@ impl Partitions {
             *word = u64::from_str_radix(&text[i * 16..(i + 1) * 16], 16).ok()?;
         }
         Some(Self(words))
+    }
+}
+
+impl FromIterator<Partition> for Partitions {
+    fn from_iter<I: IntoIterator<Item = Partition>>(partitions: I) -> Self {
+        let mut set = Self::default();
+        for p in partitions {
+            set.insert(p);
+        }
+        set
     }
 }
 
@@ -316,10 +324,7 @@ mod tests {
     proptest! {
         #[test]
         fn a_set_survives_its_text_form(members in proptest::collection::btree_set(any::<u8>(), 0..40)) {
-            let mut set = Partitions::default();
-            for &p in &members {
-                set.insert(p);
-            }
+            let set: Partitions = members.iter().copied().collect();
             let back = Partitions::from_hex(&set.to_hex()).unwrap();
             prop_assert_eq!(back, set);
             for p in 0..=255u8 {
@@ -334,9 +339,7 @@ mod tests {
     async fn an_outbox_passes_over_its_own_notices() {
         let (sender, other) = (Wakeups::default(), Wakeups::default());
         let (at_sender, mut at_other) = (sender.subscribe(), other.subscribe());
-        let mut set = Partitions::default();
-        set.insert(7);
-        let wake = [Wake::now(set)];
+        let wake = [Wake::now(Partitions::of(7))];
         let [(channel, notice)] = &sender.notices(Message::Wake(&wake))[..] else { panic!("one notice") };
         assert_eq!(*channel, Channel::Wake);
         sender.heard(Channel::Wake, notice);
@@ -357,10 +360,8 @@ mod tests {
         let mut at_other = other.subscribe();
         let wakes: Vec<Wake> = (0..200_u64)
             .map(|i| {
-                let mut set = Partitions::default();
-                set.insert(u8::try_from(i % 256).unwrap());
-                set.insert(u8::try_from(i * 7 % 256).unwrap());
-                Wake { partitions: set, after: Duration::from_millis(i * 1_000_000_007) }
+                let set = [i % 256, i * 7 % 256].map(|p| u8::try_from(p).unwrap());
+                Wake { partitions: set.into_iter().collect(), after: Duration::from_millis(i * 1_000_000_007) }
             })
             .collect();
         let notices = sender.notices(Message::Wake(&wakes));

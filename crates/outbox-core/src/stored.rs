@@ -182,15 +182,11 @@ impl Found {
     /// excluded or served: none unless it filled its batch, else those from the partition where the batch
     /// filled on, in the request's order. The walk reads each partition before that one to its end.
     pub(crate) fn unread(&self, request: &Request) -> Partitions {
-        let mut unread = Partitions::default();
         if self.runs.len() < request.limit {
-            return unread;
+            return Partitions::default();
         }
         let filled = request.partitions.iter().position(|p| Some(p.0) == self.last_partition);
-        for p in &request.partitions[filled.unwrap_or(0)..] {
-            unread.insert(p.0);
-        }
-        unread
+        request.partitions[filled.unwrap_or(0)..].iter().map(|p| p.0).collect()
     }
 }
 

@@ -34,9 +34,9 @@ pub(super) struct Context {
     pub(super) shutdown: CancellationToken,
 }
 
-/// The call a run is in, for the processor's watch over calls that do not return (`State::check_overdue`): a
-/// handler that blocks its thread (a synchronous call inside an async handler) can be neither timed out
-/// nor cancelled, and its key would wait without a word.
+/// The call a run is in, for the processor's watch over calls that do not return
+/// (`State::check_overdue`): a handler that blocks its thread (a synchronous call inside an async
+/// handler) can be neither timed out nor cancelled, and its key would wait without a word.
 #[derive(Debug, Default)]
 pub(super) struct InCall(Mutex<Option<Call>>);
 

@@ -140,7 +140,7 @@ impl Processor {
             shutdown: shutdown.clone(),
         });
         let mut state = State::new(config, self.delivered.clone());
-        state.held = held_in(&self.assignment.borrow());
+        state.held = self.assignment.borrow().epochs.keys().copied().collect();
         let mut woken = self.outbox.wakeups().subscribe();
         let (listening, mut listening_rx) = watch::channel(false);
         let stop_listening = CancellationToken::new();
@@ -702,7 +702,7 @@ impl State {
     /// Takes in a new assignment; the timers of the partitions that left it go to their next owners.
     fn on_assignment(&mut self, current: &Assignment) {
         let held = self.held;
-        self.held = held_in(current);
+        self.held = current.epochs.keys().copied().collect();
         let handed_on = self.timers_of(held.without(self.held));
         self.handing_on.extend(handed_on);
         self.fenced.retain(|p, held| current.epochs.get(p) == Some(&held.1) && current.instance == held.0);
@@ -794,6 +794,13 @@ impl State {
         } else {
             self.config.poll_interval
         }
+    }
+}
+
+/// However the processor ends (a stop, its future dropped), the calls it counted overdue leave the gauge.
+impl Drop for State {
+    fn drop(&mut self) {
+        overdue_calls(-(self.overdue as f64));
     }
 }
 
@@ -908,15 +915,6 @@ fn record_metrics(outcome: &Outcome) {
 /// How long after the last fetch that found records the processor keeps polling at the active rate.
 const ACTIVE_WINDOW: Duration = Duration::from_secs(1);
 
-/// The partitions `assignment` holds.
-fn held_in(assignment: &Assignment) -> Partitions {
-    let mut held = Partitions::default();
-    for &p in assignment.epochs.keys() {
-        held.insert(p);
-    }
-    held
-}
-
 /// Tells the next owners of partitions this processor gave up, in this process and (on PostgreSQL) in
 /// the others, when the records it was waiting for there fall due (retries written here, records
 /// scheduled for later): otherwise they find them only at a poll, which may be `listen_poll_interval`
@@ -936,13 +934,6 @@ const MAX_TIMERS: usize = 4096;
 /// How long the wake-up listener waits before connecting again: at first, and at most (a pooler that
 /// hears nothing stays one, and each attempt leaves a `LISTEN` on one of its sessions).
 const LISTEN_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(600));
-
-/// However the processor ends (a stop, its future dropped), the calls it counted overdue leave the gauge.
-impl Drop for State {
-    fn drop(&mut self) {
-        overdue_calls(-(self.overdue as f64));
-    }
-}
 
 /// Moves `outbox_handler_calls_overdue` by `change`.
 fn overdue_calls(change: f64) {
