@@ -344,10 +344,7 @@ async fn a_partition_whose_release_went_unanswered_is_not_delivered_until_it_is_
 
     // Targeted elsewhere, then locked: the release waits for the lock past its time limit.
     exec!(db, "UPDATE {s}partitions SET target_owner = $1 WHERE partition = 7", leader);
-    let mut lock = db.begin().await;
-    lock.execute(AssertSqlSafe(db.sql("SELECT 1 FROM {s}partitions WHERE partition = 7 FOR UPDATE")), &[])
-        .await
-        .unwrap();
+    let mut lock = db.holding("SELECT 1 FROM {s}partitions WHERE partition = 7 FOR UPDATE", &[]).await;
     nudge().await;
     wait_for("the release waits for the lock", LONG, || async { db.lock_waiters().await == 1 }).await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
@@ -542,9 +539,7 @@ async fn a_lease_renewed_after_it_lapsed_is_followed_by_a_round(db: TestDb) {
     let a = Node::start(outbox.clone(), &db, recording(&sink), config.clone()).await.unwrap();
     let leader = a.id();
     wait_for("a owns everything", LONG, || async { owners(&db).await.get(&leader) == Some(&256) }).await;
-    let mut lock = db.begin().await;
-    let row = db.sql("SELECT 1 FROM {s}instances WHERE id = $1 FOR UPDATE");
-    lock.execute(sqlx::AssertSqlSafe(row), &[leader.into()]).await.unwrap();
+    let lock = db.holding("SELECT 1 FROM {s}instances WHERE id = $1 FOR UPDATE", &[leader.into()]).await;
     let assignment = a.assignment();
     wait_for("a's lease lapsed by its clock", LONG, || async { !assignment.borrow().is_live() }).await;
     wait_for("a's lease lapsed in the database", LONG, || async {
@@ -858,12 +853,7 @@ async fn a_partition_still_quiet_stays_quiet_when_the_release_of_the_others_wait
     if db.is_sqlite() {
         return; // no row locks: a transaction holding the file's write lock holds up everything
     }
-    let lock = async || {
-        let mut lock = db.begin().await;
-        let locked = db.sql("SELECT 1 FROM {s}partitions WHERE partition = 0 FOR UPDATE");
-        lock.execute(sqlx::AssertSqlSafe(locked), &[]).await.unwrap();
-        lock
-    };
+    let lock = async || db.holding("SELECT 1 FROM {s}partitions WHERE partition = 0 FOR UPDATE", &[]).await;
     quiet_through_a_failed_release_at_stop(&db, lock, async |lock| lock.rollback().await.unwrap()).await;
 }
 
@@ -1199,10 +1189,8 @@ async fn an_acquisition_whose_host_vanished_kills_no_other_instance(db: TestDb) 
     wait_for("a owns every partition", LONG, || async { owners(&db).await.values().sum::<i64>() == 256 }).await;
     let a_id = a.id();
     // b's acquisition waits for a's row, locked here, inside the step that locks it.
-    let mut blocker = db.begin().await;
     // By its primary key: MySQL's REPEATABLE READ would lock every row and gap a scan passes.
-    let lock = db.sql("SELECT name FROM {s}instances WHERE id = $1 FOR UPDATE");
-    blocker.execute(sqlx::AssertSqlSafe(lock), &[a_id.into()]).await.unwrap();
+    let blocker = db.holding("SELECT name FROM {s}instances WHERE id = $1 FOR UPDATE", &[a_id.into()]).await;
     let b = start_calls(&outbox, &far, config("b"), &sink, &exclusive, 3).await;
     wait_for("b's acquisition waiting for a's row", LONG, || async { db.acquisitions_waiting().await >= 1 }).await;
     proxy.vanish();

@@ -95,9 +95,7 @@ async fn a_requeue_waiting_for_a_row_holds_up_no_writer(db: TestDb) {
         commit(&outbox, &db, ["a", "b", "c"].map(|k| NewRecord::new(k, "t", "")).to_vec()).await;
         exec!(db, "UPDATE {s}records SET failed_at = {now} WHERE key IN ('a', 'b')");
         let b: uuid::Uuid = db.scalar(&db.sql("SELECT id FROM {s}records WHERE key = 'b'"), &[]).await;
-        let mut holder = db.begin().await;
-        let hold = db.sql("SELECT id FROM {s}records WHERE id = $1 FOR UPDATE");
-        holder.execute(sqlx::AssertSqlSafe(hold), &[b.into()]).await.unwrap();
+        let holder = db.holding("SELECT id FROM {s}records WHERE id = $1 FOR UPDATE", &[b.into()]).await;
         let requeue = tokio::spawn({
             let (outbox, db) = (outbox.clone(), db.db.clone());
             async move { if requeue_all { outbox.requeue_all(&db).await } else { outbox.requeue_key(&db, "a").await } }

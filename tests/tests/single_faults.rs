@@ -126,9 +126,7 @@ async fn a_completion_waiting_for_a_locked_record(db: &TestDb, through: &TestDb)
     let outbox = outbox(db, |c| c.query_timeout = Duration::from_secs(1)).await;
     commit(&outbox, db, vec![NewRecord::new("k", "t", "")]).await;
     // The completion waits for this lock inside its transaction, past its fence.
-    let mut blocker = db.begin().await;
-    let lock = db.sql("SELECT 1 FROM {s}records WHERE key = 'k' FOR UPDATE");
-    blocker.execute(sqlx::AssertSqlSafe(lock), &[]).await.unwrap();
+    let blocker = db.holding("SELECT 1 FROM {s}records WHERE key = 'k' FOR UPDATE", &[]).await;
     let sink = Sink::new();
     let node = start(&outbox, through, recording(&sink)).await;
     wait_for("the record delivered", LONG, || async { sink.len() == 1 }).await;

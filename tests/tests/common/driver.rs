@@ -363,8 +363,7 @@ impl TestDb {
 
     /// Ends [`TestDb::refuse_releases`].
     pub async fn allow_releases(&self) {
-        let on = if self.is_sqlite() || self.is_mysql() { "" } else { " ON outbox.partitions" };
-        self.exec(&format!("DROP TRIGGER refuse_release{on}"), &[]).await;
+        self.drop_trigger("refuse_release", "partitions").await;
     }
 
     /// Makes every deletion of a record row take `millis` more (a slow disk, a trigger of the
@@ -410,8 +409,13 @@ impl TestDb {
 
     /// Ends [`TestDb::refuse_deleting_stale_instances`].
     pub async fn allow_deleting_instances(&self) {
-        let on = if self.is_sqlite() || self.is_mysql() { "" } else { " ON outbox.instances" };
-        self.exec(&format!("DROP TRIGGER refuse_delete{on}"), &[]).await;
+        self.drop_trigger("refuse_delete", "instances").await;
+    }
+
+    /// Drops trigger `name` of the outbox table `table` (PostgreSQL names a trigger with its table).
+    async fn drop_trigger(&self, name: &str, table: &str) {
+        let on = if self.is_sqlite() || self.is_mysql() { String::new() } else { format!(" ON outbox.{table}") };
+        self.exec(&format!("DROP TRIGGER {name}{on}"), &[]).await;
     }
 
     /// On a pooled connection, begins a transaction with the application's own `BEGIN` (which sqlx does

@@ -97,6 +97,14 @@ impl TestDb {
     pub async fn begin(&self) -> Tx {
         self.db.begin().await.unwrap()
     }
+
+    /// A transaction that has run `sql`, a locking read written for every backend (see [`TestDb::sql`]),
+    /// and holds its locks until it is ended.
+    pub async fn holding(&self, sql: &str, args: &[Value<'_>]) -> Tx {
+        let mut tx = self.begin().await;
+        tx.execute(AssertSqlSafe(self.sql(sql)), args).await.unwrap();
+        tx
+    }
 }
 
 impl From<&TestDb> for Db {
