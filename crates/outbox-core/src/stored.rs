@@ -132,7 +132,6 @@ pub(crate) struct Found {
     pub(crate) runs: Vec<Vec<Fetched>>,
     /// Per partition served: the last key the walk served there, or the key where a walk cut short by
     /// `Request::walk` stopped, read but not served (the next walk of its partition starts after it).
-    /// A driver that starts only the first partition's walk after its start key gives that one's alone.
     pub(crate) last_served: BTreeMap<Partition, String>,
     /// The partition of the last head in walk order.
     pub(crate) last_partition: Option<Partition>,

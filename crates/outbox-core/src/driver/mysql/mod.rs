@@ -510,19 +510,9 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     }
 
     /// One statement, one snapshot; the byte budget holds while the rows stream in ([`Runs`]).
-    ///
-    /// Only the first partition's walk starts after its start key (see `statements::FETCH`), so only its
-    /// start key moves: the others' walks began at their lowest key, and moving their start keys there
-    /// would set them back (keys high in a busy partition waited while its low keys kept coming due, and
-    /// the crawl past a partition's FAILED keys began again each time a walk entered it from below).
-    /// Where a walk stopped short still says where the next one starts (`Found::stopped`).
     pub(crate) async fn fetch(&self, request: &Request) -> Result<Found> {
         let query = fetch_query(self.statements, request)?;
-        let mut found =
-            super::finishing(self.pool, async |conn| Runs::collect(query.fetch(conn), request).await).await?;
-        let first = request.partitions.first().map(|p| p.0);
-        found.last_served.retain(|&p, _| Some(p) == first);
-        Ok(found)
+        super::finishing(self.pool, async |conn| Runs::collect(query.fetch(conn), request).await).await
     }
 
     /// One transaction: the grants checked and locked, then the completions of those that hold in three
