@@ -51,17 +51,12 @@ pub(crate) fn fits_one_statement(rows: &[NewRow<'_>], per_payload_byte: usize, m
 pub(crate) struct Request {
     /// The instance holding the partitions.
     pub(crate) instance: InstanceId,
-    /// Partitions in the order to serve them (ascending, rotated: from any partition up, then from the
-    /// lowest), each with the epoch held and the key to start after.
+    /// Partitions in the order to serve them, each with the epoch held and the key to start after.
     pub(crate) partitions: Vec<(Partition, Epoch, Option<String>)>,
     /// Keys in flight: not fetched.
     pub(crate) exclude: Vec<String>,
     /// Heads (keys) at most.
     pub(crate) limit: usize,
-    /// Keys the walk reads at most, served or not, where the driver reads keys in bulk (MySQL); its
-    /// `Found::last_served` then moves past keys read but not served (see `Found::from_runs`).
-    #[cfg_attr(not(feature = "mysql"), allow(dead_code, reason = "only the MySQL driver reads keys in bulk"))]
-    pub(crate) walk: usize,
     /// Records after each head at most.
     pub(crate) followers: usize,
     /// Payload bytes a run may hold (its head always comes).
@@ -87,8 +82,7 @@ pub(crate) struct FetchedRow {
     pub(crate) unfinished: bool,
     /// Not FAILED and not waiting for a retry.
     pub(crate) due: bool,
-    /// A head's place in the walk (increasing in the order keys were served); `None` for followers. A
-    /// head that is not due marks where a walk cut short by `Request::walk` stopped: not served.
+    /// A head's place in the walk (increasing in the order keys were served); `None` for followers.
     pub(crate) walk: Option<i64>,
 }
 
@@ -130,14 +124,10 @@ pub(crate) struct Fetched {
 pub(crate) struct Found {
     /// Per key: its head and the due records after it, in sequence order, within the byte budget.
     pub(crate) runs: Vec<Vec<Fetched>>,
-    /// Per partition served: the last key the walk served there, or the key where a walk cut short by
-    /// `Request::walk` stopped, read but not served (the next walk of its partition starts after it).
+    /// Per partition served: the last key the walk served there.
     pub(crate) last_served: BTreeMap<Partition, String>,
     /// The partition of the last head in walk order.
     pub(crate) last_partition: Option<Partition>,
-    /// Where a walk cut short by `Request::walk` stopped, before the batch filled: the next fetch
-    /// starts in that partition, after the key `last_served` holds for it.
-    pub(crate) stopped: Option<Partition>,
 }
 
 impl Found {
@@ -153,21 +143,16 @@ impl Found {
             // A run is one key's, so one partition's.
             let Some(partition) = rows.first().map(|row| row.partition) else { continue };
             let epoch = request.partitions.iter().find(|p| p.0 == partition).map_or(Epoch(0), |p| p.1);
-            if let Some(head) = rows.first()
-                && let Some(walk) = head.walk
-            {
-                if !head.due {
-                    found.stopped = Some(partition);
-                }
-                if last.get(&partition).is_none_or(|(at, _)| *at < walk) {
-                    last.insert(partition, (walk, head.key.clone()));
-                }
-                if last_walk.is_none_or(|(at, _)| at < walk) {
-                    last_walk = Some((walk, partition));
-                }
-            }
             let mut run = Vec::with_capacity(rows.len());
             for row in rows.into_iter().take_while(|row| row.due) {
+                if let Some(walk) = row.walk {
+                    if last.get(&partition).is_none_or(|(at, _)| *at < walk) {
+                        last.insert(partition, (walk, row.key.clone()));
+                    }
+                    if last_walk.is_none_or(|(at, _)| at < walk) {
+                        last_walk = Some((walk, partition));
+                    }
+                }
                 let record = Record {
                     id: row.id,
                     partition: row.partition,
@@ -613,7 +598,6 @@ mod tests {
             partitions: [5, 3, 9, 1].map(|p| (p, Epoch(1), None)).to_vec(),
             exclude: Vec::new(),
             limit,
-            walk: usize::MAX,
             followers: 0,
             budget: usize::MAX,
         };

@@ -75,7 +75,6 @@ fn request(instance: InstanceId, limit: usize, followers: usize, budget: usize) 
         partitions: crate::partition::all_partitions().map(|p| (p, Epoch(1), None)).collect(),
         exclude: vec![],
         limit,
-        walk: usize::MAX,
         followers,
         budget,
     }
@@ -231,7 +230,6 @@ struct Case {
     cursors: [Option<String>; 4],
     exclude: Vec<String>,
     limit: usize,
-    walk: usize,
     followers: usize,
     budget: usize,
 }
@@ -244,16 +242,13 @@ fn key_name(partition: i16, n: u8) -> String {
 fn case() -> impl Strategy<Value = Case> {
     (
         proptest::collection::vec((0i16..4, 0u8..6, 1i64..4, 1i64..4, proptest::collection::vec(state(), 1..8)), 0..14),
-        (proptest::sample::subsequence(vec![0i16, 1, 2, 3], 0..=4), 0usize..4),
+        proptest::sample::subsequence(vec![0i16, 1, 2, 3], 0..=4).prop_shuffle(),
         proptest::sample::subsequence(vec![0i16, 1, 2, 3], 0..=2),
         proptest::collection::vec(proptest::option::of(0u8..12), 4),
         proptest::collection::vec(0u8..6, 0..3),
-        (1usize..6, prop_oneof![Just(usize::MAX), 1usize..12], 0usize..5, prop_oneof![Just(usize::MAX), 0usize..60]),
+        (1usize..6, 0usize..5, prop_oneof![Just(usize::MAX), 0usize..60]),
     )
-        .prop_map(|(keys, (mut order, rotation), unheld, cursors, exclude, (limit, walk, followers, budget))| {
-            // Ascending from any partition, as the processor asks (see `Request::partitions`).
-            let len = order.len().max(1);
-            order.rotate_left(rotation % len);
+        .prop_map(|(keys, order, unheld, cursors, exclude, (limit, followers, budget))| {
             // One key per (partition, name). Sequence numbers are database-wide, as the databases give
             // them (on SQLite the number is the row's id): no two keys share one.
             let mut seen = std::collections::BTreeSet::new();
@@ -266,7 +261,7 @@ fn case() -> impl Strategy<Value = Case> {
             // Cursors fall between, on and around the keys.
             let cursors = std::array::from_fn(|p| cursors[p].map(|n| format!("p{p}-k{}", u32::from(n) * 3 % 13)));
             let exclude = exclude.iter().map(|k| key_name(1, *k)).collect();
-            Case { keys, order, unheld, cursors, exclude, limit, walk, followers, budget }
+            Case { keys, order, unheld, cursors, exclude, limit, followers, budget }
         })
 }
 
@@ -275,61 +270,36 @@ fn size(key: &str, seq: i64) -> usize {
     ((seq * 7 + key.len() as i64 * 3) % 23) as usize
 }
 
-/// The keys served in order, each key's records, and where a walk cut short stopped.
-type Expected = (Vec<(i16, String)>, BTreeMap<String, Vec<Seq>>, Option<(i16, String)>);
+/// The keys served in order, and each key's records.
+type Expected = (Vec<(i16, String)>, BTreeMap<String, Vec<Seq>>);
 
-/// What the fetch should find, computed the plain way: per partition in the given order, keys in byte
-/// order starting after the partition's cursor and then wrapping around. Where the driver reads keys in
-/// bulk (`walk`), only the first `walk` keys of a walk that starts after the first partition's cursor
-/// only, goes on through the other partitions from their lowest keys, and wraps around to the first
-/// partition's keys up to its cursor last; and those of partitions no longer held count (their ranges
-/// are read before the fence is known). Of those, each key of a held partition (not in `unheld`) with a
-/// head by the mode's rule, the first `limit` keys served, each with the records from its head to head +
-/// `followers`. Returns the keys served in order, each key's records, and the key where a walk that
-/// read all it may stopped, unless it filled the batch or served that key.
-fn model(case: &Case, followers: usize, stop_on_first_failure: bool, walk: Option<usize>) -> Expected {
+/// What the fetch should find, computed the plain way: per served partition in the given order (those
+/// held: not in `unheld`), keys in byte order starting after the partition's cursor and then wrapping
+/// around, each key's head by the mode's rule, the first `limit` keys served, each with the records from
+/// its head to head + `followers`. Returns the keys served in order, and each key's records.
+fn model(case: &Case, followers: usize, stop_on_first_failure: bool) -> Expected {
     let (mut heads, mut runs) = (Vec::new(), BTreeMap::new());
-    let mut walked = Vec::new();
-    let mut wrapped_last = Vec::new();
-    for (i, &partition) in case.order.iter().enumerate() {
-        if walk.is_none() && case.unheld.contains(&partition) {
-            continue;
-        }
+    for &partition in case.order.iter().filter(|p| !case.unheld.contains(p)) {
         let mut in_partition: Vec<&Key> = case.keys.iter().filter(|k| k.0 == partition).collect();
         in_partition.sort_by(|a, b| a.1.cmp(&b.1));
-        let cursor = case.cursors[partition as usize].as_ref().filter(|_| walk.is_none() || i == 0);
-        if let Some(after) = cursor {
+        if let Some(after) = &case.cursors[partition as usize] {
             let (up_to, past): (Vec<&Key>, Vec<&Key>) = in_partition.iter().partition(|k| &k.1 <= after);
-            in_partition = past;
-            if walk.is_some() {
-                wrapped_last = up_to;
-            } else {
-                in_partition.extend(up_to);
+            in_partition = past.into_iter().chain(up_to).collect();
+        }
+        for (_, key, first, step, states) in in_partition {
+            let due = |i: usize| matches!(states[i], State::Due);
+            let head = if stop_on_first_failure { due(0).then_some(0) } else { (0..states.len()).find(|&i| due(i)) };
+            let Some(head) = head else { continue };
+            if case.exclude.contains(key) || heads.len() == case.limit {
+                continue;
             }
-        }
-        walked.extend(in_partition);
-    }
-    walked.extend(wrapped_last);
-    walked.truncate(walk.unwrap_or(usize::MAX));
-    let mut stopped_at = None;
-    for (partition, key, first, step, states) in walked.iter().copied() {
-        stopped_at = Some((*partition, key.clone()));
-        let due = |i: usize| matches!(states[i], State::Due);
-        let head = if stop_on_first_failure { due(0).then_some(0) } else { (0..states.len()).find(|&i| due(i)) };
-        let Some(head) = head else { continue };
-        if case.unheld.contains(partition) || case.exclude.contains(key) {
-            continue;
-        }
-        heads.push((*partition, key.clone()));
-        let run = (head..states.len().min(head + followers + 1)).map(|i| (first + i as i64 * step, due(i))).collect();
-        runs.insert(key.clone(), run);
-        if heads.len() == case.limit {
-            break;
+            heads.push((partition, key.clone()));
+            let run =
+                (head..states.len().min(head + followers + 1)).map(|i| (first + i as i64 * step, due(i))).collect();
+            runs.insert(key.clone(), run);
         }
     }
-    let stopped = walk.is_some_and(|w| walked.len() == w) && heads.len() < case.limit;
-    let stopped_at = stopped_at.filter(|at| stopped && heads.last() != Some(at));
-    (heads, runs, stopped_at)
+    (heads, runs)
 }
 
 async fn insert(db: &Db, partition: i16, key: &str, seq: i64, state: State) {
@@ -418,15 +388,11 @@ async fn check(db: &Db, case: &Case) -> Result<(), String> {
                 .collect(),
             exclude: case.exclude.clone(),
             limit: case.limit,
-            walk: case.walk,
             followers,
             budget: case.budget,
         };
         let found: Found = db.fetch(outbox.statements(), &request).await.map_err(|e| e.to_string())?;
-        // Only MySQL reads keys in bulk (see `Request::walk`); the others walk key by key until the batch
-        // is full.
-        let walk = matches!(db, Db::MySql(_)).then_some(case.walk);
-        let (heads, want, stopped_at) = model(case, followers, stop_on_first_failure, walk);
+        let (heads, want) = model(case, followers, stop_on_first_failure);
         let got: BTreeMap<String, Vec<i64>> = found
             .runs
             .iter()
@@ -462,15 +428,15 @@ async fn check(db: &Db, case: &Case) -> Result<(), String> {
                 return Err(format!("{mode}: {key}: {bytes} bytes kept"));
             }
         }
-        // Each partition's last head in walk order, and where a walk cut short stopped.
+        // Each partition's last head in walk order.
         let mut last: BTreeMap<u8, String> = BTreeMap::new();
-        for (partition, key) in heads.iter().chain(&stopped_at) {
+        for (partition, key) in &heads {
             last.insert(*partition as u8, key.clone());
         }
         if found.last_served != last {
             return Err(format!("{mode}: last served {:?}, want {last:?}", found.last_served));
         }
-        let last_partition = stopped_at.as_ref().or(heads.last()).map(|(partition, _)| *partition as u8);
+        let last_partition = heads.last().map(|(partition, _)| *partition as u8);
         if found.last_partition != last_partition {
             return Err(format!("{mode}: last head in {:?}, want {last_partition:?}", found.last_partition));
         }

@@ -16,12 +16,11 @@ use sqlx::{AssertSqlSafe, Connection, MySqlConnection, MySqlPool};
 use tracing::info;
 use uuid::Uuid;
 
-use self::statements::MIGRATIONS_TABLE;
+use self::statements::{MIGRATIONS_TABLE, fetch_partitions};
 pub use self::statements::{MySqlStatements, NOW, begin_statement, render};
 use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{self, Migration, checksum, pending};
-use crate::partition::PARTITIONS;
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
     Requeue, Runs, StatsRow, Written, grants_list,
@@ -669,55 +668,22 @@ fn fetch_query<'q>(
     s: &'q MySqlStatements,
     request: &Request,
 ) -> Result<sqlx::query::QueryAs<'q, sqlx::MySql, FetchedRow, sqlx::mysql::MySqlArguments>> {
-    Ok(sqlx::query_as_with(statement(&s.fetch), fetch_arguments(request)?))
-}
-
-/// The fetch's arguments (see `statements::FETCH`). The partitions of the walk's ranges are bound rather
-/// than written into the text, each list padded to [`PARTITIONS`] with repeats of its first, so that
-/// every fetch is one statement, prepared once per connection (MariaDB still plans the ranges with each
-/// execution's values). A text per list filled sqlx's statement cache, and each statement it then
-/// closed, a command the server does not answer, held up the next one until the server's delayed ACK:
-/// sqlx 0.9 leaves Nagle's algorithm on (transact-rs/sqlx#4335).
-fn fetch_arguments(request: &Request) -> Result<sqlx::mysql::MySqlArguments> {
-    use sqlx::Arguments;
-    let asked: Vec<(i16, i64)> = request.partitions.iter().map(|(p, epoch, _)| (i16::from(*p), epoch.0)).collect();
-    let first = asked.first().map_or(-1, |a| a.0);
-    // Those after the first partition, and those before it, each padded with repeats of its own first
-    // (-1, which matches none, if it has none).
-    let (above, below): (Vec<i16>, Vec<i16>) = asked.iter().skip(1).map(|a| a.0).partition(|&p| p > first);
-    let padded = |mut list: Vec<i16>| {
-        list.resize(usize::from(PARTITIONS), list.first().copied().unwrap_or(-1));
-        list
-    };
-    let (above, below) = (padded(above), padded(below));
-    // The empty key: every key is after it, none up to it.
-    let start = request.partitions.first().and_then(|p| p.2.as_deref()).unwrap_or("");
-    let walk = count(request.walk);
+    let served: Vec<(i16, i64, &str, bool)> = request
+        .partitions
+        .iter()
+        .map(|(p, epoch, after)| (i16::from(*p), epoch.0, after.as_deref().unwrap_or(""), after.is_some()))
+        .collect();
+    let partitions: Vec<i16> = served.iter().map(|s| s.0).collect();
     // MariaDB and MySQL stop a recursion after 1,000 steps by default; a run is cut shorter instead.
     let followers = count(request.followers.min(999));
-    let mut args = sqlx::mysql::MySqlArguments::default();
-    let add = |result: std::result::Result<(), sqlx::error::BoxDynError>| result.map_err(sqlx::Error::Encode);
-    add(args.add(json(&asked)?))?;
-    add(args.add(request.instance))?;
-    add(args.add(request.instance))?;
-    for part in [None, Some(&above), Some(&below), None] {
-        if let Some(partitions) = part {
-            for partition in partitions {
-                add(args.add(*partition))?;
-            }
-        } else {
-            add(args.add(first))?;
-            add(args.add(start))?;
-        }
-        add(args.add(walk))?;
+    let mut query = sqlx::query_as::<_, FetchedRow>(statement(&s.fetch))
+        .bind(json(&served)?)
+        .bind(request.instance)
+        .bind(request.instance);
+    for partition in fetch_partitions(&partitions) {
+        query = query.bind(partition);
     }
-    add(args.add(json(&request.exclude)?))?;
-    add(args.add(walk))?;
-    add(args.add(walk))?;
-    add(args.add(count(request.limit)))?;
-    add(args.add(followers))?;
-    add(args.add(count(request.budget)))?;
-    Ok(args)
+    Ok(query.bind(json(&request.exclude)?).bind(count(request.limit)).bind(followers).bind(count(request.budget)))
 }
 
 /// A fresh, empty database on the test server (`MYSQL_URL`, by default MariaDB on loopback as root),
@@ -980,7 +946,6 @@ mod tests {
             partitions: crate::partition::all_partitions().map(|p| (p, Epoch(1), None)).collect(),
             exclude: vec![],
             limit: 100,
-            walk: usize::MAX,
             followers: 31,
             budget: 100 * 1024,
         };
@@ -1002,24 +967,18 @@ mod tests {
         sqlx::query(AssertSqlSafe(format!("EXPLAIN {sql}")))
     }
 
-    /// `EXPLAIN` of the fetch of `partitions` (each with its start key), from `instance`, with `exclude`
-    /// in flight: 100 heads at most, 7 followers, a 64 KiB budget, walking 356 keys at most.
+    /// `EXPLAIN` of the fetch of `partitions`, bound up to its keys in flight.
     fn explain_fetch(
         sql: &MySqlStatements,
+        served: &str,
         instance: Uuid,
-        partitions: &[(u8, Option<&str>)],
-        exclude: Vec<String>,
+        partitions: &[i16],
     ) -> Query<'static, MySql, MySqlArguments> {
-        let request = Request {
-            instance: InstanceId(instance),
-            partitions: partitions.iter().map(|(p, after)| (*p, Epoch(1), after.map(String::from))).collect(),
-            exclude,
-            limit: 100,
-            walk: 356,
-            followers: 7,
-            budget: 65_536,
-        };
-        sqlx::query_with(AssertSqlSafe(format!("EXPLAIN {}", sql.fetch)), super::fetch_arguments(&request).unwrap())
+        let mut query = explain(&sql.fetch).bind(served.to_string()).bind(instance).bind(instance);
+        for partition in super::fetch_partitions(partitions) {
+            query = query.bind(partition);
+        }
+        query
     }
 
     /// A migrated test database whose partitions `instance` all holds at epoch 1, with a live lease.
@@ -1039,7 +998,7 @@ mod tests {
     /// number modulo 256), then the table's statistics taken anew.
     fn insert(keys: u32, per_key: u32) -> String {
         format!(
-            "SET SESSION max_recursive_iterations = 100000;
+            "SET SESSION max_recursive_iterations = 10000;
              INSERT INTO outbox_records (id, `partition`, `key`, event_type, payload, headers)
              WITH RECURSIVE k (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM k WHERE n < {keys}),
                  s (m) AS (SELECT 1 UNION ALL SELECT m + 1 FROM s WHERE m < {per_key})
@@ -1123,8 +1082,9 @@ mod tests {
         let records = |step: &Step| matches!(step.table.as_str(), "r" | "x") && !step.extra.contains("Table function");
         for stop_on_first_failure in [true, false] {
             let sql = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
-            let fetch = explain_fetch(&sql, instance, &[(0, None), (1, Some("key-500")), (2, None)], vec![]);
-            let plan = plan(&mut conn, fetch).await;
+            let served = r#"[[0, 1, "", false], [1, 1, "key-500", true], [2, 1, "", false]]"#;
+            let fetch = explain_fetch(&sql, served, instance, &[0, 1, 2]);
+            let plan = plan(&mut conn, fetch.bind("[]").bind(100_i64).bind(7_i64).bind(65_536_i64)).await;
             assert!(
                 plan.iter().any(|s| records(s) && s.extra.contains("Using index for group-by")),
                 "keys not found by a loose index scan: {plan:#?}"
@@ -1146,53 +1106,6 @@ mod tests {
         .await;
     }
 
-    /// A poll (every partition) reads about as much of a backlog of 20,000 keys as of one of 2,000, their
-    /// heads due or all FAILED: the keys it may walk, not every key of the partitions asked for (which
-    /// read ten times as much here, and took 29 s for a poll of 100,000 keys).
-    #[tokio::test]
-    async fn a_poll_reads_as_much_of_a_large_backlog_as_of_a_small_one() {
-        let instance = Uuid::now_v7();
-        let pool = held_by(instance).await;
-        let mut conn = pool.acquire().await.unwrap();
-        let sql = MySqlStatements::new("outbox", true, true, Duration::from_secs(10));
-        let request = Request {
-            instance: InstanceId(instance),
-            partitions: crate::partition::all_partitions().map(|p| (p, Epoch(1), None)).collect(),
-            exclude: vec![],
-            limit: 100,
-            walk: 356,
-            followers: 7,
-            budget: 65_536,
-        };
-        let reads = "SELECT CAST(SUM(VARIABLE_VALUE) AS SIGNED) FROM information_schema.SESSION_STATUS
-                     WHERE VARIABLE_NAME LIKE 'HANDLER_READ%'";
-        let mut read = Vec::new();
-        for keys in [2_000, 20_000] {
-            let refill = format!("DELETE FROM outbox_records; {}", insert(keys, 2));
-            sqlx::raw_sql(AssertSqlSafe(refill)).execute(&mut *conn).await.unwrap();
-            for failed in [false, true] {
-                if failed {
-                    sqlx::query("UPDATE outbox_records SET failed_at = UTC_TIMESTAMP(6)")
-                        .execute(&mut *conn)
-                        .await
-                        .unwrap();
-                }
-                let before: i64 = sqlx::query_scalar(reads).fetch_one(&mut *conn).await.unwrap();
-                let found = super::fetch_query(&sql, &request).unwrap().fetch_all(&mut *conn).await.unwrap();
-                let after: i64 = sqlx::query_scalar(reads).fetch_one(&mut *conn).await.unwrap();
-                assert_eq!(
-                    found.iter().filter(|row| row.due && row.walk.is_some()).count(),
-                    if failed { 0 } else { 100 }
-                );
-                read.push(after - before);
-            }
-        }
-        assert!(
-            read[2] <= 2 * read[0] && read[3] <= 2 * read[1],
-            "rows read, due then FAILED, 2,000 then 20,000 keys: {read:?}"
-        );
-    }
-
     /// A poll (every partition) with keys in flight reads the keys once and the list of keys in flight
     /// once, on a small table as on a large one: split per partition, the keys were read again for each
     /// of 256 partitions (on a small table by a scan each time), and as a dependent subquery the list was
@@ -1202,15 +1115,17 @@ mod tests {
         let instance = Uuid::now_v7();
         let pool = held_by(instance).await;
         let mut conn = pool.acquire().await.unwrap();
-        let all: Vec<(u8, Option<&str>)> = crate::partition::all_partitions().map(|p| (p, None)).collect();
-        let in_flight: Vec<String> = (1..=100).map(|n| format!("key-{n}")).collect();
+        let all: Vec<i16> = (0..256).collect();
+        let served = serde_json::to_string(&all.iter().map(|p| (p, 1, "", false)).collect::<Vec<_>>()).unwrap();
+        let in_flight = serde_json::to_string(&(1..=100).map(|n| format!("key-{n}")).collect::<Vec<_>>()).unwrap();
         // 1,000 keys of 2 records, as a steady load leaves them; then 1,000 keys of 50.
         for per_key in [2, 50] {
             let refill = format!("DELETE FROM outbox_records; {}", insert(1000, per_key));
             sqlx::raw_sql(AssertSqlSafe(refill)).execute(&mut *conn).await.unwrap();
             for stop_on_first_failure in [true, false] {
                 let sql = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
-                let plan = plan(&mut conn, explain_fetch(&sql, instance, &all, in_flight.clone())).await;
+                let fetch = explain_fetch(&sql, &served, instance, &all).bind(&in_flight);
+                let plan = plan(&mut conn, fetch.bind(200_i64).bind(7_i64).bind(65_536_i64)).await;
                 assert!(
                     !plan.iter().any(|s| s.kind.contains("LATERAL")),
                     "keys read per partition ({per_key} per key): {plan:#?}"
@@ -1250,7 +1165,6 @@ mod tests {
                 partitions: vec![(p, Epoch(1), None), (p.wrapping_mul(7), Epoch(1), Some("k".into()))],
                 exclude: vec!["k".into()],
                 limit: 10,
-                walk: 300,
                 followers: 3,
                 budget: 1 << 20,
             };

@@ -56,82 +56,59 @@ const COLS: &str =
 
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= UTC_TIMESTAMP(6)))";
 
-/// The fetch (see `Db::fetch`); its arguments are bound by `fetch_arguments`, in this order: `?` the
-/// partitions asked for (JSON `[[partition, epoch], …]`), `?` `?` the instance (fence and lease), the
-/// four parts of the walk (see below), `?` keys in flight (JSON), `?` keys walked at most, `?` again (the
-/// key where a walk cut short stops), `?` heads at most, `?` followers per head, `?` payload bytes per
-/// run (a head always comes). The runs' payloads are measured in a derived table without them, and only
-/// those within the budget are sent: the client cut the runs alone before, after every follower's
-/// payload had come over the wire (32 times what it kept, for runs of large payloads).
+/// The fetch (see `Db::fetch`): `?` served partitions (JSON `[[partition, epoch, start key, wraps], …]`
+/// in serving order), `?` `?` the instance (fence and lease), 256 `?` the requested partitions (see
+/// [`fetch_partitions`]), `?` keys in flight (JSON), `?` heads at most, `?` followers per head, `?`
+/// payload bytes per run (a head always comes). The runs' payloads are measured in a derived table
+/// without them, and only those within the budget are sent: the client cut the runs alone before, after
+/// every follower's payload had come over the wire (32 times what it kept, for runs of large payloads).
 ///
-/// MariaDB has no lateral join and cannot seek by a correlated value (a walk by a recursive `key >
-/// w.key` probe read each partition from its start at every step), so the keys come from index ranges
-/// grouped on the index prefix, whose `LIMIT` stops them. Reading every key of the partitions asked for
-/// instead, a poll of a backlog of 100,000 keys took 29 s, past the time limit, and such a backlog was
-/// never delivered (BENCHMARKS.md). The walk is four ranges, `?` keys at most each, one after another:
-/// the first partition asked for after its start key (`?` `?`), the partitions after it in the order
-/// asked (a list of [`PARTITIONS`] `?`), those before it (another), then the first one's keys up to its
-/// start key (`?` `?`). Only the first partition starts after its start key: a range per partition cost
-/// MariaDB's planner about 60 ms per fetch. The first keys of the four, numbered in walk order, are the
-/// first keys of the walk. A walk that reads as many as it may without filling the batch also returns
-/// the last key it read, not due: the next fetch starts there (`Found::from_runs`, `processor/fetch.rs`).
-///
-/// Each head's followers are a chain of index probes, each from the key's start (followers² index
-/// entries per head). The plan is pinned where statistics misled it:
-/// - the ranges and the `ORDER BY seq LIMIT 1` probes name their index (on a table just refilled,
-///   MariaDB walked the whole `seq` index for each follower; and estimating 256 ranges, a dive into the
-///   index each, took the planner 127 ms of a statement of 137 on a million records, 3 of 16 with the
-///   index named);
-/// - the partitions held are a derived table of their own (`DISTINCT`): merged into the join, their list
-///   was read again for every key walked (35 ms for 356 keys);
+/// MariaDB has no lateral join and cannot seek by a correlated value, so the keys come from its loose
+/// index scan (`GROUP BY` on the index prefix: one probe per key, so the cost grows with the keys of the
+/// served partitions, not their records); each head's followers are a chain of index probes, each from
+/// the key's start (followers² index entries per head). The plan is pinned where statistics misled it:
+/// - the `ORDER BY seq LIMIT 1` probes name their index (on a table just refilled, MariaDB walked the
+///   whole `seq` index for each follower);
+/// - the keys come first (`STRAIGHT_JOIN`), so they are read once (joined after the served list,
+///   MariaDB read them again per partition, by a scan of the table each time);
 /// - the keys in flight are a derived table joined once (as `NOT IN`, a dependent subquery read the
 ///   list again for every candidate key).
+///
+/// The keys' `GROUP BY` names no index: forced onto one, its loose scan left keys out (the driver model
+/// test).
 const FETCH: &str = "WITH RECURSIVE served AS (
-    SELECT DISTINCT a.part
-    FROM JSON_TABLE(?, '$[*]' COLUMNS (part SMALLINT PATH '$[0]', epoch BIGINT PATH '$[1]')) a
+    SELECT a.i, a.part, a.after, a.wraps
+    FROM JSON_TABLE(?, '$[*]' COLUMNS (i FOR ORDINALITY, part SMALLINT PATH '$[0]', epoch BIGINT PATH '$[1]',
+        after VARBINARY(2048) PATH '$[2]', wraps INT PATH '$[3]')) a
     JOIN {s}_partitions p ON p.`partition` = a.part AND p.epoch = a.epoch AND p.owner = ?
     WHERE EXISTS (SELECT 1 FROM {s}_instances l WHERE l.id = ? AND l.expires_at > UTC_TIMESTAMP(6))
-), walked AS (
-    {first_after} UNION ALL {above} UNION ALL {below} UNION ALL {first_up_to}
-), placed AS (
-    SELECT w.`partition`, w.`key`, w.seq,
-        CAST(ROW_NUMBER() OVER (ORDER BY w.part, w.`partition`, w.`key`) AS SIGNED) AS walk
-    FROM walked w
-), judged AS (
-    SELECT k.`partition`, k.`key`, k.seq, k.walk, (s.part IS NOT NULL AND busy.k IS NULL AND {serve}) AS serve
-    FROM placed k LEFT JOIN served s ON s.part = k.`partition`
+), keyed AS (
+    SELECT r.`partition`, r.`key`, MIN(r.seq) AS seq FROM {s}_records r
+    WHERE r.`partition` IN ({partitions}) GROUP BY r.`partition`, r.`key`
+), heads AS (
+    SELECT k.`partition`, k.`key`, {head_seq} AS seq,
+        CAST(ROW_NUMBER() OVER (ORDER BY s.i, s.wraps AND k.`key` <= s.after, k.`key`) AS SIGNED) AS walk
+    FROM keyed k STRAIGHT_JOIN served s ON s.part = k.`partition`
     LEFT JOIN (SELECT DISTINCT x.k FROM JSON_TABLE(?, '$[*]' COLUMNS (k VARBINARY(2048) PATH '$')) x) busy
         ON busy.k = k.`key`
-    WHERE k.walk <= ?
-), heads AS (
-    SELECT k.`partition`, k.`key`, IF(k.serve, {head_seq}, k.seq) AS seq, k.walk, k.serve
-    FROM judged k WHERE k.serve OR k.walk = ?
-    ORDER BY k.walk LIMIT ?
+    WHERE (k.`key` > s.after OR s.wraps) AND busy.k IS NULL
+      AND {serve}
+    ORDER BY walk LIMIT ?
 ), chain AS (
-    SELECT heads.`partition`, heads.`key`, heads.seq, heads.walk, 0 AS depth, heads.serve FROM heads
+    SELECT heads.`partition`, heads.`key`, heads.seq, heads.walk, 0 AS depth FROM heads
     UNION ALL
     SELECT c.`partition`, c.`key`, (SELECT x.seq FROM {s}_records x FORCE INDEX ({s}_records_partition_key_seq)
         WHERE x.`partition` = c.`partition` AND x.`key` = c.`key` AND x.seq > c.seq ORDER BY x.seq LIMIT 1),
-        c.walk, c.depth + 1, c.serve
-    FROM chain c WHERE c.seq IS NOT NULL AND c.serve AND c.depth < ?
+        c.walk, c.depth + 1
+    FROM chain c WHERE c.seq IS NOT NULL AND c.depth < ?
 ), bounded AS (
-    SELECT c.`partition`, c.`key`, c.seq, c.walk, c.depth, c.serve,
+    SELECT c.`partition`, c.`key`, c.seq, c.walk, c.depth,
         SUM(LENGTH(x.payload)) OVER (PARTITION BY c.`partition`, c.`key` ORDER BY c.seq) AS run_bytes
     FROM chain c JOIN {s}_records x ON x.`partition` = c.`partition` AND x.`key` = c.`key` AND x.seq = c.seq
 )
-SELECT {cols}, b.serve AND {due} AS due, IF(b.depth = 0, b.walk, NULL) AS walk
+SELECT {cols}, {due} AS due, IF(b.depth = 0, b.walk, NULL) AS walk
 FROM bounded b JOIN {s}_records r ON r.`partition` = b.`partition` AND r.`key` = b.`key` AND r.seq = b.seq
 WHERE b.depth = 0 OR b.run_bytes <= ?";
-
-/// Part `part` of the fetch's walk: the keys (each with its lowest sequence) in `range`, in index order,
-/// `?` at most.
-fn walk_part(part: u8, range: &str) -> String {
-    format!(
-        "(SELECT {part} AS part, r.`partition`, r.`key`, MIN(r.seq) AS seq
-    FROM {{s}}_records r FORCE INDEX ({{s}}_records_partition_key_seq) WHERE {range}
-    GROUP BY r.`partition`, r.`key` ORDER BY r.`partition`, r.`key` LIMIT ?)"
-    )
-}
 
 /// With stop-on-first-failure, a key's head is its lowest sequence, served if due.
 const HEAD_LOWEST: &str = "k.seq";
@@ -349,14 +326,9 @@ impl MySqlStatements {
         let build = |text: &str| -> Arc<str> { render(text, schema).into() };
         let (head_seq, serve) =
             if stop_on_first_failure { (HEAD_LOWEST, SERVE_HEAD_DUE) } else { (HEAD_LOWEST_DUE, SERVE_ANY_DUE) };
-        let asked = vec!["?"; usize::from(PARTITIONS)].join(", ");
-        let fetch = FETCH
-            .replace("{first_after}", &walk_part(1, "r.`partition` = ? AND r.`key` > ?"))
-            .replace("{above}", &walk_part(2, &format!("r.`partition` IN ({asked})")))
-            .replace("{below}", &walk_part(3, &format!("r.`partition` IN ({asked})")))
-            .replace("{first_up_to}", &walk_part(4, "r.`partition` = ? AND r.`key` <= ?"))
-            .replace("{head_seq}", head_seq)
-            .replace("{serve}", serve);
+        let partitions = vec!["?"; usize::from(PARTITIONS)].join(", ");
+        let fetch =
+            FETCH.replace("{head_seq}", head_seq).replace("{serve}", serve).replace("{partitions}", &partitions);
         Self {
             schema: schema.to_string(),
             begin: begin_statement(query_timeout),
@@ -386,4 +358,16 @@ impl MySqlStatements {
             delete_keys: build(&delete_keys()),
         }
     }
+}
+
+/// The fetch's partition arguments: `partitions` padded to [`PARTITIONS`] with repeats of the first (-1,
+/// which matches none, if there are none). Bound rather than written into the text, so that every fetch
+/// is one statement, prepared once per connection (MariaDB still plans the range with each execution's
+/// values). A text per list filled sqlx's statement cache, and each statement it then closed, a command
+/// the server does not answer, held up the next one until the server's delayed ACK: sqlx 0.9 leaves
+/// Nagle's algorithm on (transact-rs/sqlx#4335).
+pub(super) fn fetch_partitions(partitions: &[i16]) -> Vec<i16> {
+    let mut list = partitions.to_vec();
+    list.resize(usize::from(PARTITIONS), partitions.first().copied().unwrap_or(-1));
+    list
 }
