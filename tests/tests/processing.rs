@@ -29,6 +29,7 @@ every_backend!(
     failed_blocks_its_key_until_requeue_or_skip,
     without_stop_on_first_failure_later_records_proceed,
     slow_and_blocked_keys_do_not_stall_other_keys,
+    a_key_behind_more_blocked_keys_than_a_fetch_reads_is_delivered,
     a_write_from_a_stale_epoch_changes_nothing,
     a_crash_mid_batch_redelivers_without_reordering,
     graceful_stop_completes_in_flight_records,
@@ -595,6 +596,34 @@ async fn slow_and_blocked_keys_do_not_stall_other_keys(db: TestDb) {
     assert!(sink.of_key("slow").is_empty());
     gate.add_permits(1);
     wait_for("slow key delivered", LONG, || async { sink.of_key("slow").len() == 1 }).await;
+    node.shutdown().await.unwrap();
+}
+
+/// A due key behind more keys whose head is FAILED than one fetch reads (on MySQL, whose walk reads 16
+/// records per head it may take and per key in flight) is delivered: the next fetch goes on in its
+/// partition after the key the one before stopped at. 600 FAILED keys in the due key's partition, all
+/// sorting before it, a batch of 8, and a node started afresh, whose walks start at each partition's
+/// lowest key.
+async fn a_key_behind_more_blocked_keys_than_a_fetch_reads_is_delivered(db: TestDb) {
+    let outbox = outbox(&db, |c| {
+        c.batch_size = 8;
+        c.concurrency = 8;
+    })
+    .await;
+    let partition = partition_of("due");
+    let blocked = keys_in(partition, "blocked", 600);
+    assert!(blocked.iter().all(|k| k.as_str() < "due"));
+    commit(&outbox, &db, blocked.iter().map(|k| NewRecord::new(k.clone(), "t", "")).collect()).await;
+    let poison =
+        Handlers::new().default_route(Route::new(handler_fn(|_| async { Err(HandlerError::permanent("poison")) })));
+    let node = start(&outbox, &db, poison).await;
+    wait_failed(&db, 600).await;
+    node.shutdown().await.unwrap();
+
+    commit(&outbox, &db, vec![NewRecord::new("due", "t", "")]).await;
+    let sink = Sink::new();
+    let node = start(&outbox, &db, recording(&sink)).await;
+    wait_for("the key behind the FAILED ones delivered", LONG, || async { sink.of_key("due").len() == 1 }).await;
     node.shutdown().await.unwrap();
 }
 

@@ -84,6 +84,10 @@ pub(crate) struct FetchedRow {
     pub(crate) due: bool,
     /// A head's place in the walk (increasing in the order keys were served); `None` for followers.
     pub(crate) walk: Option<i64>,
+    /// The walk read all it may and ended at this key (a head, served only if due). Only MySQL's walk
+    /// is bounded (see its fetch statement); the others read on until the batch is full.
+    #[sqlx(default)]
+    pub(crate) stop: bool,
 }
 
 /// A record's headers as read back. `schedule` stores an object of strings; from a row written by other
@@ -124,10 +128,13 @@ pub(crate) struct Fetched {
 pub(crate) struct Found {
     /// Per key: its head and the due records after it, in sequence order, within the byte budget.
     pub(crate) runs: Vec<Vec<Fetched>>,
-    /// Per partition served: the last key the walk served there.
+    /// Per partition served: the last key the walk served there, or where it stopped.
     pub(crate) last_served: BTreeMap<Partition, String>,
-    /// The partition of the last head in walk order.
+    /// The partition of the last head in walk order, or where the walk stopped.
     pub(crate) last_partition: Option<Partition>,
+    /// The walk ended before the partitions asked for were read to their end, at `last_partition`:
+    /// the batch filled, or the walk read all it may.
+    pub(crate) cut: bool,
 }
 
 impl Found {
@@ -138,10 +145,14 @@ impl Found {
         let mut found = Found::default();
         let mut last: BTreeMap<Partition, (i64, String)> = BTreeMap::new();
         let mut last_walk = None;
+        let mut stopped = None;
         for mut rows in runs {
             rows.sort_by_key(|row| row.seq);
             // A run is one key's, so one partition's.
             let Some(partition) = rows.first().map(|row| row.partition) else { continue };
+            if let Some(head) = rows.first().filter(|head| head.stop) {
+                stopped = Some((partition, head.key.clone()));
+            }
             let epoch = request.partitions.iter().find(|p| p.0 == partition).map_or(Epoch(0), |p| p.1);
             let mut run = Vec::with_capacity(rows.len());
             for row in rows.into_iter().take_while(|row| row.due) {
@@ -175,14 +186,21 @@ impl Found {
         }
         found.last_served = last.into_iter().map(|(p, (_, key))| (p, key)).collect();
         found.last_partition = last_walk.map(|(_, p)| p);
+        found.cut = found.runs.len() >= request.limit;
+        // A full batch left the keys after its last head unread, wherever the walk stopped.
+        if let Some((partition, key)) = stopped.filter(|_| !found.cut) {
+            found.last_served.insert(partition, key);
+            found.last_partition = Some(partition);
+            found.cut = true;
+        }
         Ok(found)
     }
 
     /// The partitions of `request` this fetch may have left records in, besides those of the keys it
-    /// excluded or served: none unless it filled its batch, else those from the partition where the batch
-    /// filled on, in the request's order. The walk reads each partition before that one to its end.
+    /// excluded or served: none unless its walk was cut, else those from the partition where it was cut
+    /// on, in the request's order. The walk reads each partition before that one to its end.
     pub(crate) fn unread(&self, request: &Request) -> Partitions {
-        if self.runs.len() < request.limit {
+        if !self.cut {
             return Partitions::default();
         }
         let filled = request.partitions.iter().position(|p| Some(p.0) == self.last_partition);
@@ -582,7 +600,16 @@ mod tests {
             unfinished: false,
             due: true,
             walk: Some(walk),
+            stop: false,
         }]
+    }
+
+    /// The last key of a walk that read all it may: a head, served if `due`.
+    fn stopped_at(partition: Partition, key: &str, walk: i64, due: bool) -> Vec<FetchedRow> {
+        let mut rows = head(partition, key, walk);
+        rows[0].due = due;
+        rows[0].stop = true;
+        rows
     }
 
     fn partitions(p: Partitions) -> Vec<Partition> {
@@ -609,5 +636,32 @@ mod tests {
         assert_eq!(partitions(filled_in_5.unread(&request(2))), [1, 3, 5, 9]);
         let short = found(vec![head(9, "c", 1)], 2);
         assert!(short.unread(&request(2)).is_empty(), "a batch that did not fill read every partition to its end");
+    }
+
+    /// A walk that read all it may ends where it stopped: the next walk of that partition starts after
+    /// the key it stopped at, served or not, and the partitions from it on are unread. A full batch
+    /// ends at its last head, wherever the walk stopped (the keys after that head were not taken).
+    #[test]
+    fn a_walk_cut_short_goes_on_where_it_stopped() {
+        let request = |limit| Request {
+            instance: InstanceId(Uuid::now_v7()),
+            partitions: [5, 3, 9, 1].map(|p| (p, Epoch(1), None)).to_vec(),
+            exclude: Vec::new(),
+            limit,
+            followers: 0,
+            budget: usize::MAX,
+        };
+        let found = |heads: Vec<Vec<FetchedRow>>, limit| Found::from_runs(heads, &request(limit)).unwrap();
+        let blocked = found(vec![head(5, "a", 1), stopped_at(3, "x", 7, false)], 10);
+        assert_eq!(blocked.runs.len(), 1, "the key it stopped at is not served: its head is not due");
+        assert_eq!(blocked.last_served.get(&3).map(String::as_str), Some("x"));
+        assert_eq!(blocked.last_served.get(&5).map(String::as_str), Some("a"));
+        assert_eq!(partitions(blocked.unread(&request(10))), [1, 3, 9]);
+        let due = found(vec![stopped_at(9, "y", 2, true)], 10);
+        assert_eq!(due.runs.len(), 1, "the key it stopped at is served: its head is due");
+        assert_eq!(partitions(due.unread(&request(10))), [1, 9]);
+        let full = found(vec![head(5, "a", 1), stopped_at(3, "x", 7, false)], 1);
+        assert_eq!(full.last_served.get(&3), None, "the keys after the batch's last head were not read");
+        assert_eq!(partitions(full.unread(&request(1))), [1, 3, 5, 9]);
     }
 }

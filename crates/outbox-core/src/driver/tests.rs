@@ -270,15 +270,19 @@ fn size(key: &str, seq: i64) -> usize {
     ((seq * 7 + key.len() as i64 * 3) % 23) as usize
 }
 
-/// The keys served in order, and each key's records.
-type Expected = (Vec<(i16, String)>, BTreeMap<String, Vec<Seq>>);
+/// The keys served in order, each key's records, and the key where a walk that read all it may
+/// stopped.
+type Expected = (Vec<(i16, String)>, BTreeMap<String, Vec<Seq>>, Option<(i16, String)>);
 
 /// What the fetch should find, computed the plain way: per served partition in the given order (those
 /// held: not in `unheld`), keys in byte order starting after the partition's cursor and then wrapping
 /// around, each key's head by the mode's rule, the first `limit` keys served, each with the records from
-/// its head to head + `followers`. Returns the keys served in order, and each key's records.
-fn model(case: &Case, followers: usize, stop_on_first_failure: bool) -> Expected {
-    let (mut heads, mut runs) = (Vec::new(), BTreeMap::new());
+/// its head to head + `followers`. A walk reads at most `walk` records (every record of a key, due or
+/// not, in flight or not), then stops at the key it read last. Returns the keys served in order, each
+/// key's records, and where the walk stopped.
+fn model(case: &Case, followers: usize, stop_on_first_failure: bool, walk: usize) -> Expected {
+    let (mut heads, mut runs, mut stopped) = (Vec::new(), BTreeMap::new(), None);
+    let mut read = 0;
     for &partition in case.order.iter().filter(|p| !case.unheld.contains(p)) {
         let mut in_partition: Vec<&Key> = case.keys.iter().filter(|k| k.0 == partition).collect();
         in_partition.sort_by(|a, b| a.1.cmp(&b.1));
@@ -287,6 +291,13 @@ fn model(case: &Case, followers: usize, stop_on_first_failure: bool) -> Expected
             in_partition = past.into_iter().chain(up_to).collect();
         }
         for (_, key, first, step, states) in in_partition {
+            if read >= walk {
+                break;
+            }
+            read += states.len();
+            if read >= walk {
+                stopped = Some((partition, key.clone()));
+            }
             let due = |i: usize| matches!(states[i], State::Due);
             let head = if stop_on_first_failure { due(0).then_some(0) } else { (0..states.len()).find(|&i| due(i)) };
             let Some(head) = head else { continue };
@@ -299,7 +310,7 @@ fn model(case: &Case, followers: usize, stop_on_first_failure: bool) -> Expected
             runs.insert(key.clone(), run);
         }
     }
-    (heads, runs)
+    (heads, runs, stopped)
 }
 
 async fn insert(db: &Db, partition: i16, key: &str, seq: i64, state: State) {
@@ -392,7 +403,11 @@ async fn check(db: &Db, case: &Case) -> Result<(), String> {
             budget: case.budget,
         };
         let found: Found = db.fetch(outbox.statements(), &request).await.map_err(|e| e.to_string())?;
-        let (heads, want) = model(case, followers, stop_on_first_failure);
+        let walk = match db {
+            Db::MySql(_) => super::mysql::walk_records(&request),
+            Db::Postgres(_) | Db::Sqlite(_) => usize::MAX,
+        };
+        let (heads, want, stopped) = model(case, followers, stop_on_first_failure, walk);
         let got: BTreeMap<String, Vec<i64>> = found
             .runs
             .iter()
@@ -428,15 +443,19 @@ async fn check(db: &Db, case: &Case) -> Result<(), String> {
                 return Err(format!("{mode}: {key}: {bytes} bytes kept"));
             }
         }
-        // Each partition's last head in walk order.
+        // Each partition's last head in walk order; where a walk stopped short of a full batch.
         let mut last: BTreeMap<u8, String> = BTreeMap::new();
         for (partition, key) in &heads {
             last.insert(*partition as u8, key.clone());
         }
+        let mut last_partition = heads.last().map(|(partition, _)| *partition as u8);
+        if let Some((partition, key)) = stopped.filter(|_| heads.len() < case.limit) {
+            last.insert(partition as u8, key);
+            last_partition = Some(partition as u8);
+        }
         if found.last_served != last {
             return Err(format!("{mode}: last served {:?}, want {last:?}", found.last_served));
         }
-        let last_partition = heads.last().map(|(partition, _)| *partition as u8);
         if found.last_partition != last_partition {
             return Err(format!("{mode}: last head in {:?}, want {last_partition:?}", found.last_partition));
         }

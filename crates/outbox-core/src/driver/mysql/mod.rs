@@ -16,7 +16,7 @@ use sqlx::{AssertSqlSafe, Connection, MySqlConnection, MySqlPool};
 use tracing::info;
 use uuid::Uuid;
 
-use self::statements::{MIGRATIONS_TABLE, fetch_partitions};
+use self::statements::MIGRATIONS_TABLE;
 pub use self::statements::{MySqlStatements, NOW, begin_statement, render};
 use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
@@ -663,27 +663,59 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     }
 }
 
+/// Index entries a fetch's walk reads at most, per head it may take and per key in flight (which it
+/// reads past): about a microsecond each, so a fetch of 500 heads reads for about 8 ms at most, and
+/// fills its batch unless the keys hold more than 16 records each on average or their heads wait.
+const WALK_PER_KEY: usize = 16;
+
+/// The records (index entries) the walk of `request` reads at most.
+pub(crate) fn walk_records(request: &Request) -> usize {
+    (request.limit + request.exclude.len()).saturating_mul(WALK_PER_KEY)
+}
+
 /// The fetch statement bound for `request`.
 fn fetch_query<'q>(
     s: &'q MySqlStatements,
     request: &Request,
 ) -> Result<sqlx::query::QueryAs<'q, sqlx::MySql, FetchedRow, sqlx::mysql::MySqlArguments>> {
-    let served: Vec<(i16, i64, &str, bool)> = request
-        .partitions
-        .iter()
-        .map(|(p, epoch, after)| (i16::from(*p), epoch.0, after.as_deref().unwrap_or(""), after.is_some()))
-        .collect();
-    let partitions: Vec<i16> = served.iter().map(|s| s.0).collect();
+    Ok(sqlx::query_as_with(statement(&s.fetch), fetch_arguments(request)?))
+}
+
+/// The fetch's arguments (see `statements::FETCH`): one statement for any partitions (their list is one
+/// JSON argument), prepared once per connection. A text per list filled sqlx's statement cache, and
+/// each statement it then closed, a command the server does not answer, held up the next one until the
+/// server's delayed ACK: sqlx 0.9 leaves Nagle's algorithm on (transact-rs/sqlx#4335).
+fn fetch_arguments(request: &Request) -> Result<sqlx::mysql::MySqlArguments> {
+    use sqlx::Arguments;
+    let walk = count(walk_records(request));
     // MariaDB and MySQL stop a recursion after 1,000 steps by default; a run is cut shorter instead.
     let followers = count(request.followers.min(999));
-    let mut query = sqlx::query_as::<_, FetchedRow>(statement(&s.fetch))
-        .bind(json(&served)?)
-        .bind(request.instance)
-        .bind(request.instance);
-    for partition in fetch_partitions(&partitions) {
-        query = query.bind(partition);
+    let mut args = sqlx::mysql::MySqlArguments::default();
+    let add = |result: std::result::Result<(), sqlx::error::BoxDynError>| result.map_err(sqlx::Error::Encode);
+    add(args.add(json(&walk_segments(request))?))?;
+    add(args.add(request.instance))?;
+    add(args.add(request.instance))?;
+    add(args.add(walk))?;
+    add(args.add(walk))?;
+    add(args.add(json(&request.exclude)?))?;
+    add(args.add(count(request.limit)))?;
+    add(args.add(followers))?;
+    add(args.add(count(request.budget)))?;
+    Ok(args)
+}
+
+/// The segments of `request`'s walk, in order (see the fetch statement): per partition, its keys after
+/// its start key (all, without one: keys are never empty), then those up to it.
+fn walk_segments(request: &Request) -> Vec<(i16, i64, &str, Option<&str>)> {
+    let mut segments = Vec::with_capacity(request.partitions.len() * 2);
+    for (partition, epoch, after) in &request.partitions {
+        let (partition, epoch) = (i16::from(*partition), epoch.0);
+        segments.push((partition, epoch, after.as_deref().unwrap_or(""), None));
+        if let Some(after) = after {
+            segments.push((partition, epoch, "", Some(after.as_str())));
+        }
     }
-    Ok(query.bind(json(&request.exclude)?).bind(count(request.limit)).bind(followers).bind(count(request.budget)))
+    segments
 }
 
 /// A fresh, empty database on the test server (`MYSQL_URL`, by default MariaDB on loopback as root),
@@ -967,18 +999,22 @@ mod tests {
         sqlx::query(AssertSqlSafe(format!("EXPLAIN {sql}")))
     }
 
-    /// `EXPLAIN` of the fetch of `partitions`, bound up to its keys in flight.
-    fn explain_fetch(
-        sql: &MySqlStatements,
-        served: &str,
-        instance: Uuid,
-        partitions: &[i16],
-    ) -> Query<'static, MySql, MySqlArguments> {
-        let mut query = explain(&sql.fetch).bind(served.to_string()).bind(instance).bind(instance);
-        for partition in super::fetch_partitions(partitions) {
-            query = query.bind(partition);
+    /// The fetch of `partitions` (each with its start key) by `instance`, with `exclude` in flight: 100
+    /// heads at most, 7 followers, a 64 KiB budget.
+    fn fetch_request(instance: Uuid, partitions: &[(u8, Option<&str>)], exclude: Vec<String>) -> Request {
+        Request {
+            instance: InstanceId(instance),
+            partitions: partitions.iter().map(|(p, after)| (*p, Epoch(1), after.map(String::from))).collect(),
+            exclude,
+            limit: 100,
+            followers: 7,
+            budget: 65_536,
         }
-        query
+    }
+
+    /// `EXPLAIN` of the fetch of `request`.
+    fn explain_fetch(sql: &MySqlStatements, request: &Request) -> Query<'static, MySql, MySqlArguments> {
+        sqlx::query_with(AssertSqlSafe(format!("EXPLAIN {}", sql.fetch)), super::fetch_arguments(request).unwrap())
     }
 
     /// A migrated test database whose partitions `instance` all holds at epoch 1, with a live lease.
@@ -998,7 +1034,7 @@ mod tests {
     /// number modulo 256), then the table's statistics taken anew.
     fn insert(keys: u32, per_key: u32) -> String {
         format!(
-            "SET SESSION max_recursive_iterations = 10000;
+            "SET SESSION max_recursive_iterations = 100000;
              INSERT INTO outbox_records (id, `partition`, `key`, event_type, payload, headers)
              WITH RECURSIVE k (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM k WHERE n < {keys}),
                  s (m) AS (SELECT 1 UNION ALL SELECT m + 1 FROM s WHERE m < {per_key})
@@ -1065,9 +1101,10 @@ mod tests {
         }
     }
 
-    /// The fetch reads the records only through the (partition, key, seq) index: the keys by a loose
-    /// index scan (one probe per key), each head and follower by an index lookup, never a table or
-    /// full index scan, in both stop-on-first-failure modes; completions find records by primary key.
+    /// The fetch reads the records only through the (partition, key, seq) index: the walk by a range of
+    /// its own per segment ("range checked for each record", no other index in its map), each head and
+    /// follower by an index lookup, never a table or full index scan, in both stop-on-first-failure
+    /// modes; completions find records by primary key.
     #[tokio::test]
     async fn fetch_walks_the_index_without_scanning_records() {
         let instance = Uuid::now_v7();
@@ -1080,16 +1117,13 @@ mod tests {
         // 2,000 keys × 20 records over 256 partitions.
         sqlx::raw_sql(AssertSqlSafe(insert(2000, 20))).execute(&mut *conn).await.unwrap();
         let records = |step: &Step| matches!(step.table.as_str(), "r" | "x") && !step.extra.contains("Table function");
+        let walk = |step: &Step| step.extra.contains("Range checked for each record (index map: 0x2)");
         for stop_on_first_failure in [true, false] {
             let sql = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
-            let served = r#"[[0, 1, "", false], [1, 1, "key-500", true], [2, 1, "", false]]"#;
-            let fetch = explain_fetch(&sql, served, instance, &[0, 1, 2]);
-            let plan = plan(&mut conn, fetch.bind("[]").bind(100_i64).bind(7_i64).bind(65_536_i64)).await;
-            assert!(
-                plan.iter().any(|s| records(s) && s.extra.contains("Using index for group-by")),
-                "keys not found by a loose index scan: {plan:#?}"
-            );
-            for step in plan.iter().filter(|s| records(s)) {
+            let request = fetch_request(instance, &[(0, None), (1, Some("key-500")), (2, None)], vec![]);
+            let plan = plan(&mut conn, explain_fetch(&sql, &request)).await;
+            assert!(plan.iter().any(|s| records(s) && walk(s)), "keys not walked by a range per segment: {plan:#?}");
+            for step in plan.iter().filter(|s| records(s) && !walk(s)) {
                 assert!(
                     matches!(step.access.as_str(), "range" | "ref" | "eq_ref")
                         && step.index == "outbox_records_partition_key_seq",
@@ -1106,30 +1140,64 @@ mod tests {
         .await;
     }
 
-    /// A poll (every partition) with keys in flight reads the keys once and the list of keys in flight
-    /// once, on a small table as on a large one: split per partition, the keys were read again for each
-    /// of 256 partitions (on a small table by a scan each time), and as a dependent subquery the list was
-    /// read again for every candidate key.
+    /// A poll (every partition, each with a start key) reads about as much of a backlog of 20,000 keys as
+    /// of one of 2,000, their heads due or all FAILED: what its walk may read, not every key of the
+    /// partitions asked for (which read ten times as much here, and took 30 s for 100,000 keys). Each
+    /// segment's range is its own: read from the partition's start, the keys up to a start key would
+    /// be read again.
     #[tokio::test]
-    async fn a_poll_reads_the_keys_and_the_keys_in_flight_once() {
+    async fn a_poll_reads_as_much_of_a_large_backlog_as_of_a_small_one() {
         let instance = Uuid::now_v7();
         let pool = held_by(instance).await;
         let mut conn = pool.acquire().await.unwrap();
-        let all: Vec<i16> = (0..256).collect();
-        let served = serde_json::to_string(&all.iter().map(|p| (p, 1, "", false)).collect::<Vec<_>>()).unwrap();
-        let in_flight = serde_json::to_string(&(1..=100).map(|n| format!("key-{n}")).collect::<Vec<_>>()).unwrap();
+        let sql = MySqlStatements::new("outbox", true, true, Duration::from_secs(10));
+        let all: Vec<(u8, Option<&str>)> = crate::partition::all_partitions().map(|p| (p, Some("key-5"))).collect();
+        let request = fetch_request(instance, &all, vec![]);
+        let reads = "SELECT CAST(SUM(VARIABLE_VALUE) AS SIGNED) FROM information_schema.SESSION_STATUS
+                     WHERE VARIABLE_NAME LIKE 'HANDLER_READ%'";
+        let mut read = Vec::new();
+        for keys in [2_000, 20_000] {
+            let refill = format!("DELETE FROM outbox_records; {}", insert(keys, 2));
+            sqlx::raw_sql(AssertSqlSafe(refill)).execute(&mut *conn).await.unwrap();
+            for failed in [false, true] {
+                if failed {
+                    sqlx::query("UPDATE outbox_records SET failed_at = UTC_TIMESTAMP(6)")
+                        .execute(&mut *conn)
+                        .await
+                        .unwrap();
+                }
+                let before: i64 = sqlx::query_scalar(reads).fetch_one(&mut *conn).await.unwrap();
+                let found = super::fetch_query(&sql, &request).unwrap().fetch_all(&mut *conn).await.unwrap();
+                let after: i64 = sqlx::query_scalar(reads).fetch_one(&mut *conn).await.unwrap();
+                let heads = found.iter().filter(|row| row.due && row.walk.is_some()).count();
+                assert_eq!(heads, if failed { 0 } else { 100 }, "{keys} keys, failed: {failed}");
+                assert_eq!(found.iter().filter(|row| row.stop).count(), usize::from(failed), "{keys} keys");
+                read.push(after - before);
+            }
+        }
+        assert!(
+            read[2] <= 2 * read[0] && read[3] <= 2 * read[1],
+            "rows read, due then FAILED, 2,000 then 20,000 keys: {read:?}"
+        );
+    }
+
+    /// A poll (every partition) with keys in flight reads the list of keys in flight once: as a
+    /// dependent subquery it was read again for every candidate key.
+    #[tokio::test]
+    async fn a_poll_reads_the_keys_in_flight_once() {
+        let instance = Uuid::now_v7();
+        let pool = held_by(instance).await;
+        let mut conn = pool.acquire().await.unwrap();
+        let all: Vec<(u8, Option<&str>)> = crate::partition::all_partitions().map(|p| (p, None)).collect();
+        let in_flight: Vec<String> = (1..=100).map(|n| format!("key-{n}")).collect();
         // 1,000 keys of 2 records, as a steady load leaves them; then 1,000 keys of 50.
         for per_key in [2, 50] {
             let refill = format!("DELETE FROM outbox_records; {}", insert(1000, per_key));
             sqlx::raw_sql(AssertSqlSafe(refill)).execute(&mut *conn).await.unwrap();
             for stop_on_first_failure in [true, false] {
                 let sql = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
-                let fetch = explain_fetch(&sql, &served, instance, &all).bind(&in_flight);
-                let plan = plan(&mut conn, fetch.bind(200_i64).bind(7_i64).bind(65_536_i64)).await;
-                assert!(
-                    !plan.iter().any(|s| s.kind.contains("LATERAL")),
-                    "keys read per partition ({per_key} per key): {plan:#?}"
-                );
+                let request = fetch_request(instance, &all, in_flight.clone());
+                let plan = plan(&mut conn, explain_fetch(&sql, &request)).await;
                 assert!(
                     !plan.iter().any(|s| s.kind.contains("DEPENDENT") && s.extra.contains("Table function")),
                     "keys in flight read per candidate key ({per_key} per key): {plan:#?}"

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::driver::unfinished;
-use crate::partition::PARTITIONS;
 
 /// The server's clock, UTC, as the tables store times.
 pub const NOW: &str = "UTC_TIMESTAMP(6)";
@@ -56,59 +55,73 @@ const COLS: &str =
 
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= UTC_TIMESTAMP(6)))";
 
-/// The fetch (see `Db::fetch`): `?` served partitions (JSON `[[partition, epoch, start key, wraps], …]`
-/// in serving order), `?` `?` the instance (fence and lease), 256 `?` the requested partitions (see
-/// [`fetch_partitions`]), `?` keys in flight (JSON), `?` heads at most, `?` followers per head, `?`
-/// payload bytes per run (a head always comes). The runs' payloads are measured in a derived table
-/// without them, and only those within the budget are sent: the client cut the runs alone before, after
-/// every follower's payload had come over the wire (32 times what it kept, for runs of large payloads).
+/// The fetch (see `Db::fetch`): `?` the walk's segments (JSON `[[partition, epoch, keys after, keys up
+/// to or null], …]` in walk order: each partition's keys after its start key, then, if it has one, those
+/// up to it), `?` `?` the instance (fence and lease), `?` index entries the walk reads at most, `?` keys
+/// in flight (JSON), `?` heads at most, `?` followers per head, `?` payload bytes per run (a head always
+/// comes). The runs' payloads are measured in a derived table without them, and only those within the
+/// budget are sent: the client cut the runs alone before, after every follower's payload had come over
+/// the wire (32 times what it kept, for runs of large payloads).
 ///
-/// MariaDB has no lateral join and cannot seek by a correlated value, so the keys come from its loose
-/// index scan (`GROUP BY` on the index prefix: one probe per key, so the cost grows with the keys of the
-/// served partitions, not their records); each head's followers are a chain of index probes, each from
-/// the key's start (followers² index entries per head). The plan is pinned where statistics misled it:
-/// - the `ORDER BY seq LIMIT 1` probes name their index (on a table just refilled, MariaDB walked the
-///   whole `seq` index for each follower);
-/// - the keys come first (`STRAIGHT_JOIN`), so they are read once (joined after the served list,
-///   MariaDB read them again per partition, by a scan of the table each time);
-/// - the keys in flight are a derived table joined once (as `NOT IN`, a dependent subquery read the
-///   list again for every candidate key).
-///
-/// The keys' `GROUP BY` names no index: forced onto one, its loose scan left keys out (the driver model
-/// test).
-const FETCH: &str = "WITH RECURSIVE served AS (
-    SELECT a.i, a.part, a.after, a.wraps
+/// The walk reads the (partition, key, seq) index segment after segment and stops at its `LIMIT`, so a
+/// fetch reads as much of a backlog of 100,000 keys as of 1,000 (grouping every key of the partitions
+/// first, it took 30 s at 100,000 keys, past any time limit). MariaDB has no lateral join; its "range
+/// checked for each record" gives each segment its own index range, which it takes only for a partition
+/// bounded on both sides (`>=` and `<=`: for `=` it reads the partition from its start) and keys compared
+/// as characters (as bytes, not at all), each bounded (an `OR IS NULL` reads to the partition's end).
+/// Its order is the join's, segment by segment in index order; a `LIMIT` with an `ORDER BY` would read
+/// everything to sort it. The walk is one reference (each reference to a CTE walks again), so the last
+/// key of a walk that read all it may is marked in the same pass (`stop`), served only if it is a head.
+/// Each head's followers are a chain of index probes, each from the key's start (followers² index
+/// entries per head), the `ORDER BY seq LIMIT 1` probes naming their index (on a table just refilled,
+/// MariaDB walked the whole `seq` index for each follower). The keys in flight are a derived table joined
+/// once (as `NOT IN`, a dependent subquery read the list again for every candidate key).
+const FETCH: &str = "WITH RECURSIVE walked AS (
+    SELECT a.i, r.`partition`, r.`key`, r.seq
     FROM JSON_TABLE(?, '$[*]' COLUMNS (i FOR ORDINALITY, part SMALLINT PATH '$[0]', epoch BIGINT PATH '$[1]',
-        after VARBINARY(2048) PATH '$[2]', wraps INT PATH '$[3]')) a
-    JOIN {s}_partitions p ON p.`partition` = a.part AND p.epoch = a.epoch AND p.owner = ?
+        lo VARCHAR(512) CHARACTER SET utf8mb4 PATH '$[2]', hi VARCHAR(512) CHARACTER SET utf8mb4 PATH '$[3]')) a
+    STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY)
+        ON p.`partition` = a.part AND p.epoch = a.epoch AND p.owner = ?
+    STRAIGHT_JOIN {s}_records r FORCE INDEX ({s}_records_partition_key_seq)
+        ON r.`partition` >= a.part AND r.`partition` <= a.part
+        AND r.`key` > a.lo AND r.`key` <= COALESCE(a.hi, {greatest_key})
     WHERE EXISTS (SELECT 1 FROM {s}_instances l WHERE l.id = ? AND l.expires_at > UTC_TIMESTAMP(6))
+    LIMIT ?
 ), keyed AS (
-    SELECT r.`partition`, r.`key`, MIN(r.seq) AS seq FROM {s}_records r
-    WHERE r.`partition` IN ({partitions}) GROUP BY r.`partition`, r.`key`
-), heads AS (
-    SELECT k.`partition`, k.`key`, {head_seq} AS seq,
-        CAST(ROW_NUMBER() OVER (ORDER BY s.i, s.wraps AND k.`key` <= s.after, k.`key`) AS SIGNED) AS walk
-    FROM keyed k STRAIGHT_JOIN served s ON s.part = k.`partition`
+    SELECT w.`partition`, w.`key`, MIN(w.seq) AS seq,
+        CAST(ROW_NUMBER() OVER (ORDER BY MIN(w.i), w.`key`) AS SIGNED) AS walk,
+        COUNT(*) OVER () AS `keys`, SUM(COUNT(*)) OVER () AS entries
+    FROM walked w GROUP BY w.`partition`, w.`key`
+), marked AS (
+    SELECT k.`partition`, k.`key`, k.seq, k.walk, busy.k IS NULL AND {serve} AS serve,
+        k.walk = k.`keys` AND k.entries >= ? AS stop
+    FROM keyed k
     LEFT JOIN (SELECT DISTINCT x.k FROM JSON_TABLE(?, '$[*]' COLUMNS (k VARBINARY(2048) PATH '$')) x) busy
         ON busy.k = k.`key`
-    WHERE (k.`key` > s.after OR s.wraps) AND busy.k IS NULL
-      AND {serve}
-    ORDER BY walk LIMIT ?
+), heads AS (
+    SELECT k.`partition`, k.`key`, IF(k.serve, {head_seq}, k.seq) AS seq, k.walk, k.serve, k.stop
+    FROM marked k WHERE k.serve OR k.stop
+    ORDER BY k.walk LIMIT ?
 ), chain AS (
-    SELECT heads.`partition`, heads.`key`, heads.seq, heads.walk, 0 AS depth FROM heads
+    SELECT heads.`partition`, heads.`key`, heads.seq, heads.walk, heads.serve, heads.stop, 0 AS depth FROM heads
     UNION ALL
     SELECT c.`partition`, c.`key`, (SELECT x.seq FROM {s}_records x FORCE INDEX ({s}_records_partition_key_seq)
         WHERE x.`partition` = c.`partition` AND x.`key` = c.`key` AND x.seq > c.seq ORDER BY x.seq LIMIT 1),
-        c.walk, c.depth + 1
-    FROM chain c WHERE c.seq IS NOT NULL AND c.depth < ?
+        c.walk, c.serve, FALSE, c.depth + 1
+    FROM chain c WHERE c.seq IS NOT NULL AND c.serve AND c.depth < ?
 ), bounded AS (
-    SELECT c.`partition`, c.`key`, c.seq, c.walk, c.depth,
+    SELECT c.`partition`, c.`key`, c.seq, c.walk, c.serve, c.stop, c.depth,
         SUM(LENGTH(x.payload)) OVER (PARTITION BY c.`partition`, c.`key` ORDER BY c.seq) AS run_bytes
     FROM chain c JOIN {s}_records x ON x.`partition` = c.`partition` AND x.`key` = c.`key` AND x.seq = c.seq
 )
-SELECT {cols}, {due} AS due, IF(b.depth = 0, b.walk, NULL) AS walk
+SELECT {cols}, {due} AND (b.depth > 0 OR b.serve) AS due, IF(b.depth = 0, b.walk, NULL) AS walk,
+    b.stop = 1 AS stop
 FROM bounded b JOIN {s}_records r ON r.`partition` = b.`partition` AND r.`key` = b.`key` AND r.seq = b.seq
 WHERE b.depth = 0 OR b.run_bytes <= ?";
+
+/// Greater than or equal to every key a `VARCHAR(512)` holds, in the keys' collation (byte order): 512
+/// times the highest code point.
+const GREATEST_KEY: &str = "CONVERT(REPEAT(x'F48FBFBF', 512) USING utf8mb4)";
 
 /// With stop-on-first-failure, a key's head is its lowest sequence, served if due.
 const HEAD_LOWEST: &str = "k.seq";
@@ -326,9 +339,8 @@ impl MySqlStatements {
         let build = |text: &str| -> Arc<str> { render(text, schema).into() };
         let (head_seq, serve) =
             if stop_on_first_failure { (HEAD_LOWEST, SERVE_HEAD_DUE) } else { (HEAD_LOWEST_DUE, SERVE_ANY_DUE) };
-        let partitions = vec!["?"; usize::from(PARTITIONS)].join(", ");
         let fetch =
-            FETCH.replace("{head_seq}", head_seq).replace("{serve}", serve).replace("{partitions}", &partitions);
+            FETCH.replace("{head_seq}", head_seq).replace("{serve}", serve).replace("{greatest_key}", GREATEST_KEY);
         Self {
             schema: schema.to_string(),
             begin: begin_statement(query_timeout),
@@ -358,16 +370,4 @@ impl MySqlStatements {
             delete_keys: build(&delete_keys()),
         }
     }
-}
-
-/// The fetch's partition arguments: `partitions` padded to [`PARTITIONS`] with repeats of the first (-1,
-/// which matches none, if there are none). Bound rather than written into the text, so that every fetch
-/// is one statement, prepared once per connection (MariaDB still plans the range with each execution's
-/// values). A text per list filled sqlx's statement cache, and each statement it then closed, a command
-/// the server does not answer, held up the next one until the server's delayed ACK: sqlx 0.9 leaves
-/// Nagle's algorithm on (transact-rs/sqlx#4335).
-pub(super) fn fetch_partitions(partitions: &[i16]) -> Vec<i16> {
-    let mut list = partitions.to_vec();
-    list.resize(usize::from(PARTITIONS), partitions.first().copied().unwrap_or(-1));
-    list
 }
