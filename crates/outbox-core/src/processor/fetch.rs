@@ -10,7 +10,7 @@ use crate::assignment::{Assignment, Epoch, InstanceId};
 use crate::config::Config;
 use crate::notice::Partitions;
 use crate::partition::Partition;
-use crate::stored::Request;
+use crate::stored::{Found, Request};
 
 /// The fetch requests of one processor, and what it remembers between them.
 #[derive(Debug, Default)]
@@ -58,13 +58,52 @@ impl Fetches {
         })
     }
 
-    /// Moves the cursors of the partitions a fetch served to the last key it served there.
-    pub(super) fn served(&mut self, last_served: &BTreeMap<Partition, String>) {
-        self.cursors.extend(last_served.iter().map(|(&p, key)| (p, key.clone())));
+    /// After `found` answered `request`: the partitions its walk read to their end start the next one
+    /// at their lowest key (a start key would only add a second range to read); the one where it was
+    /// cut goes on after the last key it served or read there; those it did not reach keep theirs.
+    pub(super) fn served(&mut self, request: &Request, found: &Found) {
+        let unread = found.unread(request);
+        for (partition, ..) in &request.partitions {
+            match found.last_served.get(partition) {
+                Some(key) if unread.contains(*partition) => _ = self.cursors.insert(*partition, key.clone()),
+                _ if unread.contains(*partition) => {}
+                _ => _ = self.cursors.remove(partition),
+            }
+        }
     }
 
     /// Forgets the cursors of partitions no longer held.
     pub(super) fn retain(&mut self, held: impl Fn(Partition) -> bool) {
         self.cursors.retain(|&p, _| held(p));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A walk cut in partition 6 (of 3, 6, 1 in that order): partition 3, read to its end, starts its
+    /// next walk at its lowest key; 6 goes on after the key it stopped at; 1, not reached, keeps its
+    /// start key.
+    #[test]
+    fn only_partitions_a_walk_did_not_finish_keep_a_start_key() {
+        let mut fetches =
+            Fetches { cursors: [(3, "c".to_string()), (6, "f".to_string()), (1, "a".to_string())].into(), rotation: 0 };
+        let request = Request {
+            instance: InstanceId::new(),
+            partitions: [3, 6, 1].map(|p| (p, Epoch(1), fetches.cursors.get(&p).cloned())).to_vec(),
+            exclude: Vec::new(),
+            limit: 10,
+            followers: 0,
+            budget: usize::MAX,
+        };
+        let found = Found {
+            last_served: [(3, "d".to_string()), (6, "k".to_string())].into(),
+            last_partition: Some(6),
+            cut: true,
+            ..Found::default()
+        };
+        fetches.served(&request, &found);
+        assert_eq!(fetches.cursors, [(6, "k".to_string()), (1, "a".to_string())].into());
     }
 }

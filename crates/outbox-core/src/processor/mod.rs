@@ -457,7 +457,7 @@ impl State {
         if self.polling {
             self.next_poll = Instant::now() + self.poll_interval();
         }
-        self.fetches.served(&found.last_served);
+        self.fetches.served(request, &found);
         self.taken_over.follow(current);
         let mut counted = Vec::new();
         for mut run in found.runs {

@@ -1116,7 +1116,8 @@ mod tests {
 
         // 2,000 keys × 20 records over 256 partitions.
         sqlx::raw_sql(AssertSqlSafe(insert(2000, 20))).execute(&mut *conn).await.unwrap();
-        let records = |step: &Step| matches!(step.table.as_str(), "r" | "x") && !step.extra.contains("Table function");
+        let records =
+            |step: &Step| matches!(step.table.as_str(), "r" | "x" | "e") && !step.extra.contains("Table function");
         let walk = |step: &Step| step.extra.contains("Range checked for each record (index map: 0x2)");
         for stop_on_first_failure in [true, false] {
             let sql = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));

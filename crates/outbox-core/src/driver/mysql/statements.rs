@@ -69,9 +69,12 @@ const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next
 /// checked for each record" gives each segment its own index range, which it takes only for a partition
 /// bounded on both sides (`>=` and `<=`: for `=` it reads the partition from its start) and keys compared
 /// as characters (as bytes, not at all), each bounded (an `OR IS NULL` reads to the partition's end).
-/// Its order is the join's, segment by segment in index order; a `LIMIT` with an `ORDER BY` would read
-/// everything to sort it. The walk is one reference (each reference to a CTE walks again), so the last
-/// key of a walk that read all it may is marked in the same pass (`stop`), served only if it is a head.
+/// That costs a few microseconds per segment, so segments of partitions without records are passed
+/// over first, by one index probe each (a scalar subquery: as `EXISTS`, MariaDB read every record's
+/// partition to build a set of them). The walk's order is the join's, segment by segment in index
+/// order (a `LIMIT` with an `ORDER BY` would read everything to sort it). It is referenced once (each
+/// reference to a CTE walks again), so the last key of a walk that read all it may is marked in the
+/// same pass (`stop`), and served only if it is a head.
 /// Each head's followers are a chain of index probes, each from the key's start (followers² index
 /// entries per head), the `ORDER BY seq LIMIT 1` probes naming their index (on a table just refilled,
 /// MariaDB walked the whole `seq` index for each follower). The keys in flight are a derived table joined
@@ -86,6 +89,8 @@ const FETCH: &str = "WITH RECURSIVE walked AS (
         ON r.`partition` >= a.part AND r.`partition` <= a.part
         AND r.`key` > a.lo AND r.`key` <= COALESCE(a.hi, {greatest_key})
     WHERE EXISTS (SELECT 1 FROM {s}_instances l WHERE l.id = ? AND l.expires_at > UTC_TIMESTAMP(6))
+        AND (SELECT 1 FROM {s}_records e FORCE INDEX ({s}_records_partition_key_seq)
+            WHERE e.`partition` = a.part LIMIT 1) IS NOT NULL
     LIMIT ?
 ), keyed AS (
     SELECT w.`partition`, w.`key`, MIN(w.seq) AS seq,
