@@ -235,17 +235,23 @@ struct Case {
 }
 
 fn key_name(partition: i16, n: u8) -> String {
-    // Names sort differently from numbers ("p1-k10" < "p1-k2").
-    format!("p{partition}-k{}", u32::from(n) * 3 % 11)
+    // Names sort differently from numbers ("p1-k10" < "p1-k5"), and some differ only in case or by a
+    // trailing space: distinct keys in byte order, one key to a case-insensitive or padding collation.
+    let name = format!("p{partition}-k{}", u32::from(n / 3) * 5 % 11);
+    match n % 3 {
+        0 => name,
+        1 => name.to_uppercase(),
+        _ => format!("{name} "),
+    }
 }
 
 fn case() -> impl Strategy<Value = Case> {
     (
-        proptest::collection::vec((0i16..4, 0u8..6, 1i64..4, 1i64..4, proptest::collection::vec(state(), 1..8)), 0..14),
+        proptest::collection::vec((0i16..4, 0u8..9, 1i64..4, 1i64..4, proptest::collection::vec(state(), 1..8)), 0..14),
         proptest::sample::subsequence(vec![0i16, 1, 2, 3], 0..=4).prop_shuffle(),
         proptest::sample::subsequence(vec![0i16, 1, 2, 3], 0..=2),
         proptest::collection::vec(proptest::option::of(0u8..12), 4),
-        proptest::collection::vec(0u8..6, 0..3),
+        proptest::collection::vec(0u8..9, 0..3),
         (1usize..6, 0usize..5, prop_oneof![Just(usize::MAX), 0usize..60]),
     )
         .prop_map(|(keys, order, unheld, cursors, exclude, (limit, followers, budget))| {

@@ -1208,7 +1208,7 @@ mod tests {
     }
 
     /// Fetches of any partitions are one statement, prepared once per connection: a statement closed
-    /// to make room in sqlx's cache holds up the connection's next command (see `fetch_partitions`).
+    /// to make room in sqlx's cache holds up the connection's next command (see `fetch_arguments`).
     #[tokio::test]
     async fn fetches_of_any_partitions_are_one_prepared_statement() {
         let pool = held_by(Uuid::now_v7()).await;

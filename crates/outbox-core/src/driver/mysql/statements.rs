@@ -1,6 +1,8 @@
 //! MySQL's statements, written with `{s}` for the table prefix, and built once per
 //! [`Outbox`](crate::Outbox). Lists travel as one JSON argument each, opened with `JSON_TABLE`; keys in
-//! them are `VARBINARY`, so every comparison with a key is byte for byte. `key` and `partition` are
+//! them are `VARBINARY`, so every comparison with a key is byte for byte, but for the bounds of the
+//! fetch's index ranges: those are utf8mb4 text, which an index range needs, compared in the column's
+//! binary collation (which wins over the list's default one). `key` and `partition` are
 //! reserved words, always quoted. A list joined with a table comes first (`STRAIGHT_JOIN`) and finds
 //! each row by primary key (`FORCE INDEX`): on a table its statistics call small, MariaDB would rather
 //! scan it, and a scan in a locking statement locks every row, which deadlocks two workers' completions.
