@@ -612,6 +612,18 @@ mod tests {
         rows
     }
 
+    /// A fetch of partitions 5, 3, 9 and 1, in that order, for `limit` heads.
+    fn request(limit: usize) -> Request {
+        Request {
+            instance: InstanceId(Uuid::now_v7()),
+            partitions: [5, 3, 9, 1].map(|p| (p, Epoch(1), None)).to_vec(),
+            exclude: Vec::new(),
+            limit,
+            followers: 0,
+            budget: usize::MAX,
+        }
+    }
+
     fn partitions(p: Partitions) -> Vec<Partition> {
         (0..=255).filter(|&i| p.contains(i)).collect()
     }
@@ -620,14 +632,6 @@ mod tests {
     /// request's order (the walk read those before it to their end).
     #[test]
     fn a_full_batch_leaves_unread_the_partitions_from_where_it_filled() {
-        let request = |limit| Request {
-            instance: InstanceId(Uuid::now_v7()),
-            partitions: [5, 3, 9, 1].map(|p| (p, Epoch(1), None)).to_vec(),
-            exclude: Vec::new(),
-            limit,
-            followers: 0,
-            budget: usize::MAX,
-        };
         let found = |heads: Vec<Vec<FetchedRow>>, limit| Found::from_runs(heads, &request(limit)).unwrap();
         let filled_in_9 = found(vec![head(9, "c", 3), head(5, "a", 1), head(3, "b", 2)], 3);
         assert_eq!(filled_in_9.last_partition, Some(9));
@@ -643,14 +647,6 @@ mod tests {
     /// ends at its last head, wherever the walk stopped (the keys after that head were not taken).
     #[test]
     fn a_walk_cut_short_goes_on_where_it_stopped() {
-        let request = |limit| Request {
-            instance: InstanceId(Uuid::now_v7()),
-            partitions: [5, 3, 9, 1].map(|p| (p, Epoch(1), None)).to_vec(),
-            exclude: Vec::new(),
-            limit,
-            followers: 0,
-            budget: usize::MAX,
-        };
         let found = |heads: Vec<Vec<FetchedRow>>, limit| Found::from_runs(heads, &request(limit)).unwrap();
         let blocked = found(vec![head(5, "a", 1), stopped_at(3, "x", 7, false)], 10);
         assert_eq!(blocked.runs.len(), 1, "the key it stopped at is not served: its head is not due");
