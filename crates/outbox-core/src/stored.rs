@@ -196,15 +196,25 @@ impl Found {
         Ok(found)
     }
 
-    /// The partitions of `request` this fetch may have left records in, besides those of the keys it
-    /// excluded or served: none unless its walk was cut, else those from the partition where it was cut
-    /// on, in the request's order. The walk reads each partition before that one to its end.
-    pub(crate) fn unread(&self, request: &Request) -> Partitions {
+    /// The partitions of `request` its walk did not read to their end: none unless it was cut, else
+    /// those from the partition where it was cut on, in the request's order.
+    pub(crate) fn cut_off(&self, request: &Request) -> Partitions {
         if !self.cut {
             return Partitions::default();
         }
         let filled = request.partitions.iter().position(|p| Some(p.0) == self.last_partition);
         request.partitions[filled.unwrap_or(0)..].iter().map(|p| p.0).collect()
+    }
+
+    /// The partitions of `request` to fetch again at once: those it cut off, if it served anything. A
+    /// walk cut short of what it may read that served nothing goes on at the next poll, or a partition
+    /// with more blocked records than a walk reads would be fetched again and again for as long as
+    /// they stay blocked.
+    pub(crate) fn unread(&self, request: &Request) -> Partitions {
+        if self.runs.is_empty() {
+            return Partitions::default();
+        }
+        self.cut_off(request)
     }
 }
 
@@ -628,8 +638,8 @@ mod tests {
         (0..=255).filter(|&i| p.contains(i)).collect()
     }
 
-    /// Only a full batch leaves anything unread: the partitions from the one where it filled on, in the
-    /// request's order (the walk read those before it to their end).
+    /// A full batch leaves the partitions from the one where it filled on unread, in the request's order
+    /// (the walk read those before it to their end); one that did not fill, none.
     #[test]
     fn a_full_batch_leaves_unread_the_partitions_from_where_it_filled() {
         let found = |heads: Vec<Vec<FetchedRow>>, limit| Found::from_runs(heads, &request(limit)).unwrap();
@@ -643,8 +653,9 @@ mod tests {
     }
 
     /// A walk that read all it may ends where it stopped: the next walk of that partition starts after
-    /// the key it stopped at, served or not, and the partitions from it on are unread. A full batch
-    /// ends at its last head, wherever the walk stopped (the keys after that head were not taken).
+    /// the key it stopped at, served or not, and the partitions from it on are fetched again at once if
+    /// it served anything (else at the next poll). A full batch ends at its last head, wherever the
+    /// walk stopped (the keys after that head were not taken).
     #[test]
     fn a_walk_cut_short_goes_on_where_it_stopped() {
         let found = |heads: Vec<Vec<FetchedRow>>, limit| Found::from_runs(heads, &request(limit)).unwrap();
@@ -656,6 +667,9 @@ mod tests {
         let due = found(vec![stopped_at(9, "y", 2, true)], 10);
         assert_eq!(due.runs.len(), 1, "the key it stopped at is served: its head is due");
         assert_eq!(partitions(due.unread(&request(10))), [1, 9]);
+        let nothing = found(vec![stopped_at(3, "x", 7, false)], 10);
+        assert_eq!(nothing.last_served.get(&3).map(String::as_str), Some("x"), "the next walk goes on after it");
+        assert!(nothing.unread(&request(10)).is_empty(), "a cut walk that served nothing waits for the poll");
         let full = found(vec![head(5, "a", 1), stopped_at(3, "x", 7, false)], 1);
         assert_eq!(full.last_served.get(&3), None, "the keys after the batch's last head were not read");
         assert_eq!(partitions(full.unread(&request(1))), [1, 3, 5, 9]);

@@ -379,9 +379,11 @@ impl Db {
     /// without, its lowest due one) and up to `followers` records after it, gapless, as long as the
     /// run's payloads stay within `budget` (the head always comes); at most `limit` heads. Only of
     /// partitions whose row still shows `request.instance` as owner at the requested epoch, and only
-    /// while that instance's lease is live by database time. `Found::last_served` names each partition's
-    /// last head in walk order, `Found::last_partition` the partition of the last head of all. The
-    /// processor runs it on its [`Db::fetch_pool`].
+    /// while that instance's lease is live by database time. MySQL's walk also stops after a bounded
+    /// number of records (`mysql::walk_records`), returning the key it stopped at marked (`stop`).
+    /// `Found::last_served` names each partition's last head in walk order (or the key a cut walk
+    /// stopped at), `Found::last_partition` the partition of the last of all. The processor runs it on
+    /// its [`Db::fetch_pool`].
     pub(crate) async fn fetch(&self, statements: &Statements, request: &Request) -> Result<Found> {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).fetch(request).await)
     }

@@ -1,8 +1,9 @@
 //! What the next fetch asks for: the partitions held (not fenced out) that it was asked to read (all for
 //! a poll, some for a wake-up or a completion), in a rotating order so no
-//! partition is always served last, each with the key its walk starts after (a rotating cursor, so keys
-//! that sort low cannot starve the others), and the keys in flight to pass over. The driver's fetch is
-//! fenced by the database (see `Db::fetch`).
+//! partition is always served last, each with the key its walk starts after where the last walk there
+//! was cut (a rotating cursor, so keys that sort low cannot starve the others; a partition read to its
+//! end starts at its lowest key), and the keys in flight to pass over. The driver's fetch is fenced by
+//! the database (see `Db::fetch`).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -62,11 +63,11 @@ impl Fetches {
     /// at their lowest key (a start key would only add a second range to read); the one where it was
     /// cut goes on after the last key it served or read there; those it did not reach keep theirs.
     pub(super) fn served(&mut self, request: &Request, found: &Found) {
-        let unread = found.unread(request);
+        let cut_off = found.cut_off(request);
         for (partition, ..) in &request.partitions {
             match found.last_served.get(partition) {
-                Some(key) if unread.contains(*partition) => _ = self.cursors.insert(*partition, key.clone()),
-                _ if unread.contains(*partition) => {}
+                Some(key) if cut_off.contains(*partition) => _ = self.cursors.insert(*partition, key.clone()),
+                _ if cut_off.contains(*partition) => {}
                 _ => _ = self.cursors.remove(partition),
             }
         }
@@ -105,5 +106,7 @@ mod tests {
         };
         fetches.served(&request, &found);
         assert_eq!(fetches.cursors, [(6, "k".to_string()), (1, "a".to_string())].into());
+        // Whether or not it served anything (`Found::unread` differs, not the start keys).
+        assert!(found.runs.is_empty() && found.unread(&request).is_empty());
     }
 }

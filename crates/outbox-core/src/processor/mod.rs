@@ -5,7 +5,8 @@
 //!   keys in flight excluded, blocked keys passed over) from the held partitions, fenced by the
 //!   instance's (owner, epoch) and its live lease. A poll reads every held partition; a wake-up, or a
 //!   key's completed run, only the partitions it names, which costs the database a fraction of a
-//!   full fetch; a fetch that filled its batch, the partitions its walk did not finish;
+//!   full fetch; a fetch that filled its batch (or, on MySQL, whose bounded walk stopped after serving
+//!   something), the partitions its walk did not finish;
 //! - **deliver** (`deliver.rs`): each key's run (its head and up to `key_lookahead - 1` records after it)
 //!   goes to its handler in its own task, one record after another, each finished before the next
 //!   starts, up to `concurrency` keys at once; a key is fetched again only after its run is completed
@@ -443,7 +444,8 @@ impl State {
             }
         };
         debug!(instance = %request.instance, keys = found.runs.len(), "fetched");
-        // A full batch may have left more in the partitions its walk did not finish; and a completion
+        // A cut walk (a full batch, or a bounded walk that served something) may have left more in the
+        // partitions it did not finish; and a completion
         // that landed while this fetch ran has already asked for another (its keys' next records may not
         // have been visible to this fetch): keep that request. Reading every partition again instead
         // made most fetches of a busy processor walk the partitions whose keys were all in flight.
