@@ -130,11 +130,9 @@ pub(crate) struct Found {
     pub(crate) runs: Vec<Vec<Fetched>>,
     /// Per partition served: the last key the walk served there, or where it stopped.
     pub(crate) last_served: BTreeMap<Partition, String>,
-    /// The partition of the last head in walk order, or where the walk stopped.
-    pub(crate) last_partition: Option<Partition>,
-    /// The walk ended before the partitions asked for were read to their end, at `last_partition`:
-    /// the batch filled, or the walk read all it may.
-    pub(crate) cut: bool,
+    /// Where the walk ended before the partitions asked for were read to their end, if it did: the
+    /// partition of the last head of a full batch, or where a walk that read all it may stopped.
+    pub(crate) cut_in: Option<Partition>,
 }
 
 impl Found {
@@ -185,13 +183,12 @@ impl Found {
             }
         }
         found.last_served = last.into_iter().map(|(p, (_, key))| (p, key)).collect();
-        found.last_partition = last_walk.map(|(_, p)| p);
-        found.cut = found.runs.len() >= request.limit;
-        // A full batch left the keys after its last head unread, wherever the walk stopped.
-        if let Some((partition, key)) = stopped.filter(|_| !found.cut) {
+        if found.runs.len() >= request.limit {
+            // The keys after the last head were not taken, wherever the walk stopped.
+            found.cut_in = last_walk.map(|(_, p)| p);
+        } else if let Some((partition, key)) = stopped {
             found.last_served.insert(partition, key);
-            found.last_partition = Some(partition);
-            found.cut = true;
+            found.cut_in = Some(partition);
         }
         Ok(found)
     }
@@ -199,11 +196,9 @@ impl Found {
     /// The partitions of `request` its walk did not read to their end: none unless it was cut, else
     /// those from the partition where it was cut on, in the request's order.
     pub(crate) fn cut_off(&self, request: &Request) -> Partitions {
-        if !self.cut {
-            return Partitions::default();
-        }
-        let filled = request.partitions.iter().position(|p| Some(p.0) == self.last_partition);
-        request.partitions[filled.unwrap_or(0)..].iter().map(|p| p.0).collect()
+        let Some(cut_in) = self.cut_in else { return Partitions::default() };
+        let from = request.partitions.iter().position(|p| p.0 == cut_in).unwrap_or(0);
+        request.partitions[from..].iter().map(|p| p.0).collect()
     }
 
     /// The partitions of `request` to fetch again at once: those it cut off, if it served anything. A
@@ -644,7 +639,7 @@ mod tests {
     fn a_full_batch_leaves_unread_the_partitions_from_where_it_filled() {
         let found = |heads: Vec<Vec<FetchedRow>>, limit| Found::from_runs(heads, &request(limit)).unwrap();
         let filled_in_9 = found(vec![head(9, "c", 3), head(5, "a", 1), head(3, "b", 2)], 3);
-        assert_eq!(filled_in_9.last_partition, Some(9));
+        assert_eq!(filled_in_9.cut_in, Some(9));
         assert_eq!(partitions(filled_in_9.unread(&request(3))), [1, 9]);
         let filled_in_5 = found(vec![head(5, "a", 1), head(5, "b", 2)], 2);
         assert_eq!(partitions(filled_in_5.unread(&request(2))), [1, 3, 5, 9]);

@@ -382,8 +382,8 @@ impl Db {
     /// while that instance's lease is live by database time. MySQL's walk also stops after a bounded
     /// number of records (`mysql::walk_records`), returning the key it stopped at marked (`stop`).
     /// `Found::last_served` names each partition's last head in walk order (or the key a cut walk
-    /// stopped at), `Found::last_partition` the partition of the last of all. The processor runs it on
-    /// its [`Db::fetch_pool`].
+    /// stopped at), `Found::cut_in` the partition where the walk was cut, if it was. The processor runs
+    /// it on its [`Db::fetch_pool`].
     pub(crate) async fn fetch(&self, statements: &Statements, request: &Request) -> Result<Found> {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).fetch(request).await)
     }

@@ -65,10 +65,10 @@ impl Fetches {
     pub(super) fn served(&mut self, request: &Request, found: &Found) {
         let cut_off = found.cut_off(request);
         for (partition, ..) in &request.partitions {
-            match found.last_served.get(partition) {
-                Some(key) if cut_off.contains(*partition) => _ = self.cursors.insert(*partition, key.clone()),
-                _ if cut_off.contains(*partition) => {}
-                _ => _ = self.cursors.remove(partition),
+            if !cut_off.contains(*partition) {
+                self.cursors.remove(partition);
+            } else if let Some(key) = found.last_served.get(partition) {
+                self.cursors.insert(*partition, key.clone());
             }
         }
     }
@@ -100,8 +100,7 @@ mod tests {
         };
         let found = Found {
             last_served: [(3, "d".to_string()), (6, "k".to_string())].into(),
-            last_partition: Some(6),
-            cut: true,
+            cut_in: Some(6),
             ..Found::default()
         };
         fetches.served(&request, &found);

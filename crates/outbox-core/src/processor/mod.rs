@@ -445,10 +445,10 @@ impl State {
         };
         debug!(instance = %request.instance, keys = found.runs.len(), "fetched");
         // A cut walk (a full batch, or a bounded walk that served something) may have left more in the
-        // partitions it did not finish; and a completion
-        // that landed while this fetch ran has already asked for another (its keys' next records may not
-        // have been visible to this fetch): keep that request. Reading every partition again instead
-        // made most fetches of a busy processor walk the partitions whose keys were all in flight.
+        // partitions it did not finish; and a completion that landed while this fetch ran has already
+        // asked for another (its keys' next records may not have been visible to this fetch): keep that
+        // request. Reading every partition again instead made most fetches of a busy processor walk the
+        // partitions whose keys were all in flight.
         self.wanted.extend(found.unread(request));
         if !found.runs.is_empty() {
             self.last_found = Some(Instant::now());
