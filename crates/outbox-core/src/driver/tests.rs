@@ -203,6 +203,44 @@ async fn a_call_not_made_takes_its_count_back(pool: PgPool) {
     }
 }
 
+/// A completion batch larger than the server takes in one statement (MySQL's `max_allowed_packet`: many
+/// keys in flight failing with long errors) is written whole, as is one of more deliveries than a
+/// statement's list of them holds: the batch comes back on every retry, and its keys would wait for good.
+#[sqlx::test(migrations = false)]
+async fn a_completion_batch_of_any_size_is_written(pool: PgPool) {
+    for db in backends(pool).await {
+        let outbox = migrated(&db, Config::default()).await;
+        let instance = hold_all(&db).await;
+        // An error at its longest, each character escaped in JSON: about 8 KiB a failure.
+        let error = "\"".repeat(crate::MAX_ERROR_BYTES);
+        let failures = match &db {
+            Db::MySql(_) => {
+                let (packet,): (i64,) = db.fetch_one("SELECT CAST(@@max_allowed_packet AS SIGNED)", &[]).await.unwrap();
+                usize::try_from(packet).unwrap() / (2 * error.len()) + 64
+            }
+            _ => 64,
+        };
+        let deliveries = 25_000;
+        let records: Vec<NewRecord> =
+            (0..failures + deliveries).map(|i| NewRecord::new(format!("k{i}"), "t", "")).collect();
+        let scheduled = commit(&outbox, &db, &records).await;
+        let outcomes: Vec<Outcome> = scheduled
+            .iter()
+            .zip(&records)
+            .enumerate()
+            .map(|(i, (scheduled, record))| {
+                let verdict = if i < failures { Verdict::Failed { error: error.clone() } } else { Verdict::Delivered };
+                Outcome { key: record.key.clone(), ..first_attempt(scheduled, instance, verdict) }
+            })
+            .collect();
+        let written = db.complete(outbox.statements(), &outcomes).await.unwrap();
+        assert_eq!(written.ids.len(), outcomes.len(), "{}", db.backend());
+        let stats = outbox.stats(&db).await.unwrap();
+        let (pending, failed) = stats.iter().fold((0, 0), |(p, f), s| (p + s.pending, f + s.failed));
+        assert_eq!((pending, failed), (0, failures as i64), "{}", db.backend());
+    }
+}
+
 /// A record's state in the fetch model.
 #[derive(Debug, Clone, Copy)]
 enum State {

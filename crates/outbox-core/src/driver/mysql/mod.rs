@@ -251,9 +251,8 @@ pub(super) async fn schedule(
     fits_a_packet(conn, rows, &records).await?;
     // Keys and ids in lists of a bounded size too: in one list each, a batch of many records on long
     // keys was over the packet. The keys stay in sorted order across their lists.
-    let keys = keys.iter().map(json).collect::<Result<Vec<String>>>()?;
-    let ids = rows.iter().map(|r| json(&hex(r.id))).collect::<Result<Vec<String>>>()?;
-    let [keys, records, ids] = [keys, records, ids].map(|list| json_arrays(&list, INSERT_BYTES));
+    let (keys, ids) = (json_lists(keys)?, json_lists(rows.iter().map(|r| hex(r.id)))?);
+    let records = json_arrays(&records, LIST_BYTES);
     let numbers = if !conn.is_in_transaction() && savepoint_in_applications_transaction(conn).await? {
         match insert(conn, s, &keys, &records, &ids).await {
             Ok(numbers) => {
@@ -320,11 +319,12 @@ async fn savepoint_in_applications_transaction(conn: &mut MySqlConnection) -> Re
     }
 }
 
-/// JSON per statement of [`schedule`]. MySQL answers a statement over `max_allowed_packet` (16 MiB by
-/// default on MariaDB, 4 MiB on MySQL 5.7) with an error, or by closing the connection, which looks
-/// transient and would come back on every retry; so a large batch goes as several statements of the one
-/// transaction, in batch order (the `AUTO_INCREMENT` numbers follow).
-const INSERT_BYTES: usize = 1 << 20;
+/// JSON per statement of a list ([`schedule`]'s records, a completion's outcomes). MySQL answers a
+/// statement over `max_allowed_packet` (16 MiB by default on MariaDB, 4 MiB on MySQL 5.7) with an error,
+/// or by closing the connection, which looks transient and would come back on every retry; so a large
+/// batch goes as several statements of the one transaction, in batch order (the `AUTO_INCREMENT`
+/// numbers follow).
+const LIST_BYTES: usize = 1 << 20;
 
 /// Room in a packet for the statement's own bytes around the records' JSON.
 const PACKET_SLACK: usize = 4096;
@@ -348,10 +348,18 @@ fn json_arrays(records: &[String], budget: usize) -> Vec<String> {
     arrays
 }
 
+/// `items` as JSON arrays of about [`LIST_BYTES`] each; none if there are no items. A completion's
+/// failures carry errors of up to 4 KiB, twice that in JSON: many keys failing at once went past the
+/// packet in one list.
+fn json_lists<T: serde::Serialize>(items: impl IntoIterator<Item = T>) -> Result<Vec<String>> {
+    let items = items.into_iter().map(|item| json(&item)).collect::<Result<Vec<String>>>()?;
+    Ok(if items.is_empty() { Vec::new() } else { json_arrays(&items, LIST_BYTES) })
+}
+
 /// Refuses, before writing, a record whose JSON (its payload in base64) is more than the server takes in
-/// one statement. Asks the server its limit only when a record is over [`INSERT_BYTES`].
+/// one statement. Asks the server its limit only when a record is over [`LIST_BYTES`].
 async fn fits_a_packet(conn: &mut MySqlConnection, rows: &[NewRow<'_>], records: &[String]) -> Result<()> {
-    if records.iter().all(|r| r.len() + 2 <= INSERT_BYTES) {
+    if records.iter().all(|r| r.len() + 2 <= LIST_BYTES) {
         return Ok(());
     }
     let limit: u64 = sqlx::query_scalar("SELECT CAST(@@max_allowed_packet AS UNSIGNED)").fetch_one(&mut *conn).await?;
@@ -526,9 +534,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
         transaction(conn, &s.begin, async |tx| {
             let grants = json(&grants_list(outcomes))?;
             written.hold(sqlx::query_as(statement(&s.fence)).bind(grants).fetch_all(&mut *tx).await?);
-            let done = written.completions(outcomes);
-            if !done.is_empty() {
-                let done = json(&done)?;
+            for done in json_lists(written.completions(outcomes))? {
                 let found: Vec<(Uuid,)> =
                     sqlx::query_as(statement(&s.lock_done)).bind(&done).fetch_all(&mut *tx).await?;
                 if let Some(keep) = &s.keep {
@@ -552,8 +558,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
                     ))
                 })
                 .collect();
-            if !failures.is_empty() {
-                let failures = json(&failures)?;
+            for failures in json_lists(failures)? {
                 let found: Vec<(Uuid,)> =
                     sqlx::query_as(statement(&s.lock_failing)).bind(&failures).fetch_all(&mut *tx).await?;
                 if !found.is_empty() {
