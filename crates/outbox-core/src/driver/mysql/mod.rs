@@ -990,6 +990,53 @@ mod tests {
         assert_eq!(sent.len(), 3 * 2, "rows sent for 3 keys");
     }
 
+    /// A key's head is its lowest record whatever order the server walks the index in: the walk has no
+    /// `ORDER BY` (its plan, pinned below on MariaDB, reads in index order), and a server that read a
+    /// key's later records first, and stopped before its first, must not serve a later one ahead of it.
+    /// Here the walk is made to read newest first: key `a`'s oldest records are past its limit.
+    #[tokio::test]
+    async fn a_walk_read_out_of_order_serves_no_record_ahead_of_its_key() {
+        let (pool, outbox) = migrated().await;
+        let records: Vec<crate::NewRecord> =
+            (0..40).map(|_| crate::NewRecord::new("a", "t", "")).chain([crate::NewRecord::new("b", "t", "")]).collect();
+        let mut tx = pool.begin().await.unwrap();
+        let scheduled = outbox.schedule_batch(&mut *tx, &records).await.unwrap();
+        tx.commit().await.unwrap();
+        let instance = InstanceId::new();
+        sqlx::query(
+            "INSERT INTO outbox_instances (id, name, expires_at) VALUES (?, 't', UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
+        )
+        .bind(instance)
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query("UPDATE outbox_partitions SET owner = ?, epoch = 1").bind(instance).execute(&pool).await.unwrap();
+        for stop_on_first_failure in [true, false] {
+            let mut statements = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
+            let walk_end = "\n    LIMIT ?\n), keyed AS";
+            assert!(statements.fetch.contains(walk_end), "the walk's end moved: change this test");
+            statements.fetch =
+                statements.fetch.replace(walk_end, "\n    ORDER BY r.seq DESC LIMIT ?\n), keyed AS").into();
+            let request = Request {
+                instance,
+                partitions: crate::partition::all_partitions().map(|p| (p, Epoch(1), None)).collect(),
+                exclude: vec![],
+                limit: 1,
+                followers: 0,
+                budget: usize::MAX,
+            };
+            assert!(super::walk_records(&request) < 40, "the walk stops inside key a");
+            let found = super::fetch_query(&statements, &request).unwrap().fetch_all(&pool).await.unwrap();
+            let first_of_a = scheduled[0].id;
+            let served: Vec<(String, bool)> = found
+                .iter()
+                .filter(|row| row.due)
+                .map(|row| (row.key.clone(), row.key != "a" || row.id == first_of_a))
+                .collect();
+            assert!(served.iter().all(|(_, first)| *first), "{stop_on_first_failure}: {served:?}");
+        }
+    }
+
     /// One line of MariaDB's `EXPLAIN`: query kind, table, access type, index, extra.
     #[derive(Debug)]
     struct Step {

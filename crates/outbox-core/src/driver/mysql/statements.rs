@@ -131,10 +131,13 @@ WHERE b.depth = 0 OR b.run_bytes <= ?";
 /// times the highest code point.
 const GREATEST_KEY: &str = "CONVERT(REPEAT(x'F48FBFBF', 512) USING utf8mb4)";
 
-/// With stop-on-first-failure, a key's head is its lowest sequence, served if due.
+/// With stop-on-first-failure, a key's head is its lowest sequence, served if due. The lowest the walk
+/// read is checked against the index, one probe as the due check alone was: a server walking in
+/// another order than the index's could stop past a key's first record, and serve a later one first.
 const HEAD_LOWEST: &str = "k.seq";
-const SERVE_HEAD_DUE: &str = "EXISTS (SELECT 1 FROM {s}_records r
-    WHERE r.`partition` = k.`partition` AND r.`key` = k.`key` AND r.seq = k.seq AND {due})";
+const SERVE_HEAD_DUE: &str = "COALESCE((SELECT r.seq = k.seq AND {due}
+    FROM {s}_records r FORCE INDEX ({s}_records_partition_key_seq)
+    WHERE r.`partition` = k.`partition` AND r.`key` = k.`key` ORDER BY r.seq LIMIT 1), FALSE)";
 
 /// Without, its lowest due sequence, served if there is one.
 const HEAD_LOWEST_DUE: &str = "(SELECT r.seq FROM {s}_records r FORCE INDEX ({s}_records_partition_key_seq)
