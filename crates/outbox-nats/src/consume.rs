@@ -6,15 +6,16 @@
 //! fails is rolled back and negatively acknowledged with a growing delay, so JetStream delivers it
 //! again.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::consumer::AckPolicy;
 use async_nats::jetstream::consumer::pull::{self, MessagesError, MessagesErrorKind};
 use async_nats::jetstream::{AckKind, Message};
-use backon::{BackoffBuilder, ExponentialBuilder};
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use futures::{Stream, StreamExt};
 use outbox_core::inbox::{Inbox, MAX_INBOX_ID_BYTES};
 use outbox_core::{BoxError, Db, Tx};
+use tokio::time::Instant;
 use tracing::{debug, error, warn};
 use xxhash_rust::xxh3::xxh3_128;
 
@@ -46,8 +47,9 @@ pub struct Consumed {
 /// last failure is counted in [`Consumed::given_up`] and logged as an error naming the message.
 /// Errors the message stream reads on after (a missed heartbeat, no responders during a leader
 /// election, a pull that failed while the client reconnected) are logged and read past, after a short
-/// pause that grows while they repeat, for up to a minute without a message; then, and at once for one
-/// that ends the stream (the consumer was deleted while connected), the error is returned.
+/// pause that grows while they repeat, for up to a minute of errors in a row (each within a minute of
+/// the last, no message between); then, and at once for one that ends the stream (the consumer was
+/// deleted while connected), the error is returned.
 pub async fn apply_once<S, F>(messages: S, db: &Db, inbox: &Inbox, source: &str, mut apply: F) -> Result<Consumed>
 where
     S: Stream<Item = Result<Message, MessagesError>>,
@@ -58,15 +60,16 @@ where
     // The consumer's `max_deliver` (none: unbounded), read at the first message.
     let mut max_deliver = None;
     let mut pauses = read_on_pauses();
-    let mut failing_since = None;
+    // When the errors in a row began, and when the last one came.
+    let mut failing: Option<(Instant, Instant)> = None;
     while let Some(message) = messages.next().await {
         let message = match message {
             Ok(message) => {
                 pauses = read_on_pauses();
-                failing_since = None;
+                failing = None;
                 message
             }
-            Err(e) if reads_on_after(&e) && failing_since.get_or_insert_with(Instant::now).elapsed() < READ_ON_FOR => {
+            Err(e) if reads_on_after(&e) && read_on(&mut failing, &mut pauses) => {
                 let pause = pauses.next().unwrap_or(READ_ON_MAX);
                 warn!(source, error = %e, retry_in = ?pause, "reading JetStream messages failed; reading on");
                 tokio::time::sleep(pause).await;
@@ -124,8 +127,26 @@ fn reads_on_after(error: &MessagesError) -> bool {
     )
 }
 
+/// Whether to read on after an error that came now: unless the errors in a row have gone on for
+/// [`READ_ON_FOR`]. An error [`READ_ON_FOR`] after the last one begins a new row (and its pauses): a
+/// consumer of a quiet subject sees no message after it recovers, and its next hiccup, minutes later,
+/// ended it as if the errors had never stopped.
+fn read_on(failing: &mut Option<(Instant, Instant)>, pauses: &mut ExponentialBackoff) -> bool {
+    let now = Instant::now();
+    let since = match *failing {
+        Some((since, last)) if now.duration_since(last) < READ_ON_FOR => since,
+        Some(_) => {
+            *pauses = read_on_pauses();
+            now
+        }
+        None => now,
+    };
+    *failing = Some((since, now));
+    now.duration_since(since) < READ_ON_FOR
+}
+
 /// The pauses after errors in a row: 50 ms, doubling up to 2 s.
-fn read_on_pauses() -> impl Iterator<Item = Duration> {
+fn read_on_pauses() -> ExponentialBackoff {
     ExponentialBuilder::new()
         .with_min_delay(Duration::from_millis(50))
         .with_max_delay(READ_ON_MAX)
@@ -136,8 +157,8 @@ fn read_on_pauses() -> impl Iterator<Item = Duration> {
 const READ_ON_MAX: Duration = Duration::from_secs(2);
 
 /// How long errors may follow one another, without a message between them, before the last one is
-/// returned: a consumer deleted while the client was away answers every pull with "no responders", and
-/// a pull the server refuses is refused again.
+/// returned (a consumer deleted while the client was away answers every pull with "no responders", and
+/// a pull the server refuses is refused again); and how long after the last error a row of them ends.
 const READ_ON_FOR: Duration = Duration::from_secs(60);
 
 /// Refuses a consumer that does not acknowledge message by message; returns its `max_deliver` (`None`:
@@ -208,5 +229,54 @@ fn message_id(message: &Message) -> String {
         (Some(id), _) => format!("xxh3-128:{:032x}", xxh3_128(id.as_bytes())),
         (None, Ok(info)) => format!("{}:{}", info.stream, info.stream_sequence),
         (None, Err(_)) => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use async_nats::jetstream::consumer::pull::{MessagesError, MessagesErrorKind};
+    use futures::{Stream, StreamExt};
+    use outbox_core::{Config, Db, Outbox, Tx};
+
+    use super::apply_once;
+
+    /// Missed heartbeats, each `gap` after the one before; then nothing, for ever.
+    fn missed_heartbeats(
+        gaps: Vec<Duration>,
+    ) -> impl Stream<Item = Result<async_nats::jetstream::Message, MessagesError>> {
+        futures::stream::iter(gaps)
+            .then(|gap| async move {
+                tokio::time::sleep(gap).await;
+                Err(MessagesError::new(MessagesErrorKind::MissingHeartbeat))
+            })
+            .chain(futures::stream::pending())
+    }
+
+    /// Whether `apply_once` is still reading `messages` after ten minutes (on a paused clock).
+    async fn reads_on(messages: impl Stream<Item = Result<async_nats::jetstream::Message, MessagesError>>) -> bool {
+        let db = Db::connect("sqlite::memory:").await.unwrap();
+        let inbox = Outbox::new(Config::default()).unwrap().inbox();
+        // Paused once the database is open: its pool's time limits run on the same clock.
+        tokio::time::pause();
+        let apply = async |_: &mut Tx, _: &async_nats::jetstream::Message| Ok(());
+        let consuming = apply_once(messages, &db, &inbox, "orders", apply);
+        tokio::time::timeout(Duration::from_secs(600), consuming).await.is_err()
+    }
+
+    /// A hiccup minutes after the last one, with no message between (a quiet subject), begins a new
+    /// row of errors: the consumer reads on. It ended, as if the errors had gone on all along.
+    #[tokio::test]
+    async fn a_hiccup_long_after_the_last_one_is_read_past() {
+        let apart = vec![Duration::ZERO, Duration::from_secs(300)];
+        assert!(reads_on(missed_heartbeats(apart)).await, "the consumer ended at the second hiccup");
+    }
+
+    /// Errors following one another for longer than a minute end the consumer with the last one.
+    #[tokio::test]
+    async fn errors_in_a_row_for_a_minute_end_the_consumer() {
+        let in_a_row = vec![Duration::from_secs(5); 20];
+        assert!(!reads_on(missed_heartbeats(in_a_row)).await, "the consumer read on past a minute of errors");
     }
 }
