@@ -347,6 +347,8 @@ async fn a_configured_certificate_authority_refuses_a_server_without_tls() {
     let config = NatsConfig { tls: outbox_nats::Tls { ca_file: Some(cert), ..Default::default() }, ..config(&server) };
     let refused = outbox_nats::connect(&config).await;
     assert!(matches!(refused, Err(NatsError::Connect { .. })), "{refused:?}");
+    let refused = refused.unwrap_err();
+    assert!(!refused.is_transient(), "no retry makes the server offer TLS: {refused:?}");
 }
 
 #[tokio::test]
@@ -388,6 +390,7 @@ async fn connection_errors_are_typed_and_auth_works() {
     let wrong = NatsConfig { auth: Auth::Token { token: "guess".into() }, ..config(&server) };
     let err = outbox_nats::connect(&wrong).await.unwrap_err();
     assert!(matches!(err, NatsError::Connect { .. }), "{err:?}");
+    assert!(!err.is_transient(), "a refused token is refused again: {err:?}");
     assert!(!format!("{err:?}{err}").contains("guess"), "the token is not shown");
 }
 

@@ -104,9 +104,23 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether retrying later may succeed (the broker was unreachable or a request failed).
+    /// Whether retrying later may succeed: the broker was unreachable (refused, timed out, a name not
+    /// resolved yet) or a stream request failed. Not credentials the server refuses, a TLS setup it does
+    /// not meet (a server without TLS answers the handshake with data that is not TLS), or an address
+    /// that does not parse: a start-up loop retrying those would never end.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Error::Connect { .. } | Error::Stream { .. })
+        use async_nats::ConnectErrorKind as Kind;
+        match self {
+            Error::Connect { source, .. } => match source.kind() {
+                Kind::ServerParse | Kind::Authentication | Kind::AuthorizationViolation | Kind::Tls => false,
+                Kind::Io => std::error::Error::source(source)
+                    .and_then(|e| e.downcast_ref::<std::io::Error>())
+                    .is_none_or(|e| e.kind() != std::io::ErrorKind::InvalidData),
+                Kind::Dns | Kind::TimedOut | Kind::MaxReconnects => true,
+            },
+            Error::Stream { .. } => true,
+            _ => false,
+        }
     }
 }
 
