@@ -20,6 +20,7 @@ every_backend!(
     the_purge_deletes_only_old_rows_in_batches,
     a_keys_events_are_accepted_only_in_order,
     concurrent_consumers_of_one_key_never_deadlock,
+    an_accept_outside_any_transaction_is_refused,
 );
 
 async fn a_message_is_accepted_once_per_source(db: TestDb) {
@@ -86,6 +87,38 @@ async fn bad_ids_are_refused_and_the_transaction_goes_on(db: TestDb) {
     assert!(inbox.accept(&mut tx, &longest, &longest).await.unwrap());
     tx.commit().await.unwrap();
     assert_eq!(count(&db, "SELECT count(*) FROM {s}inbox").await, 1);
+}
+
+/// On a connection outside any transaction an acceptance would commit at once, before the message is
+/// applied: a message whose apply failed then would count as applied for good. It is refused and
+/// writes nothing. In a transaction the application began with its own SQL it is taken, and rolled
+/// back with it.
+async fn an_accept_outside_any_transaction_is_refused(db: TestDb) {
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    macro_rules! on_a_pooled_connection {
+        ($pool:expr) => {{
+            let mut conn = $pool.acquire().await.unwrap();
+            let refused = inbox.accept(&mut *conn, "orders", "m-1").await;
+            assert!(matches!(refused, Err(Error::NotInTransaction { .. })), "{refused:?}");
+            let refused = inbox.accept_in_order(&mut *conn, "orders", "k", 1).await;
+            assert!(matches!(refused, Err(Error::NotInTransaction { .. })), "{refused:?}");
+            sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+            assert!(inbox.accept(&mut *conn, "orders", "m-2").await.unwrap(), "in the application's own BEGIN");
+            assert!(inbox.accept_in_order(&mut *conn, "orders", "k", 1).await.unwrap());
+            sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+        }};
+    }
+    match &db.db {
+        outbox_core::Db::Postgres(pool) => on_a_pooled_connection!(pool),
+        outbox_core::Db::Sqlite(pool) => on_a_pooled_connection!(pool),
+        outbox_core::Db::MySql(pool) => on_a_pooled_connection!(pool),
+        _ => unreachable!("the tests build every backend"),
+    }
+    let mut tx = db.begin().await;
+    assert!(inbox.accept(&mut tx, "orders", "m-1").await.unwrap(), "the refused acceptance wrote nothing");
+    assert!(inbox.accept(&mut tx, "orders", "m-2").await.unwrap(), "the rolled back one left nothing");
+    assert!(inbox.accept_in_order(&mut tx, "orders", "k", 1).await.unwrap());
+    tx.commit().await.unwrap();
 }
 
 async fn the_purge_deletes_only_old_rows_in_batches(db: TestDb) {

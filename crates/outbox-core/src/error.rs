@@ -113,6 +113,13 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
+    /// An inbox call on a connection outside any transaction: its row would commit at once, before the
+    /// message is applied, and a message whose apply then failed would be taken as applied for good.
+    #[error("{call} must run in the transaction that applies the message; the connection is in none")]
+    NotInTransaction {
+        /// The call refused (`"Inbox::accept"`, `"Inbox::accept_in_order"`).
+        call: &'static str,
+    },
     /// A payload could not be serialised to JSON.
     #[error("payload for key {key:?} could not be serialised to JSON: {source}")]
     Json {

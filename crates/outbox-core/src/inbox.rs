@@ -38,7 +38,9 @@ impl Inbox {
     /// `true` if it rolls back. Apply the message in the same transaction, after a `true`.
     ///
     /// An empty or over-long source or id is refused with [`Error::BadInboxId`] before anything is
-    /// sent, leaving the transaction usable.
+    /// sent, leaving the transaction usable. A connection outside any transaction (sqlx's, or one the
+    /// application began with its own `BEGIN`) is refused with [`Error::NotInTransaction`]: the row
+    /// would commit before the message is applied.
     ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool, outbox: outbox_core::Outbox) -> outbox_core::Result<()> {
@@ -67,6 +69,7 @@ impl Inbox {
     /// applied over the newer state. Its rows are one per key and are not purged. Consumers of one key
     /// in concurrent transactions queue on its row. On MySQL a new key's row starts one below the
     /// event, so a first event numbered `i64::MIN` is not accepted there (outbox numbers start at 1).
+    /// Outside any transaction it is refused, as [`Inbox::accept`] is.
     #[instrument(skip(self, conn))]
     pub async fn accept_in_order<'c>(
         &self,

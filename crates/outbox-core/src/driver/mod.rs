@@ -699,7 +699,8 @@ impl Conn<'_> {
     /// Inserts the inbox row of (`source`, `message_id`) unless it exists; whether it did not. A row
     /// another transaction inserted and has not yet committed makes this wait for it: the answer is
     /// false if it commits, true (this one inserts) if it rolls back.
-    pub(crate) async fn accept(self, statements: &Statements, source: &str, message_id: &str) -> Result<bool> {
+    pub(crate) async fn accept(mut self, statements: &Statements, source: &str, message_id: &str) -> Result<bool> {
+        self.in_a_transaction("Inbox::accept").await?;
         match self {
             #[cfg(feature = "postgres")]
             Conn::Postgres(conn) => postgres::accept(conn, &statements.postgres, source, message_id).await,
@@ -713,12 +714,13 @@ impl Conn<'_> {
     /// Makes `seq` the last applied event of (`source`, `key`) if it is later than the last one (or
     /// the first); whether it did. Concurrent callers for one key wait for each other, as for `accept`.
     pub(crate) async fn accept_in_order(
-        self,
+        mut self,
         statements: &Statements,
         source: &str,
         key: &str,
         seq: i64,
     ) -> Result<bool> {
+        self.in_a_transaction("Inbox::accept_in_order").await?;
         match self {
             #[cfg(feature = "postgres")]
             Conn::Postgres(conn) => postgres::accept_in_order(conn, &statements.postgres, source, key, seq).await,
@@ -727,6 +729,20 @@ impl Conn<'_> {
             #[cfg(feature = "mysql")]
             Conn::MySql(conn) => mysql::accept_in_order(conn, &statements.mysql, source, key, seq).await,
         }
+    }
+
+    /// Refuses `call` ([`Error::NotInTransaction`]) on a connection outside every transaction: sqlx's
+    /// own, or one the application began with its own SQL, which only the server knows of.
+    async fn in_a_transaction(&mut self, call: &'static str) -> Result<()> {
+        let inside = match self {
+            #[cfg(feature = "postgres")]
+            Conn::Postgres(conn) => postgres::in_a_transaction(conn).await?,
+            #[cfg(feature = "sqlite")]
+            Conn::Sqlite(conn) => sqlite::in_a_transaction(conn).await?,
+            #[cfg(feature = "mysql")]
+            Conn::MySql(conn) => mysql::in_a_transaction(conn).await?,
+        };
+        if inside { Ok(()) } else { Err(Error::NotInTransaction { call }) }
     }
 }
 

@@ -304,11 +304,22 @@ async fn insert(
 }
 
 /// Whether `conn`, outside every transaction sqlx began, is inside one the application began itself;
-/// if so, a savepoint `outbox_schedule` is now set in it. MySQL has no question for it, but a savepoint
-/// set outside a transaction is gone at once, so releasing it fails (1305).
+/// if so, a savepoint `outbox_schedule` is now set in it.
 async fn savepoint_in_applications_transaction(conn: &mut MySqlConnection) -> Result<bool> {
-    const PROBE: &str = "SAVEPOINT outbox_schedule; RELEASE SAVEPOINT outbox_schedule; SAVEPOINT outbox_schedule";
-    match sqlx::raw_sql(PROBE).execute(conn).await {
+    applications_transaction(conn, "; SAVEPOINT outbox_schedule").await
+}
+
+/// Whether `conn` is inside a transaction: sqlx's own, or one the application began itself.
+pub(super) async fn in_a_transaction(conn: &mut MySqlConnection) -> Result<bool> {
+    Ok(conn.is_in_transaction() || applications_transaction(conn, "").await?)
+}
+
+/// Whether `conn` is inside a transaction the application began itself, then running `then` (more
+/// statements) if so. MySQL has no question for it, but a savepoint set outside a transaction is gone
+/// at once, so releasing it fails (1305).
+async fn applications_transaction(conn: &mut MySqlConnection, then: &str) -> Result<bool> {
+    let probe = format!("SAVEPOINT outbox_probe; RELEASE SAVEPOINT outbox_probe{then}");
+    match sqlx::raw_sql(AssertSqlSafe(probe)).execute(conn).await {
         Ok(_) => Ok(true),
         Err(sqlx::Error::Database(e))
             if e.try_downcast_ref::<MySqlDatabaseError>().is_some_and(|e| e.number() == 1305) =>

@@ -158,6 +158,22 @@ pub(super) async fn accept(conn: &mut PgConnection, s: &PgStatements, source: &s
     Ok(done.rows_affected() == 1)
 }
 
+/// Whether `conn` is inside a transaction: sqlx's own, or the application's `BEGIN`, which a savepoint
+/// tells (PostgreSQL refuses one outside a transaction block, 25P01, and changes nothing).
+pub(super) async fn in_a_transaction(conn: &mut PgConnection) -> Result<bool> {
+    if conn.is_in_transaction() {
+        return Ok(true);
+    }
+    match sqlx::raw_sql("SAVEPOINT outbox_probe").execute(&mut *conn).await {
+        Ok(_) => {
+            sqlx::raw_sql("RELEASE SAVEPOINT outbox_probe").execute(conn).await?;
+            Ok(true)
+        }
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P01") => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Accepts a key's event in order on the caller's connection (see `Conn::accept_in_order`).
 pub(super) async fn accept_in_order(
     conn: &mut PgConnection,

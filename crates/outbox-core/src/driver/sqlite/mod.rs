@@ -225,6 +225,22 @@ pub(super) async fn accept(
     Ok(done.rows_affected() == 1)
 }
 
+/// Whether `conn` is inside a transaction: sqlx's own, or the application's `BEGIN`, which refuses
+/// another `BEGIN` (one that succeeds, outside any transaction, is rolled back at once: it took no lock).
+pub(super) async fn in_a_transaction(conn: &mut SqliteConnection) -> Result<bool> {
+    if conn.is_in_transaction() {
+        return Ok(true);
+    }
+    match conn.begin().await {
+        Ok(probe) => {
+            probe.rollback().await?;
+            Ok(false)
+        }
+        Err(sqlx::Error::Database(e)) if e.message() == "cannot start a transaction within a transaction" => Ok(true),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Accepts a key's event in order on the caller's connection (see `Conn::accept_in_order`).
 pub(super) async fn accept_in_order(
     conn: &mut SqliteConnection,
