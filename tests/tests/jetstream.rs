@@ -516,10 +516,43 @@ async fn a_publish_dropped_before_it_was_sent_is_never_sent() {
     assert_eq!(stored, [sent.id]);
 }
 
-/// A publish made while the handler's connection is down fails at once and is never sent: queued in the
-/// client, it would reach the stream when the connection came back, after the record had been published
-/// by the partition's next owner and the duplicate window had passed, as a second copy behind its key's
-/// later records.
+/// A publish made while the handler's connection is down for less than the publish timeout (a server of
+/// the cluster restarted) waits for it and is sent once it is back: no retry is spent. It failed at
+/// once, and a reconnect of a second cost every key in flight a few of its retries.
+#[tokio::test]
+async fn a_publish_made_while_the_connection_is_briefly_down_goes_out_when_it_is_back() {
+    let server = NatsServer::start();
+    let (client, _, config) = jetstream(&server).await;
+    let link = outbox_tests::proxy::DelayProxy::start(server.port, Duration::ZERO).await;
+    let far = NatsConfig {
+        servers: vec![format!("nats://127.0.0.1:{}", link.port)],
+        publish_timeout: Duration::from_secs(20),
+        ..config
+    };
+    let far_client = outbox_nats::connect(&far).await.unwrap();
+    let handler = JetStreamHandler::new(far_client.clone(), &far).unwrap();
+    link.cut();
+    wait_for("the connection to be seen down", LONG, || async {
+        far_client.connection_state() != async_nats::connection::State::Connected
+    })
+    .await;
+    let waiting = record("k", b"1".to_vec());
+    let publish = tokio::spawn({
+        let (handler, waiting) = (handler.clone(), waiting.clone());
+        async move { handler.handle(&waiting).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!publish.is_finished(), "the publish waits for the connection: {:?}", publish.await);
+    link.mend();
+    tokio::time::timeout(LONG, publish).await.expect("answered").unwrap().unwrap();
+    let stored: Vec<_> = read_stream(&client, "OUTBOX").await.into_iter().map(|r| r.id).collect();
+    assert_eq!(stored, [waiting.id]);
+}
+
+/// A publish made while the handler's connection is down, and still down after the publish timeout,
+/// fails and is never sent: queued in the client, it would reach the stream when the connection came
+/// back, after the record had been published by the partition's next owner and the duplicate window
+/// had passed, as a second copy behind its key's later records.
 #[tokio::test]
 async fn a_publish_made_while_disconnected_never_reaches_the_stream_later() {
     let server = NatsServer::start();

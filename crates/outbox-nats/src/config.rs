@@ -136,7 +136,7 @@ pub struct NatsConfig {
     pub subject: String,
     /// The stream to publish into.
     pub stream: StreamSettings,
-    /// How long to wait for a publish ack.
+    /// How long to wait for a publish ack, and, before a publish, for a connection that is down.
     #[serde(with = "humantime_serde")]
     pub publish_timeout: Duration,
 }

@@ -8,6 +8,7 @@
 //! all their messages and awaits every ack itself.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_nats::Client;
 use async_nats::connection::State;
@@ -29,6 +30,8 @@ struct Request {
 #[derive(Clone)]
 pub(crate) struct Outgoing {
     js: Context,
+    /// How long a publish waits for a connection that is down (the publish timeout).
+    wait: Duration,
     sender: Arc<Mutex<Option<mpsc::UnboundedSender<Request>>>>,
 }
 
@@ -38,8 +41,8 @@ pub(crate) struct Outgoing {
 pub(crate) struct Stopped;
 
 impl Outgoing {
-    pub(crate) fn new(js: Context) -> Self {
-        Self { js, sender: Arc::new(Mutex::new(None)) }
+    pub(crate) fn new(js: Context, wait: Duration) -> Self {
+        Self { js, wait, sender: Arc::new(Mutex::new(None)) }
     }
 
     /// Publishes `message` to `subject` and waits for JetStream's ack.
@@ -66,7 +69,7 @@ impl Outgoing {
             None => request,
         };
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(self.js.clone(), rx));
+        tokio::spawn(run(self.js.clone(), self.wait, rx));
         // The receiver was just created and is held by the task: this send cannot fail.
         let _ = tx.send(request);
         *sender = Some(tx);
@@ -76,7 +79,7 @@ impl Outgoing {
 /// Most requests taken in one go.
 const BATCH: usize = 4096;
 
-async fn run(js: Context, mut requests: mpsc::UnboundedReceiver<Request>) {
+async fn run(js: Context, wait: Duration, mut requests: mpsc::UnboundedReceiver<Request>) {
     let client = js.client();
     let (js, client) = (&js, &client);
     let mut in_flight = FuturesUnordered::new();
@@ -100,7 +103,7 @@ async fn run(js: Context, mut requests: mpsc::UnboundedReceiver<Request>) {
                 }
                 // Each is sent when `in_flight` is next polled: all of them in one poll, before the
                 // connection task runs. A publish waiting for an ack permit does not hold up the others.
-                in_flight.extend(batch.drain(..).map(|request| publish(js, client, request)));
+                in_flight.extend(batch.drain(..).map(|request| publish(js, client, wait, request)));
             }
             else => break,
         }
@@ -114,10 +117,16 @@ async fn run(js: Context, mut requests: mpsc::UnboundedReceiver<Request>) {
 /// Nor is a message queued while the client is not connected: the client would send it whenever it
 /// reconnects, however late, by when the record may have been published by the partition's next owner
 /// and its duplicate window passed, so the stream would hold it twice, behind its key's later records.
-async fn publish(js: &Context, client: &Client, Request { subject, message, mut reply }: Request) {
+/// It waits for the connection instead, up to `wait`, and is sent once it is back (a delivery dropped
+/// meanwhile never sends it); then it fails. Failing at once, a reconnect of a second (a server of the
+/// cluster restarted) cost every key in flight a few of its retries.
+async fn publish(js: &Context, client: &Client, wait: Duration, Request { subject, message, mut reply }: Request) {
     let ack = async {
-        if client.connection_state() != State::Connected {
-            return Err(PublishError::with_source(PublishErrorKind::Other, "not connected to the NATS server"));
+        if !connected(client, wait).await {
+            return Err(PublishError::with_source(
+                PublishErrorKind::Other,
+                format!("not connected to the NATS server (waited {wait:?} for it)"),
+            ));
         }
         match js.send_publish(subject, message).await {
             Ok(ack) => ack.await,
@@ -131,4 +140,20 @@ async fn publish(js: &Context, client: &Client, Request { subject, message, mut 
             let _ = reply.send(ack);
         }
     }
+}
+
+/// How often a publish waiting for the connection looks at it again.
+const CONNECTION_LOOK: Duration = Duration::from_millis(25);
+
+/// Whether `client` is connected, waiting up to `wait` for it (async-nats tells no state change to a
+/// client built without its event callback, so the state is looked at every [`CONNECTION_LOOK`]).
+async fn connected(client: &Client, wait: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + wait;
+    while client.connection_state() != State::Connected {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(CONNECTION_LOOK).await;
+    }
+    true
 }

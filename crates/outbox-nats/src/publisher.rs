@@ -50,7 +50,8 @@ impl JetStreamHandler {
         config.validate()?;
         let js = ContextBuilder::new().timeout(config.publish_timeout).build(client);
         let subject = SubjectTemplate::parse(&config.subject)?;
-        Ok(Self { outgoing: Outgoing::new(js.clone()), js, subject, stream: config.stream.name.clone() })
+        let outgoing = Outgoing::new(js.clone(), config.publish_timeout);
+        Ok(Self { outgoing, js, subject, stream: config.stream.name.clone() })
     }
 
     /// The subject a record is published to.
