@@ -53,8 +53,10 @@ impl Outbox {
         self.requeue_where(db.into(), Requeue::Key(key)).await
     }
 
-    /// Requeues every FAILED record (after an outage that failed many); returns how many. In one
-    /// statement: each record changes once, so a second call finds only those that failed again.
+    /// Requeues every FAILED record (after an outage that failed many); returns how many. Each record
+    /// changes once, so a second call finds only those that failed again. One statement on PostgreSQL
+    /// and MySQL (row locks); on SQLite, whose write lock is the whole database's, batches of a thousand,
+    /// each its own transaction, so heartbeats and deliveries go on between them.
     #[instrument(skip_all)]
     pub async fn requeue_all(&self, db: impl Into<Db>) -> Result<u64> {
         self.requeue_where(db.into(), Requeue::All).await

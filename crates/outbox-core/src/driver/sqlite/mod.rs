@@ -253,6 +253,9 @@ pub(super) async fn accept_in_order(
     Ok(done.rows_affected() == 1)
 }
 
+/// FAILED records requeued per write transaction by `requeue_all`.
+const REQUEUE_AT_ONCE: usize = 1000;
+
 impl Driver<'_, SqlitePool, SqliteStatements> {
     /// Applies the missing migrations in one write transaction (the write lock serialises migrators).
     pub(crate) async fn migrate(&self) -> Result<()> {
@@ -346,7 +349,7 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
 
     pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
         let query = match which {
-            Requeue::All => sqlx::query(statement(&self.statements.requeue_all)),
+            Requeue::All => return self.requeue_all().await,
             Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
             Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
         };
@@ -354,6 +357,32 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
         let requeued = query.execute(&mut *tx).await?.rows_affected();
         tx.commit().await?;
         Ok(requeued)
+    }
+
+    /// Every FAILED record, [`REQUEUE_AT_ONCE`] at a time in (partition, key, seq) order, each batch a
+    /// write of its own: the write lock is the whole database's, and one statement over every FAILED
+    /// record (many, after an outage) rewrote each row, payload and all, while every writer waited,
+    /// heartbeats too, past their leases. Each record is requeued once: the next batch starts after
+    /// the last one's place, so a record that failed again meanwhile waits for the next call.
+    async fn requeue_all(&self) -> Result<u64> {
+        let (mut after, mut requeued) = ((-1_i16, String::new(), 0_i64), 0_u64);
+        loop {
+            let mut tx = write(self.pool).await?;
+            let batch: Vec<(i16, String, i64)> = sqlx::query_as(statement(&self.statements.requeue_all))
+                .bind(after.0)
+                .bind(&after.1)
+                .bind(after.2)
+                .bind(count(REQUEUE_AT_ONCE))
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            requeued += batch.len() as u64;
+            let full = batch.len() == REQUEUE_AT_ONCE;
+            match batch.into_iter().max() {
+                Some(last) if full => after = last,
+                _ => return Ok(requeued),
+            }
+        }
     }
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
@@ -424,6 +453,48 @@ mod tests {
         let outbox = Outbox::new(Config::default()).unwrap();
         outbox.migrate(Db::from(&pool)).await.unwrap();
         (pool, outbox)
+    }
+
+    /// "Requeue all FAILED" takes the database's write lock a batch at a time: another writer (here,
+    /// one marking a table in its turns; a heartbeat, in a service) gets in between its batches. As one
+    /// statement over every FAILED record it held the lock throughout, for long enough, with many large
+    /// records, that heartbeats waited past their leases. Each record is requeued once.
+    #[tokio::test]
+    async fn requeue_all_lets_other_writers_in_between_its_batches() {
+        let (pool, outbox) = migrated().await;
+        let failed = 5 * super::REQUEUE_AT_ONCE + 7;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {failed})
+             INSERT INTO outbox_records (id, partition, key, event_type, payload, attempts, failed_at)
+             SELECT randomblob(16), i % 256, 'k' || i, 't', x'', 3, 1 FROM n;
+             CREATE TABLE marks (n INTEGER);
+             CREATE TABLE seen (marks INTEGER);
+             CREATE TRIGGER seen AFTER UPDATE OF failed_at ON outbox_records
+             BEGIN INSERT INTO seen SELECT count(*) FROM marks; END;"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let marking = tokio::spawn({
+            let (pool, done) = (pool.clone(), done.clone());
+            async move {
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let mut tx = super::write(&pool).await.unwrap();
+                    sqlx::query("INSERT INTO marks (n) VALUES (1)").execute(&mut *tx).await.unwrap();
+                    tx.commit().await.unwrap();
+                }
+            }
+        });
+        let requeued = outbox.requeue_all(Db::from(&pool)).await.unwrap();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        marking.await.unwrap();
+        assert_eq!(requeued, failed as u64);
+        let counts = "SELECT (SELECT count(*) FROM outbox_records WHERE failed_at IS NOT NULL),
+            (SELECT count(*) FROM seen), (SELECT count(DISTINCT marks) FROM seen)";
+        let (left, updated, views): (i64, i64, i64) = sqlx::query_as(counts).fetch_one(&pool).await.unwrap();
+        assert_eq!((left, updated), (0, failed as i64), "every record requeued, once");
+        assert!(views > 1, "another writer got in between the batches");
     }
 
     /// A migrated outbox whose record inserts fail when `condition` (on `NEW`) holds.

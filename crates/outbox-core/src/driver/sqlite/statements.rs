@@ -142,9 +142,13 @@ const REQUEUE: &str =
     "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
 WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)";
 
+/// The next `$4` FAILED records after (`$1` partition, `$2` key, `$3` seq), in that order, requeued;
+/// returns where each was (see `requeue_all`).
 const REQUEUE_ALL: &str =
     "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
-WHERE failed_at IS NOT NULL";
+WHERE seq IN (SELECT seq FROM {s}_records WHERE failed_at IS NOT NULL AND (partition, key, seq) > ($1, $2, $3)
+    ORDER BY partition, key, seq LIMIT $4)
+RETURNING partition, key, seq";
 
 const SKIP_KEEP: &str =
     "INSERT INTO {s}_completed (id, partition, key, seq, event_type, payload, headers, created_at, attempts, outcome)
