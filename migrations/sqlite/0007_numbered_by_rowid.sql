@@ -21,9 +21,14 @@ CREATE TABLE {s}_records_numbered (
     requeues        INTEGER NOT NULL DEFAULT 0,
     deliver_at      INTEGER
 );
+-- Records of version 1, numbered per key, may share numbers across keys; then every record is numbered
+-- again, past every number given out, in the order of the old numbers (so each key's keep their
+-- order). Otherwise they keep theirs.
 INSERT INTO {s}_records_numbered (seq, id, partition, key, event_type, payload, headers, created_at, attempts,
     next_attempt_at, last_error, failed_at, requeues, deliver_at)
-SELECT seq, id, partition, key, event_type, payload, headers, created_at, attempts, next_attempt_at, last_error,
+SELECT CASE WHEN (SELECT count(*) = count(DISTINCT seq) FROM {s}_records) THEN seq
+        ELSE (SELECT last FROM {s}_sequence) + row_number() OVER (ORDER BY seq, key) END,
+    id, partition, key, event_type, payload, headers, created_at, attempts, next_attempt_at, last_error,
     failed_at, requeues, deliver_at
 FROM {s}_records;
 -- The next number continues from the counter, which is past every number given out, even those of

@@ -28,27 +28,41 @@ use crate::stored::{
 
 /// The migrations of the MySQL schema, in order (`{s}` is the table prefix, `{bin}` the key collation).
 pub const MIGRATIONS: &[Migration] = &[
-    Migration { version: 1, name: "initial", sql: include_str!("../../../../../migrations/mysql/0001_initial.sql") },
+    Migration {
+        version: 1,
+        name: "initial",
+        sql: include_str!("../../../../../migrations/mysql/0001_initial.sql"),
+        earlier: &[],
+    },
     Migration {
         version: 2,
         name: "delivery_times",
         sql: include_str!("../../../../../migrations/mysql/0002_delivery_times.sql"),
+        earlier: &[],
     },
-    Migration { version: 3, name: "inbox", sql: include_str!("../../../../../migrations/mysql/0003_inbox.sql") },
+    Migration {
+        version: 3,
+        name: "inbox",
+        sql: include_str!("../../../../../migrations/mysql/0003_inbox.sql"),
+        earlier: &[],
+    },
     Migration {
         version: 4,
         name: "delivered counts",
         sql: include_str!("../../../../../migrations/mysql/0004_delivered_counts.sql"),
+        earlier: &[],
     },
     Migration {
         version: 5,
         name: "takeovers",
         sql: include_str!("../../../../../migrations/mysql/0005_takeovers.sql"),
+        earlier: &[],
     },
     Migration {
         version: 6,
         name: "ended leases",
         sql: include_str!("../../../../../migrations/mysql/0006_ended_leases.sql"),
+        earlier: &[],
     },
 ];
 

@@ -27,32 +27,47 @@ use crate::stored::{
 
 /// The migrations of the PostgreSQL schema, in order.
 pub const MIGRATIONS: &[Migration] = &[
-    Migration { version: 1, name: "initial", sql: include_str!("../../../../../migrations/postgres/0001_initial.sql") },
+    Migration {
+        version: 1,
+        name: "initial",
+        sql: include_str!("../../../../../migrations/postgres/0001_initial.sql"),
+        earlier: &[],
+    },
     Migration {
         version: 2,
         name: "leases_requeues_sequences",
         sql: include_str!("../../../../../migrations/postgres/0002_leases_requeues_sequences.sql"),
+        earlier: &[],
     },
     Migration {
         version: 3,
         name: "delivery_times",
         sql: include_str!("../../../../../migrations/postgres/0003_delivery_times.sql"),
+        earlier: &[],
     },
-    Migration { version: 4, name: "inbox", sql: include_str!("../../../../../migrations/postgres/0004_inbox.sql") },
+    Migration {
+        version: 4,
+        name: "inbox",
+        sql: include_str!("../../../../../migrations/postgres/0004_inbox.sql"),
+        earlier: &[],
+    },
     Migration {
         version: 5,
         name: "delivered counts",
         sql: include_str!("../../../../../migrations/postgres/0005_delivered_counts.sql"),
+        earlier: &[],
     },
     Migration {
         version: 6,
         name: "takeovers",
         sql: include_str!("../../../../../migrations/postgres/0006_takeovers.sql"),
+        earlier: &[],
     },
     Migration {
         version: 7,
         name: "ended leases",
         sql: include_str!("../../../../../migrations/postgres/0007_ended_leases.sql"),
+        earlier: &[],
     },
 ];
 

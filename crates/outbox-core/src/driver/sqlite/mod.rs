@@ -30,42 +30,60 @@ use crate::stored::{
 
 /// The migrations of the SQLite schema, in order (`{s}` is the table prefix).
 pub const MIGRATIONS: &[Migration] = &[
-    Migration { version: 1, name: "initial", sql: include_str!("../../../../../migrations/sqlite/0001_initial.sql") },
+    Migration {
+        version: 1,
+        name: "initial",
+        sql: include_str!("../../../../../migrations/sqlite/0001_initial.sql"),
+        earlier: &[],
+    },
     Migration {
         version: 2,
         name: "leases_requeues_sequences",
         sql: include_str!("../../../../../migrations/sqlite/0002_leases_requeues_sequences.sql"),
+        earlier: &[],
     },
     Migration {
         version: 3,
         name: "numbered_on_insert",
         sql: include_str!("../../../../../migrations/sqlite/0003_numbered_on_insert.sql"),
+        earlier: &[],
     },
     Migration {
         version: 4,
         name: "delivery_times",
         sql: include_str!("../../../../../migrations/sqlite/0004_delivery_times.sql"),
+        earlier: &[],
     },
-    Migration { version: 5, name: "inbox", sql: include_str!("../../../../../migrations/sqlite/0005_inbox.sql") },
+    Migration {
+        version: 5,
+        name: "inbox",
+        sql: include_str!("../../../../../migrations/sqlite/0005_inbox.sql"),
+        earlier: &[],
+    },
     Migration {
         version: 6,
         name: "delivered counts",
         sql: include_str!("../../../../../migrations/sqlite/0006_delivered_counts.sql"),
+        earlier: &[],
     },
     Migration {
         version: 7,
         name: "numbered_by_rowid",
         sql: include_str!("../../../../../migrations/sqlite/0007_numbered_by_rowid.sql"),
+        // Its first text (02fe401), which failed on records of version 1 that share numbers.
+        earlier: &[2_231_032_707_873_112_697],
     },
     Migration {
         version: 8,
         name: "takeovers",
         sql: include_str!("../../../../../migrations/sqlite/0008_takeovers.sql"),
+        earlier: &[],
     },
     Migration {
         version: 9,
         name: "ended_leases",
         sql: include_str!("../../../../../migrations/sqlite/0009_ended_leases.sql"),
+        earlier: &[],
     },
 ];
 
@@ -660,7 +678,7 @@ mod tests {
             .execute(&pool)
             .await
             .unwrap();
-        for super::Migration { version, name, sql: text } in &super::MIGRATIONS[..version] {
+        for super::Migration { version, name, sql: text, .. } in &super::MIGRATIONS[..version] {
             sqlx::raw_sql(AssertSqlSafe(render(text, "outbox").to_string())).execute(&pool).await.unwrap();
             sqlx::query("INSERT INTO outbox_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)")
                 .bind(version)
@@ -689,6 +707,49 @@ mod tests {
         let drained = outbox.schedule(&mut tx, crate::NewRecord::new("drained", "t", "")).await.unwrap();
         tx.commit().await.unwrap();
         assert!(old.seq > 41 && drained.seq > 41, "{} {}", old.seq, drained.seq);
+    }
+
+    /// A database file left at version 1 with records still pending or FAILED (numbered per key, so two
+    /// keys' records share numbers) is upgraded: every record is kept, each key's in its order, numbered
+    /// past every number given out, and numbering goes on past them. Migration 7, which makes the number
+    /// the table's key, failed on the shared numbers, on every start.
+    #[tokio::test]
+    async fn upgrading_from_version_1_with_records_left_keeps_them_in_order() {
+        let pool = at_version(1).await;
+        sqlx::raw_sql(
+            "INSERT INTO outbox_keys (key, last_seq) VALUES ('a', 3), ('b', 2);
+             INSERT INTO outbox_records (id, partition, key, seq, event_type, payload, failed_at) VALUES
+                 (x'0a01', 1, 'a', 2, 't', x'', 1), (x'0a02', 1, 'a', 3, 't', x'', NULL),
+                 (x'0b01', 2, 'b', 1, 't', x'', NULL), (x'0b02', 2, 'b', 2, 't', x'', NULL)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        let numbered: Vec<(Vec<u8>, String, i64)> =
+            sqlx::query_as("SELECT id, key, seq FROM outbox_records ORDER BY key, seq").fetch_all(&pool).await.unwrap();
+        let ids: Vec<&[u8]> = numbered.iter().map(|(id, _, _)| id.as_slice()).collect();
+        assert_eq!(ids, [&[0x0a, 1][..], &[0x0a, 2], &[0x0b, 1], &[0x0b, 2]], "each key's records, in order");
+        assert!(numbered.iter().all(|&(_, _, seq)| seq > 3), "past every number given out: {numbered:?}");
+        let mut tx = pool.begin().await.unwrap();
+        let next = outbox.schedule(&mut tx, crate::NewRecord::new("a", "t", "")).await.unwrap();
+        tx.commit().await.unwrap();
+        assert!(numbered.iter().all(|&(_, _, seq)| seq < next.seq), "{} after {numbered:?}", next.seq);
+    }
+
+    /// A database migrated by migration 7's first text (before it was corrected) is not refused as one
+    /// whose applied SQL changed; another text still is.
+    #[tokio::test]
+    async fn a_migration_applied_in_its_earlier_text_is_not_refused() {
+        let pool = at_version(super::MIGRATIONS.len()).await;
+        let outbox = Outbox::new(Config::default()).unwrap();
+        let set = "UPDATE outbox_schema_migrations SET checksum = $1 WHERE version = 7";
+        sqlx::query(set).bind(super::MIGRATIONS[6].earlier[0]).execute(&pool).await.unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        sqlx::query(set).bind(12345_i64).execute(&pool).await.unwrap();
+        let refused = outbox.migrate(&pool).await.unwrap_err();
+        assert!(matches!(refused, crate::Error::Migration { version: 7, .. }), "{refused:?}");
     }
 
     /// A database file at version 6 (numbers from a counter row) is upgraded with its pending records'
