@@ -1007,6 +1007,37 @@ async fn refuse_completing(db: &TestDb, codes: &[&str]) -> (Arc<Sink>, i64) {
     (sink, db.scalar("SELECT last_value FROM {s}refusals", &[]).await)
 }
 
+/// An outcome the database refuses for good, and its FAILED as well (here a trigger on that row), is
+/// retried on its own: another key's outcome is written meanwhile, not held back until the refused
+/// one's next try. It waited for it (its backoff grows to 5 s), and was then written in a batch with
+/// it, refused whole and written again one outcome at a time.
+#[sqlx::test(migrations = false)]
+async fn an_outcome_the_database_keeps_refusing_holds_back_no_other_key(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let outbox = outbox(&db, |_| {}).await;
+    refuse_until_the_gate_opens(&db, "DELETE OR UPDATE", "OLD.key = 'refused'", "P0001").await;
+    commit(&outbox, &db, vec![NewRecord::new("refused", "t", "")]).await;
+    let sink = Sink::new();
+    let node = start(&outbox, &db, recording(&sink)).await;
+    // Five tries, three refusals each (the batch, the outcome alone, its FAILED): the next is 3 s away.
+    wait_for("five tries refused", LONG, || async { refusals(&db).await >= 15 }).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = refusals(&db).await;
+    let other = commit(&outbox, &db, vec![NewRecord::new("other", "t", "")]).await;
+    // Woken, not left to the next poll (5 s apart while the processor listens).
+    outbox.wake(&db, &other).await.unwrap();
+    wait_for("the other key's record completed", LONG, || async {
+        db.scalar::<i64>("SELECT count(*) FROM {s}records WHERE key = 'other'", &[]).await == 0
+    })
+    .await;
+    assert_eq!(refusals(&db).await, before, "the other key's outcome waited for the refused one's next try");
+    open_the_gate(&db).await;
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(sink.of_key("refused").len(), 1, "delivered once, its outcome retried");
+}
+
 /// An outcome of this instance's earlier grant of a partition, still waiting to be written when the
 /// instance registered again and got the partition back at a new epoch, is fenced out, even batched
 /// with an outcome of the new grant: its record is delivered again under the new grant instead of

@@ -207,8 +207,8 @@ impl Processor {
                     state.on_completed(completed);
                     self.publish_busy(&state.in_flight);
                 }
-                () = tokio::time::sleep_until(state.complete_not_before),
-                    if !state.outcomes.is_empty() && state.completion.is_none() => {}
+                () = tokio::time::sleep_until(state.retry_not_before),
+                    if !state.retrying.is_empty() && state.completion.is_none() => {}
                 () = sleep_until_opt(state.timers.first_key_value().map(|(&at, _)| at)) => state.timers_due(),
                 () = tokio::time::sleep_until(state.next_poll), if state.fetch.is_none() => state.poll_due(),
                 wakes = woken.next() => state.on_woken(&wakes),
@@ -272,6 +272,12 @@ struct State {
     turns_held: HashMap<String, OwnedSemaphorePermit>,
     /// Outcomes waiting for the next completion.
     outcomes: Vec<Outcome>,
+    /// Outcomes a completion left to write again (their keys stay in flight), written in batches of
+    /// their own once `retry_not_before` passes: one the database keeps refusing holds back no other
+    /// key's outcomes. Batched with the fresh ones, it held them all back for its backoff.
+    retrying: Vec<Outcome>,
+    /// Whether the running completion writes `retrying`'s outcomes.
+    completing_retries: bool,
     fetch: Pending<(Request, Result<Found>)>,
     fetch_started: Instant,
     /// The most heads a fetch asks for: `batch_size`, half what a fetch given up at its time limit asked
@@ -287,8 +293,10 @@ struct State {
     /// its time limit, doubled again after a full one that finished within a quarter of it. Tried again
     /// whole, with whatever gathered meanwhile, such a batch was given up every time.
     completion_limit: usize,
-    complete_backoff: Duration,
-    complete_not_before: Instant,
+    /// The wait before the next batch of `retrying`: doubles with each batch left to retry, up to
+    /// [`COMPLETE_RETRY_MAX`], and starts again once one is written.
+    retry_backoff: Duration,
+    retry_not_before: Instant,
     /// Partitions whose completion was fenced out under this (instance, epoch): not fetched again until
     /// the assignment holds them under another.
     fenced: BTreeMap<Partition, (InstanceId, Epoch)>,
@@ -327,6 +335,8 @@ impl State {
             config,
             turns_held: HashMap::new(),
             outcomes: Vec::new(),
+            retrying: Vec::new(),
+            completing_retries: false,
             fetch: None,
             fetch_started: Instant::now(),
             fetch_limit,
@@ -335,8 +345,8 @@ impl State {
             completion: None,
             completion_started: Instant::now(),
             completion_limit: usize::MAX,
-            complete_backoff: COMPLETE_RETRY_MIN,
-            complete_not_before: Instant::now(),
+            retry_backoff: COMPLETE_RETRY_MIN,
+            retry_not_before: Instant::now(),
             fenced: BTreeMap::new(),
             cancels: Cancels::default(),
             wanted: Partitions::ALL,
@@ -389,7 +399,13 @@ impl State {
     }
 
     fn start_completion(&mut self, outbox: &Outbox, db: &Db) {
-        if self.completion.is_some() || self.outcomes.is_empty() || Instant::now() < self.complete_not_before {
+        if self.completion.is_some() {
+            return;
+        }
+        // Retries when their time comes, else the fresh outcomes; never together.
+        self.completing_retries = !self.retrying.is_empty() && Instant::now() >= self.retry_not_before;
+        let waiting = if self.completing_retries { &mut self.retrying } else { &mut self.outcomes };
+        if waiting.is_empty() {
             return;
         }
         // One grant per partition in a batch: a fence then holds a partition under the grant of all of
@@ -397,7 +413,7 @@ impl State {
         // fenced out rather than let through beside one of the current grant. The rest wait.
         let mut grants = HashMap::new();
         let (mut batch, mut later): (Vec<Outcome>, Vec<Outcome>) =
-            std::mem::take(&mut self.outcomes).into_iter().partition(|o: &Outcome| {
+            std::mem::take(waiting).into_iter().partition(|o: &Outcome| {
                 let (partition, instance, epoch) = o.grant();
                 *grants.entry(partition).or_insert((instance, epoch)) == (instance, epoch)
             });
@@ -408,7 +424,7 @@ impl State {
                 .unwrap_or(batch.len());
             later.extend(batch.split_off(cut));
         }
-        self.outcomes = later;
+        *waiting = later;
         let (outbox, db) = (outbox.clone(), db.clone());
         self.completion_started = Instant::now();
         self.completion = Some(Box::pin(async move { complete(&outbox, &db, batch).await }));
@@ -571,15 +587,13 @@ impl State {
                     .first()
                     .and_then(|r| r.first())
                     .map(|f| (f.record.id, f.record.key.clone(), f.record.partition));
-                warn!(error = %e, runs = runs.len(), ?first, retry_in = ?self.complete_backoff,
+                warn!(error = %e, runs = runs.len(), ?first, retry_in = ?self.retry_backoff,
                     "counting calls before they are made failed; the counts are taken back and their records fetched again (first: record, key, partition)");
                 // The write may have committed all the same, and fetched at once again the records would
                 // meet the same refusal in a loop: the counts are taken back like a run's calls not made,
-                // keeping the keys in flight until that is written, after the completions' backoff.
-                for run in runs {
-                    self.outcomes.extend(not_called(run));
-                }
-                self.back_off_completions();
+                // keeping the keys in flight until that is written, after the retries' backoff.
+                let taken_back = runs.into_iter().flat_map(not_called).collect();
+                self.retry_later(taken_back);
                 return;
             }
         };
@@ -685,20 +699,20 @@ impl State {
         }
         if let Some((batch, e)) = retry {
             let first = batch.first().map(|o| (o.id, o.key.as_str(), o.partition, o.instance, o.epoch));
-            warn!(error = %e, records = batch.len(), ?first, retry_in = ?self.complete_backoff,
+            warn!(error = %e, records = batch.len(), ?first, retry_in = ?self.retry_backoff,
                 limit = self.completion_limit, "completion failed; retrying (first: record, key, partition, instance, epoch)");
-            self.outcomes.extend(batch);
-            self.back_off_completions();
-        } else {
-            self.complete_backoff = COMPLETE_RETRY_MIN;
+            self.retry_later(batch);
+        } else if self.completing_retries && self.retrying.is_empty() {
+            self.retry_backoff = COMPLETE_RETRY_MIN;
         }
     }
 
-    /// The next completion waits `complete_backoff`, which doubles up to [`COMPLETE_RETRY_MAX`] until one
-    /// succeeds.
-    fn back_off_completions(&mut self) {
-        self.complete_not_before = Instant::now() + self.complete_backoff;
-        self.complete_backoff = (self.complete_backoff * 2).min(COMPLETE_RETRY_MAX);
+    /// Writes `outcomes` again after `retry_backoff`, which doubles up to [`COMPLETE_RETRY_MAX`] until
+    /// a batch of retries is written whole.
+    fn retry_later(&mut self, outcomes: Vec<Outcome>) {
+        self.retrying.extend(outcomes);
+        self.retry_not_before = Instant::now() + self.retry_backoff;
+        self.retry_backoff = (self.retry_backoff * 2).min(COMPLETE_RETRY_MAX);
     }
 
     /// Takes in a new assignment; the timers of the partitions that left it go to their next owners.
