@@ -40,7 +40,7 @@ every_backend!(
     a_start_whose_registration_answer_is_lost_leaves_no_instance_behind,
     a_fetch_too_large_for_its_time_limit_is_tried_again_smaller,
     a_completion_too_large_for_its_time_limit_is_tried_again_smaller,
-    workers_refuse_a_pool_whose_connections_have_autocommit_off,
+    workers_refuse_a_pool_whose_sessions_do_not_suit_them,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -289,37 +289,45 @@ async fn a_stop_that_cannot_point_the_targets_elsewhere_still_releases_and_dereg
     assert_eq!(left, [(other,)], "{id} deregistered");
 }
 
-/// Workers started on a MySQL pool whose connections have `autocommit` off (a server-wide
-/// `autocommit = 0`, or an application's connect hook) are refused, naming the setting. Before, each of
+/// Workers started on a MySQL pool whose sessions do not suit them are refused, naming the setting:
+/// `autocommit` off (a server-wide `autocommit = 0`, or an application's connect hook), where each of
 /// their single statements (a fetch, a heartbeat) opened a transaction that stayed open on its pooled
-/// connection: fetches read an old snapshot and heartbeats were never committed, and records waited
-/// without a word. The application still schedules through such a pool, in transactions it commits, and
-/// workers on a pool of their own deliver.
-async fn workers_refuse_a_pool_whose_connections_have_autocommit_off(db: TestDb) {
-    let Some(off) = db.with_autocommit_off().await else { return };
-    let outbox = outbox(&db, |_| {}).await;
-    let refused = |e: &Error| matches!(e, Error::UnsuitableSession(reason) if reason.contains("autocommit"));
-    let sink = Sink::new();
-    match Node::start(outbox.clone(), &off, recording(&sink), fast_cluster()).await {
-        Err(outbox_cluster::Error::Core(e)) => assert!(refused(&e), "{e}"),
-        Err(e) => panic!("{e}"),
-        Ok(node) => panic!("a node started on it: {}", node.id()),
-    }
-    assert_eq!(count(&db, "SELECT count(*) FROM {s}instances").await, 0, "no instance left behind");
-    let assignment = tokio::sync::watch::channel(outbox_core::Assignment::new(InstanceId::new(), [].into())).1;
-    let processor = outbox_core::Processor::new(outbox.clone(), off.db.clone(), recording(&sink), assignment);
-    let run = tokio::time::timeout(LONG, processor.run(tokio_util::sync::CancellationToken::new())).await;
-    let run = run.expect("the processor ran on");
-    assert!(run.as_ref().is_err_and(refused), "{run:?}");
+/// connection, fetches read an old snapshot and heartbeats were never committed, and records waited
+/// without a word; or READ UNCOMMITTED, where a fetch read records of transactions not yet committed,
+/// and delivered events of one that then rolled back. The application still schedules through such a
+/// pool, in transactions it commits, and workers on a pool of their own deliver.
+async fn workers_refuse_a_pool_whose_sessions_do_not_suit_them(db: TestDb) {
+    let settings = [
+        ("SET autocommit = 0", "autocommit"),
+        ("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED", "READ UNCOMMITTED"),
+    ];
+    for (setting, named) in settings {
+        let Some(off) = db.with_session_set(setting).await else { return };
+        let outbox = outbox(&db, |_| {}).await;
+        let refused = |e: &Error| matches!(e, Error::UnsuitableSession(reason) if reason.contains(named));
+        let sink = Sink::new();
+        match Node::start(outbox.clone(), &off, recording(&sink), fast_cluster()).await {
+            Err(outbox_cluster::Error::Core(e)) => assert!(refused(&e), "{setting}: {e}"),
+            Err(e) => panic!("{setting}: {e}"),
+            Ok(node) => panic!("{setting}: a node started on it: {}", node.id()),
+        }
+        assert_eq!(count(&db, "SELECT count(*) FROM {s}instances").await, 0, "{setting}: no instance left behind");
+        let assignment = tokio::sync::watch::channel(outbox_core::Assignment::new(InstanceId::new(), [].into())).1;
+        let processor = outbox_core::Processor::new(outbox.clone(), off.db.clone(), recording(&sink), assignment);
+        let run = tokio::time::timeout(LONG, processor.run(tokio_util::sync::CancellationToken::new())).await;
+        let run = run.expect("the processor ran on");
+        assert!(run.as_ref().is_err_and(refused), "{setting}: {run:?}");
 
-    // Nothing the refused starts did holds the next one up (a take-back of the registration, uncommitted
-    // on such a session, held a lock that every registration waited for).
-    let workers = off.db.new_pool(&outbox_core::ConnectOptions::default()).await.unwrap();
-    let node = Node::start(outbox.clone(), workers, recording(&sink), fast_cluster()).await.unwrap();
-    commit(&outbox, &off, vec![NewRecord::new("k", "t", "")]).await;
-    drained(&db, LONG).await;
-    node.shutdown().await.unwrap();
-    assert_eq!(sink.of_key("k").len(), 1);
+        // Nothing the refused starts did holds the next one up (a take-back of the registration,
+        // uncommitted on a session with autocommit off, held a lock that every registration waited for).
+        let workers = off.db.new_pool(&outbox_core::ConnectOptions::default()).await.unwrap();
+        let node = Node::start(outbox.clone(), workers, recording(&sink), fast_cluster()).await.unwrap();
+        let key = format!("k-{named}");
+        commit(&outbox, &off, vec![NewRecord::new(key.clone(), "t", "")]).await;
+        drained(&db, LONG).await;
+        node.shutdown().await.unwrap();
+        assert_eq!(sink.of_key(&key).len(), 1, "{setting}");
+    }
 }
 
 /// A route's retry policy is checked when the route is built: a jitter above 1 (which made the delay

@@ -141,7 +141,8 @@ pub enum Error {
     Config(String),
     /// Workers cannot run on the database session as it is set up: the message says which setting and
     /// what to do (MySQL: `autocommit` off, where each single statement of theirs would stay in an open
-    /// transaction, its reads stale and its writes never committed).
+    /// transaction, its reads stale and its writes never committed; or READ UNCOMMITTED, where a fetch
+    /// would deliver records of transactions that may still roll back).
     #[error("the database session cannot run the outbox's workers: {0}")]
     UnsuitableSession(String),
     /// The schema has not been migrated (or is older than this library).

@@ -86,10 +86,10 @@ impl TestDb {
         Some((TestDb { db, ..self.clone() }, proxy))
     }
 
-    /// The same database in a pool of its own whose connections have `autocommit` off (as a server-wide
-    /// `autocommit = 0` or an application's connect hook leaves them); `None` where the backend has no
-    /// such setting (PostgreSQL, SQLite).
-    pub async fn with_autocommit_off(&self) -> Option<TestDb> {
+    /// The same database in a pool of its own whose connections run `setting` (a MySQL `SET`) when they
+    /// open, as a server-wide setting or an application's connect hook leaves them; `None` on the other
+    /// backends.
+    pub async fn with_session_set(&self, setting: &'static str) -> Option<TestDb> {
         if !self.is_mysql() {
             return None;
         }
@@ -97,7 +97,7 @@ impl TestDb {
         let options: sqlx::mysql::MySqlConnectOptions = self.url().await.parse().unwrap();
         let pool = sqlx::mysql::MySqlPoolOptions::new()
             .max_connections(4)
-            .after_connect(|conn, _| Box::pin(async move { conn.execute("SET autocommit = 0").await.map(drop) }))
+            .after_connect(move |conn, _| Box::pin(async move { conn.execute(setting).await.map(drop) }))
             .connect_with(options)
             .await
             .unwrap();

@@ -75,22 +75,37 @@ pub(super) async fn connect(url: &str, options: &ConnectOptions) -> Result<MySql
     super::sized(options, true).connect_with(server).await.map_err(|source| Error::Connect { database, source })
 }
 
-/// Whether workers can run on `conn` ([`crate::Db::check_worker_session`]): `autocommit` on. Off, each
-/// of their single statements (a fetch, a heartbeat, a purge) would open a transaction that stays open
-/// on its pooled connection, its reads an old snapshot and its writes never committed. For the cluster
-/// layer, which checks the connection it registers an instance on.
+/// Whether workers can run on `conn` ([`crate::Db::check_worker_session`]): `autocommit` on, and an
+/// isolation level above READ UNCOMMITTED. With autocommit off, each of their single statements (a
+/// fetch, a heartbeat, a purge) would open a transaction that stays open on its pooled connection, its
+/// reads an old snapshot and its writes never committed; at READ UNCOMMITTED a fetch reads records of
+/// transactions not yet committed, and would deliver events of one that then rolls back. For the
+/// cluster layer, which checks the connection it registers an instance on. (MySQL 8 names the level
+/// `transaction_isolation`, MariaDB before 11.1 `tx_isolation`.)
 pub async fn check_session(conn: &mut MySqlConnection) -> Result<()> {
-    let on: i64 = sqlx::query_scalar("SELECT CAST(@@SESSION.autocommit AS SIGNED)").fetch_one(conn).await?;
-    if on == 1 {
-        return Ok(());
+    const SETTINGS: &str =
+        "SHOW SESSION VARIABLES WHERE Variable_name IN ('autocommit', 'tx_isolation', 'transaction_isolation')";
+    let settings: Vec<(String, String)> = sqlx::query_as(SETTINGS).fetch_all(conn).await?;
+    let off = |name: &str, value: &str| settings.iter().any(|(n, v)| n == name && v.eq_ignore_ascii_case(value));
+    if off("autocommit", "OFF") {
+        return Err(Error::UnsuitableSession(
+            "the pool's MySQL connections have autocommit off (a server-wide `autocommit = 0`, or the pool's \
+             connect hook): the workers' single statements would stay in open transactions, reading old \
+             snapshots and never committing. Run the workers on a pool whose connections have it on (one \
+             `Db::new_pool` opens carries no connect hook), or set `autocommit = 1` on the server"
+                .into(),
+        ));
     }
-    Err(Error::UnsuitableSession(
-        "the pool's MySQL connections have autocommit off (a server-wide `autocommit = 0`, or the pool's \
-         connect hook): the workers' single statements would stay in open transactions, reading old \
-         snapshots and never committing. Run the workers on a pool whose connections have it on (one \
-         `Db::new_pool` opens carries no connect hook), or set `autocommit = 1` on the server"
-            .into(),
-    ))
+    if off("tx_isolation", "READ-UNCOMMITTED") || off("transaction_isolation", "READ-UNCOMMITTED") {
+        return Err(Error::UnsuitableSession(
+            "the pool's MySQL connections read uncommitted data (isolation level READ UNCOMMITTED, server-wide \
+             or set by the pool's connect hook): a fetch would deliver records of transactions that have not \
+             committed, and may roll back. Run the workers on a pool at READ COMMITTED or above (one \
+             `Db::new_pool` opens carries no connect hook), or change the server's `transaction_isolation`"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Runs `work` in one of the outbox's own transactions on `conn` (completions, ownership rounds,
