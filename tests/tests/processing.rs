@@ -1007,6 +1007,41 @@ async fn refuse_completing(db: &TestDb, codes: &[&str]) -> (Arc<Sink>, i64) {
     (sink, db.scalar("SELECT last_value FROM {s}refusals", &[]).await)
 }
 
+/// Calls counted before they are made (in partitions taken over from an owner whose lease ran out) are
+/// counted in a smaller write after one given up at its time limit: fetched again at the same size,
+/// the records met the same limit in a loop and none was ever delivered. Here a write counting more
+/// than 50 calls takes 2 s against a `query_timeout` of 1 s.
+#[sqlx::test(migrations = false)]
+async fn calls_counted_past_the_time_limit_are_counted_fewer_at_a_time(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
+    commit(&outbox, &db, (0..400).map(|i| NewRecord::new(format!("k-{i}"), "t", "")).collect()).await;
+    exec!(
+        db,
+        "CREATE FUNCTION {s}slow_counts() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF (SELECT count(*) FROM counted WHERE last_error LIKE 'the handler call did not finish%') > 50 THEN
+                 PERFORM pg_sleep(2);
+             END IF;
+             RETURN NULL;
+         END $$"
+    );
+    exec!(
+        db,
+        "CREATE TRIGGER slow_counts AFTER UPDATE ON {s}records REFERENCING NEW TABLE AS counted
+         FOR EACH STATEMENT EXECUTE FUNCTION {s}slow_counts()"
+    );
+    let dead = register_instance(&db).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {ago:60} WHERE id = $1", dead);
+    exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+    let sink = Sink::new();
+    let node = start(&outbox, &db, recording(&sink)).await;
+    drained(&db, LONG).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(sink.len(), 400);
+}
+
 /// An outcome the database refuses for good, and its FAILED as well (here a trigger on that row), is
 /// retried on its own: another key's outcome is written meanwhile, not held back until the refused
 /// one's next try. It waited for it (its backoff grows to 5 s), and was then written in a batch with

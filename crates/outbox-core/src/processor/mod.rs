@@ -293,6 +293,10 @@ struct State {
     /// its time limit, doubled again after a full one that finished within a quarter of it. Tried again
     /// whole, with whatever gathered meanwhile, such a batch was given up every time.
     completion_limit: usize,
+    /// The most runs whose calls one write counts (`careful.rs`): a fetch's counted runs go in writes of
+    /// at most this many; halved after one given up at its time limit, doubled after a full one that
+    /// took under a quarter of it.
+    count_limit: usize,
     /// The wait before the next batch of `retrying`: doubles with each batch left to retry, up to
     /// [`COMPLETE_RETRY_MAX`], and starts again once one is written.
     retry_backoff: Duration,
@@ -345,6 +349,7 @@ impl State {
             completion: None,
             completion_started: Instant::now(),
             completion_limit: usize::MAX,
+            count_limit: usize::MAX,
             retry_backoff: COMPLETE_RETRY_MIN,
             retry_not_before: Instant::now(),
             fenced: BTreeMap::new(),
@@ -498,8 +503,10 @@ impl State {
                 }
             }
         }
-        if !counted.is_empty() {
+        while !counted.is_empty() {
+            let rest = counted.split_off(counted.len().min(self.count_limit));
             self.count(counted, 1, context, (outbox, db));
+            counted = rest;
         }
     }
 
@@ -570,8 +577,9 @@ impl State {
         let (turns, outbox, db) = (self.turns.clone(), outbox.clone(), db.clone());
         self.counting.push(Box::pin(async move {
             let turn = turns.acquire_many_owned(permits).await.ok();
+            let started = Instant::now();
             let written = write(&outbox, &db, &counts).await;
-            CountWritten { runs, turn, per_run, written }
+            CountWritten { runs, turn, per_run, written, took: started.elapsed() }
         }));
     }
 
@@ -579,15 +587,25 @@ impl State {
     /// those whose partition left the assignment meanwhile, or all once stopping; the others are
     /// fetched again.
     fn on_counted(&mut self, counted: CountWritten, current: &Assignment, context: &Arc<Context>) {
-        let CountWritten { runs, mut turn, per_run, written } = counted;
+        let CountWritten { runs, mut turn, per_run, written, took } = counted;
         let written = match written {
-            Ok(written) => written,
+            Ok(written) => {
+                if runs.len() >= self.count_limit && took < self.config.query_timeout / 4 {
+                    self.count_limit = self.count_limit.saturating_mul(2);
+                }
+                written
+            }
             Err(e) => {
+                // Fetched again, these runs would be counted again together: given up at its time limit,
+                // such a write was given up every time, and nothing was delivered.
+                if e.is_time_limit() {
+                    self.count_limit = (runs.len() / 2).max(1);
+                }
                 let first = runs
                     .first()
                     .and_then(|r| r.first())
                     .map(|f| (f.record.id, f.record.key.clone(), f.record.partition));
-                warn!(error = %e, runs = runs.len(), ?first, retry_in = ?self.retry_backoff,
+                warn!(error = %e, runs = runs.len(), ?first, retry_in = ?self.retry_backoff, limit = self.count_limit,
                     "counting calls before they are made failed; the counts are taken back and their records fetched again (first: record, key, partition)");
                 // The write may have committed all the same, and fetched at once again the records would
                 // meet the same refusal in a loop: the counts are taken back like a run's calls not made,
@@ -827,6 +845,8 @@ struct CountWritten {
     turn: Option<OwnedSemaphorePermit>,
     per_run: u32,
     written: Result<Written>,
+    /// How long the write took.
+    took: Duration,
 }
 
 /// Hears other processes' wake-ups (see `wake.rs`) until `stop`, connecting again a second after a
