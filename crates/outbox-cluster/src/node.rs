@@ -186,7 +186,8 @@ impl Node {
     /// Graceful stop: hand each partition over as soon as its records in flight are completed, then
     /// stop, release whatever is left and deregister. It ends within the outbox `shutdown_timeout`, and
     /// `query_timeout` more for the last release and deregistration, whatever the database does: set
-    /// the service's grace period to their sum. What it could not hand over in that time moves on when
+    /// the service's grace period to their sum. A handler call that blocks its thread is the exception:
+    /// it cannot be cancelled, and the stop waits for it (see `Processor::run`). What it could not hand over in that time moves on when
     /// the lease runs out, as after a crash. A partition taken from a dead owner and still in its quiet
     /// period is left to its next owner to take as from a dead owner, after the rest of the period.
     /// Every task is stopped whatever a step returns, and waited for within the same budget, so that
