@@ -110,10 +110,10 @@ impl Processor {
 
     /// Runs until `shutdown`, then stops fetching, lets in-flight deliveries finish, completes them and
     /// returns. Gives up after `shutdown_timeout` with [`Error::ShutdownTimeout`]; what was not completed
-    /// is delivered again later (at least once). The calls still running then are cancelled at their next
-    /// yield, and waited for until they are: a handler that blocks its thread (a synchronous call in an
-    /// async handler, reported as overdue) holds the stop until it returns. Refuses to start, with [`Error::UnsuitableSession`], on
-    /// connections workers cannot run on ([`Db::check_worker_session`]).
+    /// is delivered again later (at least once). The calls still running then are cancelled at their
+    /// next yield, and waited for until they are: a handler that blocks its thread (a synchronous call
+    /// in an async handler, reported as overdue) holds the stop until it returns. Refuses to start, with
+    /// [`Error::UnsuitableSession`], on connections workers cannot run on ([`Db::check_worker_session`]).
     ///
     /// # Cancel safety
     /// Dropping the future abandons in-flight deliveries without completing them; they are redelivered.
