@@ -415,8 +415,8 @@ impl Db {
     }
 
     /// Checks that workers can run on this pool's connections, within `limit`: on MySQL, that they have
-    /// `autocommit` on and read only committed data ([`Error::UnsuitableSession`] if not). The processor checks it when it starts, and
-    /// a cluster node on the connection it registers on.
+    /// `autocommit` on and read only committed data ([`Error::UnsuitableSession`] if not). The processor
+    /// checks it when it starts, and a cluster node on the connection it registers on.
     #[cfg_attr(not(feature = "mysql"), allow(unused_variables))]
     pub async fn check_worker_session(&self, limit: Duration) -> Result<()> {
         match self {

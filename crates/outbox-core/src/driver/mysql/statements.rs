@@ -74,8 +74,8 @@ const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next
 /// That costs a few microseconds per segment, so segments of partitions without records are passed
 /// over first, by one index probe each (a scalar subquery: as `EXISTS`, MariaDB read every record's
 /// partition to build a set of them). The walk's order is the join's, segment by segment in index
-/// order (a `LIMIT` with an `ORDER BY` would read everything to sort it), so a key's head is the first
-/// record the walk read of it, and the walk's plan is pinned by a test. It is referenced once (each
+/// order (a `LIMIT` with an `ORDER BY` would read everything to sort it; the plan is pinned by a test),
+/// and a head is served only if the index shows it is its key's first record. It is referenced once (each
 /// reference to a CTE walks again), so the last key of a walk that read all it may is marked in the
 /// same pass (`stop`), and served only if it is a head.
 /// Each head's followers are a chain of index probes, each from the key's start (followers² index
