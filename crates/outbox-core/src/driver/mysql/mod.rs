@@ -335,20 +335,21 @@ async fn insert(
 /// Whether `conn`, outside every transaction sqlx began, is inside one the application began itself;
 /// if so, a savepoint `outbox_schedule` is now set in it.
 async fn savepoint_in_applications_transaction(conn: &mut MySqlConnection) -> Result<bool> {
-    applications_transaction(conn, "; SAVEPOINT outbox_schedule").await
+    applications_transaction(conn, "SAVEPOINT outbox_probe; RELEASE SAVEPOINT outbox_probe; SAVEPOINT outbox_schedule")
+        .await
 }
 
 /// Whether `conn` is inside a transaction: sqlx's own, or one the application began itself.
 pub(super) async fn in_a_transaction(conn: &mut MySqlConnection) -> Result<bool> {
-    Ok(conn.is_in_transaction() || applications_transaction(conn, "").await?)
+    Ok(conn.is_in_transaction()
+        || applications_transaction(conn, "SAVEPOINT outbox_probe; RELEASE SAVEPOINT outbox_probe").await?)
 }
 
-/// Whether `conn` is inside a transaction the application began itself, then running `then` (more
-/// statements) if so. MySQL has no question for it, but a savepoint set outside a transaction is gone
-/// at once, so releasing it fails (1305).
-async fn applications_transaction(conn: &mut MySqlConnection, then: &str) -> Result<bool> {
-    let probe = format!("SAVEPOINT outbox_probe; RELEASE SAVEPOINT outbox_probe{then}");
-    match sqlx::raw_sql(AssertSqlSafe(probe)).execute(conn).await {
+/// Whether `probe` (a savepoint set and released, and what follows it) ran inside a transaction the
+/// application began itself. MySQL has no question for it, but a savepoint set outside a transaction is
+/// gone at once, so releasing it fails (1305), and nothing after it runs.
+async fn applications_transaction(conn: &mut MySqlConnection, probe: &'static str) -> Result<bool> {
+    match sqlx::raw_sql(probe).execute(conn).await {
         Ok(_) => Ok(true),
         Err(sqlx::Error::Database(e))
             if e.try_downcast_ref::<MySqlDatabaseError>().is_some_and(|e| e.number() == 1305) =>
@@ -1036,36 +1037,23 @@ mod tests {
     /// Here the walk is made to read newest first: key `a`'s oldest records are past its limit.
     #[tokio::test]
     async fn a_walk_read_out_of_order_serves_no_record_ahead_of_its_key() {
-        let (pool, outbox) = migrated().await;
+        let instance = Uuid::now_v7();
+        let pool = held_by(instance).await;
+        let outbox = Outbox::new(Config::default()).unwrap();
         let records: Vec<crate::NewRecord> =
             (0..40).map(|_| crate::NewRecord::new("a", "t", "")).chain([crate::NewRecord::new("b", "t", "")]).collect();
         let mut tx = pool.begin().await.unwrap();
         let scheduled = outbox.schedule_batch(&mut *tx, &records).await.unwrap();
         tx.commit().await.unwrap();
-        let instance = InstanceId::new();
-        sqlx::query(
-            "INSERT INTO outbox_instances (id, name, expires_at) VALUES (?, 't', UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
-        )
-        .bind(instance)
-        .execute(&pool)
-        .await
-        .unwrap();
-        sqlx::query("UPDATE outbox_partitions SET owner = ?, epoch = 1").bind(instance).execute(&pool).await.unwrap();
+        let all: Vec<(u8, Option<&str>)> = (0..=255).map(|p| (p, None)).collect();
+        let request = Request { limit: 1, followers: 0, budget: usize::MAX, ..fetch_request(instance, &all, vec![]) };
+        assert!(super::walk_records(&request) < 40, "the walk stops inside key a");
         for stop_on_first_failure in [true, false] {
             let mut statements = MySqlStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
             let walk_end = "\n    LIMIT ?\n), keyed AS";
             assert!(statements.fetch.contains(walk_end), "the walk's end moved: change this test");
             statements.fetch =
                 statements.fetch.replace(walk_end, "\n    ORDER BY r.seq DESC LIMIT ?\n), keyed AS").into();
-            let request = Request {
-                instance,
-                partitions: crate::partition::all_partitions().map(|p| (p, Epoch(1), None)).collect(),
-                exclude: vec![],
-                limit: 1,
-                followers: 0,
-                budget: usize::MAX,
-            };
-            assert!(super::walk_records(&request) < 40, "the walk stops inside key a");
             let found = super::fetch_query(&statements, &request).unwrap().fetch_all(&pool).await.unwrap();
             let first_of_a = scheduled[0].id;
             let served: Vec<(String, bool)> = found
