@@ -516,6 +516,24 @@ async fn a_publish_dropped_before_it_was_sent_is_never_sent() {
     assert_eq!(stored, [sent.id]);
 }
 
+/// A handler with `config` whose connection goes through a link to `server`, once the link is cut and
+/// its client sees the connection down; the link, the client and the handler.
+async fn cut_off(
+    server: &NatsServer,
+    config: &NatsConfig,
+) -> (outbox_tests::proxy::DelayProxy, async_nats::Client, JetStreamHandler) {
+    let link = outbox_tests::proxy::DelayProxy::start(server.port, Duration::ZERO).await;
+    let far = NatsConfig { servers: vec![format!("nats://127.0.0.1:{}", link.port)], ..config.clone() };
+    let client = outbox_nats::connect(&far).await.unwrap();
+    let handler = JetStreamHandler::new(client.clone(), &far).unwrap();
+    link.cut();
+    wait_for("the connection to be seen down", LONG, || async {
+        client.connection_state() != async_nats::connection::State::Connected
+    })
+    .await;
+    (link, client, handler)
+}
+
 /// A publish made while the handler's connection is down for less than the publish timeout (a server of
 /// the cluster restarted) waits for it and is sent once it is back: no retry is spent. It failed at
 /// once, and a reconnect of a second cost every key in flight a few of its retries.
@@ -523,19 +541,8 @@ async fn a_publish_dropped_before_it_was_sent_is_never_sent() {
 async fn a_publish_made_while_the_connection_is_briefly_down_goes_out_when_it_is_back() {
     let server = NatsServer::start();
     let (client, _, config) = jetstream(&server).await;
-    let link = outbox_tests::proxy::DelayProxy::start(server.port, Duration::ZERO).await;
-    let far = NatsConfig {
-        servers: vec![format!("nats://127.0.0.1:{}", link.port)],
-        publish_timeout: Duration::from_secs(20),
-        ..config
-    };
-    let far_client = outbox_nats::connect(&far).await.unwrap();
-    let handler = JetStreamHandler::new(far_client.clone(), &far).unwrap();
-    link.cut();
-    wait_for("the connection to be seen down", LONG, || async {
-        far_client.connection_state() != async_nats::connection::State::Connected
-    })
-    .await;
+    let config = NatsConfig { publish_timeout: Duration::from_secs(20), ..config };
+    let (link, _, handler) = cut_off(&server, &config).await;
     let waiting = record("k", b"1".to_vec());
     let publish = tokio::spawn({
         let (handler, waiting) = (handler.clone(), waiting.clone());
@@ -565,16 +572,7 @@ async fn a_publish_made_while_disconnected_never_reaches_the_stream_later() {
     let client = outbox_nats::connect(&direct).await.unwrap();
     ensure_stream(&client, &direct.stream).await.unwrap();
     let next_owner = JetStreamHandler::new(client.clone(), &direct).unwrap();
-    let link = outbox_tests::proxy::DelayProxy::start(server.port, Duration::ZERO).await;
-    let far = NatsConfig { servers: vec![format!("nats://127.0.0.1:{}", link.port)], ..direct.clone() };
-    let cut_off_client = outbox_nats::connect(&far).await.unwrap();
-    let cut_off = JetStreamHandler::new(cut_off_client.clone(), &far).unwrap();
-
-    link.cut();
-    wait_for("the connection to be seen down", LONG, || async {
-        cut_off_client.connection_state() != async_nats::connection::State::Connected
-    })
-    .await;
+    let (link, cut_off_client, cut_off) = cut_off(&server, &direct).await;
     let (first, second) = (record("k", b"1".to_vec()), record("k", b"2".to_vec()));
     assert!(cut_off.handle(&first).await.is_err(), "no publish without a connection");
     next_owner.handle(&first).await.unwrap();
