@@ -172,6 +172,8 @@ async fn failed_records_page_by_position_without_gaps_or_repeats(db: TestDb) {
         "/api/failed?after_partition=3",
         "/api/failed?after_partition=0&after_key=%00&after_seq=0",
         "/api/failed?after_partition=0&after_key=&after_seq=0",
+        "/api/failed?limit=abc",
+        "/api/failed?partition=300",
     ] {
         let (status, body) = call(&admin, "GET", bad, None, None).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {body}");
@@ -253,8 +255,18 @@ async fn mutations_need_a_configured_token_and_act(db: TestDb) {
     assert_eq!(status, StatusCode::UNAUTHORIZED, "an empty token is none: {body}");
     let (status, body) = call(&admin, "POST", &requeue, Some("ops-token-0123456780"), None).await;
     assert_eq!(status, StatusCode::FORBIDDEN, "wrong token: {body}");
-    let (status, _) = call(&admin, "POST", &format!("/api/failed/{}/delete", first.id), Some(TOKEN), None).await;
-    assert_eq!(status, StatusCode::BAD_REQUEST, "only requeue and skip");
+    // What axum cannot read is refused in the API's JSON too, with axum's status.
+    for (uri, body, expected) in [
+        (format!("/api/failed/{}/delete", first.id), None, StatusCode::BAD_REQUEST),
+        ("/api/failed/not-a-uuid/requeue".into(), None, StatusCode::BAD_REQUEST),
+        ("/api/requeue".into(), Some(serde_json::json!({ "key": 5 })), StatusCode::UNPROCESSABLE_ENTITY),
+        ("/api/requeue".into(), Some(serde_json::json!({ "keys": ["a"] })), StatusCode::UNPROCESSABLE_ENTITY),
+        ("/api/requeue".into(), None, StatusCode::UNSUPPORTED_MEDIA_TYPE),
+    ] {
+        let (status, answer) = call(&admin, "POST", &uri, Some(TOKEN), body).await;
+        assert_eq!(status, expected, "{uri}: {answer}");
+        assert!(answer["error"].as_str().is_some_and(|e| !e.is_empty()), "{uri}: {answer}");
+    }
     assert_eq!(failed_count(&db).await, 4, "refused requests change nothing");
 
     let (status, body) = call(&admin, "POST", &requeue, Some(TOKEN), None).await;

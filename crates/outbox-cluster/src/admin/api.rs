@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use axum::Json;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use base64::Engine;
 use outbox_core::operator::{FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedPosition, FailedRecord};
@@ -215,8 +216,9 @@ pub(super) struct FailedQuery {
 pub(super) async fn failed(
     State(admin): State<Admin>,
     reader: Option<Operator>,
-    Query(q): Query<FailedQuery>,
+    query: Result<Query<FailedQuery>, QueryRejection>,
 ) -> ApiResult<FailedPage> {
+    let Query(q) = query?;
     let limit = q.limit.unwrap_or(100);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(ApiError::BadRequest(format!("limit must be 1..={MAX_PAGE}, not {limit}")));
@@ -259,8 +261,9 @@ pub(super) enum Resolve {
 pub(super) async fn resolve(
     State(admin): State<Admin>,
     Operator(who): Operator,
-    Path((id, action)): Path<(Uuid, Resolve)>,
+    path: Result<Path<(Uuid, Resolve)>, PathRejection>,
 ) -> ApiResult<serde_json::Value> {
+    let Path((id, action)) = path?;
     let (outbox, db) = (&admin.inner.outbox, admin.inner.db.clone());
     match action {
         Resolve::Requeue => outbox.requeue(db, id).await?,
@@ -282,8 +285,9 @@ pub(super) struct RequeueMany {
 pub(super) async fn requeue_many(
     State(admin): State<Admin>,
     Operator(who): Operator,
-    Json(body): Json<RequeueMany>,
+    body: Result<Json<RequeueMany>, JsonRejection>,
 ) -> ApiResult<serde_json::Value> {
+    let Json(body) = body?;
     let (outbox, db) = (&admin.inner.outbox, admin.inner.db.clone());
     let n = match (body.key.as_deref(), body.all) {
         (Some(key), false) if !key.is_empty() => outbox.requeue_key(db, key).await?,
@@ -304,8 +308,9 @@ pub(super) struct Purge {
 pub(super) async fn purge(
     State(admin): State<Admin>,
     Operator(who): Operator,
-    Json(body): Json<Purge>,
+    body: Result<Json<Purge>, JsonRejection>,
 ) -> ApiResult<serde_json::Value> {
+    let Json(body) = body?;
     let older_than = humantime::parse_duration(&body.older_than)
         .map_err(|e| ApiError::BadRequest(format!("older_than {:?}: {e}", body.older_than)))?;
     let (outbox, db) = (&admin.inner.outbox, &admin.inner.db);

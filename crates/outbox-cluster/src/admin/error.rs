@@ -1,6 +1,7 @@
 //! The API's errors: a status and a JSON `{"error": …}` the page shows.
 
 use axum::Json;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use tracing::warn;
@@ -19,6 +20,27 @@ pub(super) enum ApiError {
     TimedOut,
     /// The request named a host the page is not known by.
     UnknownHost(String),
+    /// A query, path or body axum could not read: its status (400, 415, 422) and reason, in the
+    /// API's JSON like every other error.
+    Unreadable(StatusCode, String),
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(r: QueryRejection) -> Self {
+        ApiError::Unreadable(r.status(), r.body_text())
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(r: PathRejection) -> Self {
+        ApiError::Unreadable(r.status(), r.body_text())
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        ApiError::Unreadable(r.status(), r.body_text())
+    }
 }
 
 impl From<outbox_core::Error> for ApiError {
@@ -67,6 +89,7 @@ impl IntoResponse for ApiError {
                 StatusCode::FORBIDDEN,
                 format!("this page is not served as {name:?}: add it to the admin configuration's hosts"),
             ),
+            ApiError::Unreadable(status, m) => (status, m),
             ApiError::TimedOut => {
                 warn!("admin request timed out waiting for the database");
                 (StatusCode::SERVICE_UNAVAILABLE, "the outbox database did not answer in time".into())
