@@ -202,7 +202,9 @@ pub(super) async fn accept_in_order(
 }
 
 /// Starts a transaction of the library's own on the application's pool (the processor's completions,
-/// purges) on `conn` with `s.begin`: JIT compilation off (see `Db::fetch_pool`), and the server giving
+/// purges) on `conn` with `s.begin`: at READ COMMITTED whatever the database's default (a row changed
+/// under a statement is checked again, where REPEATABLE READ fails the transaction: the fence, the
+/// purges, the pruning's key rows), JIT compilation off (see `Db::fetch_pool`), and the server giving
 /// up when the client does, after `query_timeout`:
 /// - the session is ended if the transaction sits idle that long. A worker whose host vanished
 ///   mid-completion (no FIN, no RST) otherwise leaves its locks held until the server's TCP keepalive
@@ -623,14 +625,51 @@ mod tests {
     #[sqlx::test(migrations = false)]
     async fn migrators_see_each_others_work_at_any_default_isolation(pool: PgPool) {
         let outbox = one_migration_behind(&pool).await;
-        let database: String = sqlx::query_scalar("SELECT current_database()").fetch_one(&pool).await.unwrap();
-        let isolation = format!("ALTER DATABASE \"{database}\" SET default_transaction_isolation = 'repeatable read'");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(isolation)).execute(&pool).await.unwrap();
-        let options = pool.connect_options().as_ref().clone();
-        let fresh = sqlx::postgres::PgPoolOptions::new().max_connections(4).connect_with(options).await.unwrap();
+        let fresh = at_repeatable_read(&pool).await;
         let (first, second) = tokio::join!(outbox.migrate(&fresh), outbox.migrate(&fresh));
         first.unwrap();
         second.unwrap();
+    }
+
+    /// A pool of new connections to `pool`'s database, made REPEATABLE READ by default.
+    async fn at_repeatable_read(pool: &PgPool) -> PgPool {
+        let database: String = sqlx::query_scalar("SELECT current_database()").fetch_one(pool).await.unwrap();
+        let isolation = format!("ALTER DATABASE \"{database}\" SET default_transaction_isolation = 'repeatable read'");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(isolation)).execute(pool).await.unwrap();
+        let options = pool.connect_options().as_ref().clone();
+        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect_with(options).await.unwrap()
+    }
+
+    /// The library's own transactions read at READ COMMITTED whatever the database's default: at
+    /// REPEATABLE READ, a key row a producer updated after the pruning's snapshot was taken failed the
+    /// whole pass with a serialization error (40001) instead of being checked again, and so did purges
+    /// and completions meeting a row changed under them.
+    #[sqlx::test(migrations = false)]
+    async fn pruning_goes_on_past_a_key_a_producer_just_wrote_at_any_default_isolation(pool: PgPool) {
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&pool).await.unwrap();
+        let pool = at_repeatable_read(&pool).await;
+        sqlx::query("INSERT INTO outbox.keys (key, partition) VALUES ('k', $1)")
+            .bind(i16::from(partition_of("k")))
+            .execute(&pool)
+            .await
+            .unwrap();
+        // The pruning takes its snapshot, then waits for the records table behind this lock.
+        let mut holder = pool.begin().await.unwrap();
+        sqlx::query("LOCK TABLE outbox.records IN ACCESS EXCLUSIVE MODE").execute(&mut *holder).await.unwrap();
+        let pruning = tokio::spawn({
+            let (outbox, pool) = (outbox.clone(), pool.clone());
+            async move { outbox.prune_keys(&pool, 10).await }
+        });
+        let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM %keys%'";
+        while sqlx::query_scalar::<_, i64>(waiting).fetch_one(&pool).await.unwrap() == 0 {
+            assert!(!pruning.is_finished(), "the pruning waits for the table: {:?}", pruning.await);
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        // A producer writes the key's row (as `schedule`'s upsert does) and commits meanwhile.
+        sqlx::query("UPDATE outbox.keys SET partition = partition WHERE key = 'k'").execute(&pool).await.unwrap();
+        holder.commit().await.unwrap();
+        assert_eq!(pruning.await.unwrap().unwrap(), 1, "the key has no record left");
     }
 
     /// The processor's statements run with JIT off (fetches on a connection of their own, bounded to

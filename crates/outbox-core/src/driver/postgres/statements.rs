@@ -352,15 +352,18 @@ impl PgStatements {
             begin: {
                 let ms = query_timeout.as_millis().max(1);
                 format!(
-                    "BEGIN; SET LOCAL jit = off; SET LOCAL idle_in_transaction_session_timeout = {ms};
+                    "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL jit = off; SET LOCAL idle_in_transaction_session_timeout = {ms};
                      SET LOCAL lock_timeout = {ms}; SET LOCAL statement_timeout = {ms}"
                 )
                 .into()
             },
             begin_operator: {
                 let ms = query_timeout.as_millis().max(1);
-                format!("BEGIN; SET LOCAL idle_in_transaction_session_timeout = {ms}; SET LOCAL lock_timeout = {ms}")
-                    .into()
+                format!(
+                    "BEGIN ISOLATION LEVEL READ COMMITTED;
+                     SET LOCAL idle_in_transaction_session_timeout = {ms}; SET LOCAL lock_timeout = {ms}"
+                )
+                .into()
             },
         }
     }
