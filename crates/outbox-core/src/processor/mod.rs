@@ -68,7 +68,7 @@ use crate::driver::{Db, answered_within};
 use crate::error::{Error, Result};
 use crate::handler::Handlers;
 use crate::notice::{Partitions, Wake, millis_up};
-use crate::partition::Partition;
+use crate::partition::{Partition, all_partitions};
 use crate::stored::{Fetched, Found, Outcome, Request, Verdict, Written};
 
 /// Delivers the records of the assigned partitions. See the [module docs](self).
@@ -150,7 +150,7 @@ impl Processor {
         let _stop_listening = stop_listening.clone().drop_guard();
         let mut listener_open = self.db.can_listen();
         if listener_open {
-            tokio::spawn(listen(self.outbox.clone(), self.db.clone(), listening, stop_listening));
+            tokio::spawn(listen(self.outbox.clone(), self.db.clone(), listening, stop_listening).in_current_span());
         }
         loop {
             let current = self.assignment.borrow().clone();
@@ -167,7 +167,9 @@ impl Processor {
                 return Ok(());
             }
             if !state.handing_on.is_empty() {
-                tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), std::mem::take(&mut state.handing_on)));
+                tokio::spawn(
+                    hand_on(self.outbox.clone(), self.db.clone(), std::mem::take(&mut state.handing_on)).in_current_span(),
+                );
             }
             let lease_deadline = current.lease.filter(|_| current.is_live()).map(|d| d.instant());
 
@@ -183,7 +185,7 @@ impl Processor {
                     // thread runs on until it yields, and the node releases the partitions next.
                     state.deliveries.shutdown().await;
                     // Not waited for: the stop is out of time already.
-                    tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), state.left_to_hand_on()));
+                    tokio::spawn(hand_on(self.outbox.clone(), self.db.clone(), state.left_to_hand_on()).in_current_span());
                     return Err(Error::ShutdownTimeout(state.config.shutdown_timeout));
                 }
                 Some(joined) = state.deliveries.join_next_with_id() => {
@@ -962,7 +964,10 @@ async fn hand_on(outbox: Outbox, db: Db, timers: Vec<Wake>) {
         return;
     }
     if let Err(e) = outbox.send_wakes(&db, &timers).await {
-        warn!(error = %e, timers = timers.len(), "could not hand on the timers of partitions given up; their next owners' polls find the records");
+        let mut given_up = Partitions::default();
+        timers.iter().for_each(|timer| given_up.extend(timer.partitions));
+        let partitions: Vec<Partition> = all_partitions().filter(|&p| given_up.contains(p)).collect();
+        warn!(error = %e, timers = timers.len(), ?partitions, "could not hand on the timers of partitions given up; their next owners' polls find the records");
     }
 }
 
