@@ -35,7 +35,7 @@ pub(crate) async fn patiently<F: Future<Output = Result<()>>>(schema: &str, once
     once.retry(pauses)
         .when(Error::is_time_limit)
         .notify(|e, pause| {
-            tracing::warn!(schema, error = %e, ?pause, "migration gave up waiting for a table lock another transaction holds; trying again");
+            tracing::warn!(schema, error = %e, ?pause, "migration ran out of time (a lock another transaction holds, or the role's statement_timeout); trying again");
         })
         .await
 }

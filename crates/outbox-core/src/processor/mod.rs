@@ -168,7 +168,8 @@ impl Processor {
             }
             if !state.handing_on.is_empty() {
                 tokio::spawn(
-                    hand_on(self.outbox.clone(), self.db.clone(), std::mem::take(&mut state.handing_on)).in_current_span(),
+                    hand_on(self.outbox.clone(), self.db.clone(), std::mem::take(&mut state.handing_on))
+                        .in_current_span(),
                 );
             }
             let lease_deadline = current.lease.filter(|_| current.is_live()).map(|d| d.instant());

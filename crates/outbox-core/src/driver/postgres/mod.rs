@@ -11,7 +11,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgArguments, PgConnectOptions, PgListener, PgNotification, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Transaction};
 use tokio::sync::watch;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 use uuid::Uuid;
 
 pub use self::statements::{PgStatements, quoted};
@@ -368,7 +368,9 @@ impl Driver<'_, PgPool, PgStatements> {
         let pending = pending(schema, &applied, MIGRATIONS)?;
         sqlx::query(sqlx::AssertSqlSafe(format!("SET LOCAL search_path TO {ident}"))).execute(&mut *tx).await?;
         for m in pending {
-            sqlx::raw_sql(m.sql).execute(&mut *tx).await?;
+            sqlx::raw_sql(m.sql).execute(&mut *tx).await.inspect_err(|e| {
+                warn!(schema, version = m.version, name = m.name, error = %e, "outbox migration failed; none of this run's is kept");
+            })?;
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "INSERT INTO {ident}.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)"
             )))
@@ -661,7 +663,8 @@ mod tests {
             let (outbox, pool) = (outbox.clone(), pool.clone());
             async move { outbox.prune_keys(&pool, 10).await }
         });
-        let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM %keys%'";
+        let waiting =
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM %keys%'";
         while sqlx::query_scalar::<_, i64>(waiting).fetch_one(&pool).await.unwrap() == 0 {
             assert!(!pruning.is_finished(), "the pruning waits for the table: {:?}", pruning.await);
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;

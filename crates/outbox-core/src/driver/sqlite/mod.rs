@@ -14,7 +14,7 @@ use backon::{ExponentialBuilder, Retryable};
 use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, Connection, SqliteConnection, SqlitePool};
-use tracing::info;
+use tracing::{info, warn};
 use uuid::Uuid;
 
 use self::statements::MIGRATIONS_TABLE;
@@ -286,7 +286,9 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
                 .await?;
         let pending = pending(schema, &applied, MIGRATIONS)?;
         for m in pending {
-            sqlx::raw_sql(AssertSqlSafe(render(m.sql, schema).to_string())).execute(&mut *tx).await?;
+            sqlx::raw_sql(AssertSqlSafe(render(m.sql, schema).to_string())).execute(&mut *tx).await.inspect_err(|e| {
+                warn!(schema, version = m.version, name = m.name, error = %e, "outbox migration failed; none of this run's is kept");
+            })?;
             sqlx::query(AssertSqlSafe(format!(
                 "INSERT INTO {schema}_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)"
             )))
