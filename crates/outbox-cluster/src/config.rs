@@ -32,7 +32,7 @@ pub struct ClusterConfig {
     /// intervals (the time the old owner needs to notice a lease that ended early) before delivering
     /// them. Must be at least four heartbeat intervals. On MySQL keep the lease at 2 s or more: the
     /// server's limit on a transaction whose client vanished is whole seconds, and the cluster's hold
-    /// other instances' rows for up to half a lease.
+    /// other instances' rows for up to half a lease (`Node::start` warns of a shorter one).
     #[serde(with = "humantime_serde")]
     pub stale_timeout: Duration,
     /// How often ownership is reconsidered.

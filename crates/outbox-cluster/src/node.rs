@@ -89,6 +89,14 @@ impl Node {
     pub async fn start(outbox: Outbox, db: impl Into<Db>, handlers: Handlers, config: ClusterConfig) -> Result<Node> {
         config.validate()?;
         let store = Store::new(db.into(), &outbox, outbox.config().query_timeout.min(config.lease() / 2));
+        if config.lease() < store.shortest_lease() {
+            warn!(
+                lease = ?config.lease(),
+                shortest = ?store.shortest_lease(),
+                "the lease (stale_timeout less two heartbeat intervals) is shorter than this database keeps safe: \
+                 an instance whose host vanishes mid-round can hold back others' renewals past their leases"
+            );
+        }
         let id = InstanceId::new();
         let first = match registry::register(&store, &config, id).await {
             Ok(first) => first,

@@ -97,6 +97,17 @@ impl Store {
         &self.db
     }
 
+    /// The shortest lease this database keeps safe from an instance whose host vanishes mid-round:
+    /// MySQL gives up such a client's transaction after whole seconds (`wait_timeout`), holding the
+    /// rows it locked, other instances' included, for as long.
+    pub(crate) fn shortest_lease(&self) -> Duration {
+        match &self.db {
+            #[cfg(feature = "mysql")]
+            Db::MySql(_) => Duration::from_secs(2),
+            _ => Duration::ZERO,
+        }
+    }
+
     /// Registers instance `id` with a lease of `lease.live` from database time; returns the lease's
     /// remaining time as the database answered it. An `id` already registered is registered afresh
     /// (lease, name, counts, takeover stamp), so a registration whose answer was lost is retried under
