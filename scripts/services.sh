@@ -34,8 +34,9 @@ ensure_toolchain() {
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# Waits for a listener on port $1 (named $2 in the error) for $3 tenths of a second, 100 if not given.
 wait_port() {
-  for _ in $(seq 1 100); do port_open "$1" && return 0; sleep 0.1; done
+  for _ in $(seq 1 "${3:-100}"); do port_open "$1" && return 0; sleep 0.1; done
   echo "outbox: $2 did not start listening on 127.0.0.1:$1" >&2
   return 1
 }
@@ -77,9 +78,17 @@ ensure_mariadb() {
     echo "outbox: starting MariaDB" >&2
     as_root mkdir -p /run/mysqld
     as_root chown mysql:mysql /run/mysqld 2>/dev/null || true
+    # Its own error log, as Debian's configuration keeps none and the start is in the background; a
+    # crash recovery after an unclean stop may take a while on a small machine.
+    local log=/var/log/mysql/outbox-start.log
+    as_root mkdir -p /var/log/mysql
+    as_root chown mysql: /var/log/mysql 2>/dev/null || true
     as_root start-stop-daemon --start --oknodo --background --chuid mysql --exec /usr/sbin/mariadbd -- \
-      --bind-address=127.0.0.1 --port="$MYSQL_PORT"
-    wait_port "$MYSQL_PORT" MariaDB
+      --bind-address=127.0.0.1 --port="$MYSQL_PORT" --log-error="$log"
+    if ! wait_port "$MYSQL_PORT" MariaDB 600; then
+      as_root tail -n 20 "$log" >&2 || true
+      return 1
+    fi
   fi
   if ! mariadb -h 127.0.0.1 -P "$MYSQL_PORT" -u root -e 'SELECT 1' >/dev/null 2>&1; then
     echo "outbox: letting MariaDB's root log in from 127.0.0.1 without a password" >&2
@@ -118,10 +127,16 @@ nats_has_jetstream() {
   [[ $info == *'"jetstream":true'* ]]
 }
 
-ensure_nats() {
+# The nats-server binary, which the tests start on ports of their own.
+ensure_nats_installed() {
   if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
     apt_install nats-server
   fi
+}
+
+# A nats-server with JetStream on $NATS_PORT, for the demo and the bench.
+ensure_nats() {
+  ensure_nats_installed
   if ! port_open "$NATS_PORT"; then
     echo "outbox: starting nats-server with JetStream" >&2
     as_root mkdir -p /var/lib/nats-server
