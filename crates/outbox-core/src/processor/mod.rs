@@ -149,6 +149,7 @@ impl Processor {
         let stop_listening = CancellationToken::new();
         let _stop_listening = stop_listening.clone().drop_guard();
         let mut listener_open = self.db.can_listen();
+        let mut named = self.assignment.borrow().instance;
         if listener_open {
             tokio::spawn(listen(self.outbox.clone(), self.db.clone(), listening, stop_listening).in_current_span());
         }
@@ -234,8 +235,12 @@ impl Processor {
                     }
                     let current = self.assignment.borrow();
                     state.on_assignment(&current);
-                    // Registered again (its lease ran out): this processor's logs name the new id.
-                    tracing::Span::current().record("instance", tracing::field::display(&current.instance));
+                    // Registered again (its lease ran out): this processor's logs name the new id. Only
+                    // then: a text log appends a recorded field, so each new assignment added a name.
+                    if current.instance != named {
+                        named = current.instance;
+                        tracing::Span::current().record("instance", tracing::field::display(&named));
+                    }
                 }
             }
         }
