@@ -45,6 +45,8 @@ every_backend!(
     a_panic_in_the_decision_ends_failed_once_retries_run_out,
     a_skip_that_meets_a_requeue_leaves_the_record_to_it,
     counted_calls_whose_turns_come_after_a_stop_began_are_not_made,
+    a_keys_suspects_are_called_one_after_another_in_one_turn,
+    a_process_ending_among_a_keys_suspects_counts_only_the_call_it_ended_in,
 );
 
 /// On PostgreSQL a producer in another process (here: another `Outbox`, with wake-ups of its own) wakes
@@ -817,6 +819,111 @@ async fn counted_calls_whose_turns_come_after_a_stop_began_are_not_made(db: Test
     assert_eq!(called_while_stopping.load(Ordering::SeqCst), 0, "calls made after the stop began");
     let left = rows!(db, (i32,), "SELECT attempts FROM {s}records");
     assert_eq!(left, vec![(0,); 5], "the records left, with no attempt spent");
+}
+
+/// A key whose run in flight ended with its process leaves every record of that run a suspect (counted,
+/// its call unfinished), though one of them at most was being called. Its suspects are called one after
+/// another in one turn, each alone, each call's outcome written before the next starts: no other
+/// counted call comes between them. Before, each suspect took a turn of its own and waited for every
+/// counted run queued meanwhile; a worker that ended in the middle of runs of 20 records over many keys
+/// left its next owner alternating one suspect with a whole round of runs, for tens of seconds.
+async fn a_keys_suspects_are_called_one_after_another_in_one_turn(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let (me, partition) = own_partition_of(&db, "suspect", Epoch(1)).await;
+    let keys: Vec<String> = (0..).map(|i| format!("k-{i}")).filter(|k| partition_of(k) == partition).take(5).collect();
+    let mut records: Vec<NewRecord> = (0..4).map(|_| NewRecord::new("suspect", "t", "")).collect();
+    records.extend(keys.iter().flat_map(|k| (0..2).map(move |_| NewRecord::new(k, "t", ""))));
+    commit(&outbox, &db, records).await;
+    exec!(
+        db,
+        "UPDATE {s}records SET attempts = 1, last_error = $1 WHERE key = 'suspect'",
+        outbox_core::UNFINISHED_CALL
+    );
+
+    // Every call as (key, seq, started), (key, seq, ended), in order.
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handlers = Handlers::new().default_route(Route::new(handler_fn({
+        let calls = calls.clone();
+        move |r: outbox_core::Record| {
+            let calls = calls.clone();
+            async move {
+                calls.lock().unwrap().push((r.key.clone(), r.seq, true));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                calls.lock().unwrap().push((r.key.clone(), r.seq, false));
+                Ok::<(), HandlerError>(())
+            }
+        }
+    })));
+    let granted = Assignment {
+        lease: Some(Deadline::now().after(LONG)),
+        taken_over: [(partition, chrono::Utc::now() + chrono::Duration::hours(1))].into(),
+        ..Assignment::new(me, [(partition, Epoch(1))].into())
+    };
+    let (_tx, assignment) = watch::channel(granted);
+    let stop = CancellationToken::new();
+    let processor = tokio::spawn(Processor::new(outbox.clone(), db.clone(), handlers, assignment).run(stop.clone()));
+    drained(&db, LONG).await;
+    stop.cancel();
+    processor.await.unwrap().unwrap();
+
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 2 * (4 + 2 * keys.len()), "{calls:?}");
+    let suspect_seqs = rows!(db, (i64,), "SELECT seq FROM {s}completed WHERE key = 'suspect' ORDER BY seq");
+    let alone: Vec<_> = suspect_seqs
+        .iter()
+        .flat_map(|&(seq,)| [("suspect".to_string(), seq, true), ("suspect".to_string(), seq, false)])
+        .collect();
+    let first = calls.iter().position(|c| c.0 == "suspect").unwrap();
+    assert_eq!(calls[first..first + alone.len()], alone[..], "the suspects, alone and in one turn: {calls:?}");
+    let counted = rows!(db, (String, i32), "SELECT key, attempts FROM {s}completed ORDER BY key");
+    // Delivered, each keeps the attempts it was fetched with: no count was left behind.
+    assert!(counted.iter().all(|(key, attempts)| *attempts == i32::from(key == "suspect")), "{counted:?}");
+}
+
+/// Ending among a key's suspects (the processor's future dropped in the middle of the third one's call,
+/// as the process would end) leaves the two before it delivered, the third counted once more, and the
+/// one after it as it was: each suspect's count is written with the outcome of the call before it,
+/// just before its own call.
+async fn a_process_ending_among_a_keys_suspects_counts_only_the_call_it_ended_in(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let (me, partition) = own_partition_of(&db, "suspect", Epoch(1)).await;
+    commit(&outbox, &db, (0..4).map(|_| NewRecord::new("suspect", "t", "")).collect()).await;
+    exec!(db, "UPDATE {s}records SET attempts = 1, last_error = $1", outbox_core::UNFINISHED_CALL);
+    let third = rows!(db, (i64,), "SELECT seq FROM {s}records ORDER BY seq")[2].0;
+    let (in_third, mut entered) = watch::channel(false);
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r: outbox_core::Record| {
+        let in_third = in_third.clone();
+        async move {
+            if r.seq == third {
+                in_third.send_replace(true);
+                std::future::pending::<()>().await;
+            }
+            Ok::<(), HandlerError>(())
+        }
+    })));
+    let granted = Assignment {
+        lease: Some(Deadline::now().after(LONG)),
+        taken_over: [(partition, chrono::Utc::now() + chrono::Duration::hours(1))].into(),
+        ..Assignment::new(me, [(partition, Epoch(1))].into())
+    };
+    let (_tx, assignment) = watch::channel(granted);
+    let processor =
+        tokio::spawn(Processor::new(outbox.clone(), db.clone(), handlers, assignment).run(CancellationToken::new()));
+    tokio::time::timeout(LONG, entered.wait_for(|&e| e)).await.expect("the third suspect called").unwrap();
+    processor.abort();
+    let _ = processor.await;
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed").await, 2, "the two suspects before it delivered");
+    let left = rows!(
+        db,
+        (i64, i32, bool),
+        "SELECT seq, attempts, last_error = $1 FROM {s}records ORDER BY seq",
+        outbox_core::UNFINISHED_CALL
+    );
+    assert_eq!(
+        left,
+        [(third, 2, true), (third + 1, 1, true)],
+        "counted: the call it ended in, once more; not the next"
+    );
 }
 
 /// The in-process sink passes the handler conformance suite (the JetStream handler runs it too).

@@ -25,6 +25,11 @@
 //! process is counted against the record that caused it, and the records that were only in flight
 //! beside it were counted once. A record whose last call failed in the usual way is no suspect: any
 //! earlier attempt made one, and after a downstream outage every retrying key was called alone.
+//!
+//! An end of the process leaves every record of a counted run a suspect, though one at most was being
+//! called. A key's suspects fetched together are called in one turn: each call's outcome is written
+//! with the next suspect's count, in one write, before that call starts. A turn each, they waited in
+//! turn behind every counted run queued meanwhile, one round of runs per suspect.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -62,14 +67,16 @@ pub(super) struct TakenOver {
 }
 
 /// How a run's calls are made.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub(super) enum Calls {
     /// Uncounted.
     Plain,
     /// Counted (the records marked `careful`) with the other runs of the fetch, side by side.
     Counted,
-    /// Its one record was counted before: counted, and called alone.
-    Suspect,
+    /// Its one record was counted before: counted, and called alone. Holds the suspects right after it
+    /// in its key, each to be counted and called alone in the same turn once the call before it is
+    /// written.
+    Suspect(Vec<Fetched>),
 }
 
 impl TakenOver {
@@ -96,7 +103,8 @@ impl TakenOver {
     }
 
     /// Marks the records of `run` whose calls are counted, and cuts the run before the first of them
-    /// that was counted before (a suspect), which goes in a run of its own.
+    /// that was counted before (a suspect), which goes in a run of its own; a run that starts with
+    /// suspects is cut to its first, the suspects after it returned.
     pub(super) fn mark(&mut self, run: &mut Vec<Fetched>) -> Calls {
         let Some(head) = run.first() else { return Calls::Plain };
         let Some(taken) = self.partitions.get_mut(&head.record.partition) else { return Calls::Plain };
@@ -120,8 +128,9 @@ impl TakenOver {
         }
         match run.iter().position(|f| f.careful && f.unfinished) {
             Some(0) => {
-                run.truncate(1);
-                Calls::Suspect
+                let suspects = run.iter().position(|f| !(f.careful && f.unfinished)).unwrap_or(run.len());
+                run.truncate(suspects);
+                Calls::Suspect(run.split_off(1))
             }
             Some(suspect) => {
                 run.truncate(suspect);

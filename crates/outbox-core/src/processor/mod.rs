@@ -191,7 +191,7 @@ impl Processor {
                     return Err(Error::ShutdownTimeout(state.config.shutdown_timeout));
                 }
                 Some(joined) = state.deliveries.join_next_with_id() => {
-                    state.on_joined(joined);
+                    state.on_joined(joined, &context, (&self.outbox, &self.db));
                     self.publish_busy(&state.in_flight);
                 }
                 (request, found) = poll_opt(&mut state.fetch) => {
@@ -280,6 +280,9 @@ struct State {
     turns: Arc<Semaphore>,
     /// The turns held by keys whose counted calls' outcomes are still to be written.
     turns_held: HashMap<String, OwnedSemaphorePermit>,
+    /// Per key whose suspect is being called, the suspects after it, fetched with it: each is counted
+    /// with the outcome of the call before it and called in the same turn (`careful.rs`).
+    next_suspects: HashMap<String, Vec<Fetched>>,
     /// Outcomes waiting for the next completion.
     outcomes: Vec<Outcome>,
     /// Outcomes a completion left to write again (their keys stay in flight), written in batches of
@@ -348,6 +351,7 @@ impl State {
             turns: Arc::new(Semaphore::new(careful::turns(&config) as usize)),
             config,
             turns_held: HashMap::new(),
+            next_suspects: HashMap::new(),
             outcomes: Vec::new(),
             retrying: Vec::new(),
             completing_retries: false,
@@ -505,17 +509,21 @@ impl State {
             match self.taken_over.mark(&mut run) {
                 Calls::Plain => self.dispatch(run, None, context),
                 Calls::Counted => counted.push(run),
-                Calls::Suspect => {
+                Calls::Suspect(next) => {
                     let r = &run[0].record;
                     warn!(record = %r.id, key = %r.key, partition = r.partition, instance = %request.instance, attempts = r.attempts,
-                        "a call of this record did not finish (the process may have ended during it): calling it alone, the other counted calls wait for it");
-                    self.count(vec![run], careful::turns(&self.config), context, (outbox, db));
+                        suspects_after = next.len(),
+                        "a call of this record did not finish (the process may have ended during it): calling it alone, then the suspects after it in its key, each alone; the other counted calls wait for them");
+                    if !next.is_empty() {
+                        self.next_suspects.insert(r.key.clone(), next);
+                    }
+                    self.count(vec![run], Vec::new(), careful::turns(&self.config), context, (outbox, db));
                 }
             }
         }
         while !counted.is_empty() {
             let rest = counted.split_off(counted.len().min(self.count_limit));
-            self.count(counted, 1, context, (outbox, db));
+            self.count(counted, Vec::new(), 1, context, (outbox, db));
             counted = rest;
         }
     }
@@ -557,15 +565,18 @@ impl State {
         self.next_overdue_check = Instant::now() + OVERDUE_CHECK;
     }
 
-    /// Counts the marked calls of `runs` (their keys in flight) in one write, once it has `per_run`
-    /// turns for each; a suspect whose unfinished calls used up its retries is FAILED instead, uncalled.
+    /// Counts the marked calls of `runs` (their keys in flight) in one write, after the outcomes
+    /// `carried`, once it has `per_run` turns for each (none: the turn is held already, by a key's
+    /// next suspect); a suspect whose unfinished calls used up its retries is FAILED instead, uncalled.
     fn count(
         &mut self,
         mut runs: Vec<Vec<Fetched>>,
+        carried: Vec<Outcome>,
         per_run: u32,
         context: &Arc<Context>,
         (outbox, db): (&Outbox, &Db),
     ) {
+        let mut failed = Vec::new();
         runs.retain_mut(|run| {
             // Only a suspect: a record whose last call failed in the usual way is called again and
             // its policy decides (the fallback, say, when its route's retries were lowered meanwhile).
@@ -576,20 +587,24 @@ impl State {
                 return true;
             };
             let attempts = run[0].record.attempts;
-            self.outcomes.push(Outcome::of(run.swap_remove(0), verdict, attempts));
+            failed.push(Outcome::of(run.swap_remove(0), verdict, attempts));
             false
         });
         if runs.is_empty() {
+            self.outcomes.extend(carried);
+            self.outcomes.extend(failed);
             return;
         }
-        let counts = careful::counts(&runs);
+        self.outcomes.extend(failed);
+        let mut outcomes = carried.clone();
+        outcomes.extend(careful::counts(&runs));
         let permits = per_run.saturating_mul(u32::try_from(runs.len()).unwrap_or(u32::MAX));
         let (turns, outbox, db) = (self.turns.clone(), outbox.clone(), db.clone());
         self.counting.push(Box::pin(async move {
-            let turn = turns.acquire_many_owned(permits).await.ok();
+            let turn = if permits == 0 { None } else { turns.acquire_many_owned(permits).await.ok() };
             let started = Instant::now();
-            let written = write(&outbox, &db, &counts).await;
-            CountWritten { runs, turn, per_run, written, took: started.elapsed() }
+            let written = write(&outbox, &db, &outcomes).await;
+            CountWritten { runs, carried, turn, per_run, written, took: started.elapsed() }
         }));
     }
 
@@ -597,11 +612,14 @@ impl State {
     /// those whose partition left the assignment meanwhile, or all once stopping; the others are
     /// fetched again.
     fn on_counted(&mut self, counted: CountWritten, current: &Assignment, context: &Arc<Context>) {
-        let CountWritten { runs, mut turn, per_run, written, took } = counted;
+        let CountWritten { runs, carried, mut turn, per_run, written, took } = counted;
         let written = match written {
             Ok(written) => {
                 if runs.len() >= self.count_limit && took < self.config.query_timeout / 4 {
                     self.count_limit = self.count_limit.saturating_mul(2);
+                }
+                for outcome in &carried {
+                    self.settle(outcome, &written);
                 }
                 written
             }
@@ -620,7 +638,7 @@ impl State {
                 // The write may have committed all the same, and fetched at once again the records would
                 // meet the same refusal in a loop: the counts are taken back like a run's calls not made,
                 // keeping the keys in flight until that is written, after the retries' backoff.
-                let taken_back = runs.into_iter().flat_map(not_called).collect();
+                let taken_back = carried.into_iter().chain(runs.into_iter().flat_map(not_called)).collect();
                 self.retry_later(taken_back);
                 return;
             }
@@ -652,12 +670,18 @@ impl State {
     /// those it did not finish, are fetchable now).
     fn leave_flight(&mut self, key: &str) -> Option<Partition> {
         self.turns_held.remove(key);
+        self.next_suspects.remove(key);
         let partition = self.in_flight.remove(key)?;
         self.wanted.insert(partition);
         Some(partition)
     }
 
-    fn on_joined(&mut self, joined: std::result::Result<(TaskId, (String, Vec<Outcome>)), tokio::task::JoinError>) {
+    fn on_joined(
+        &mut self,
+        joined: std::result::Result<(TaskId, (String, Vec<Outcome>)), tokio::task::JoinError>,
+        context: &Arc<Context>,
+        (outbox, db): (&Outbox, &Db),
+    ) {
         match joined {
             Ok((task, (key, outcomes))) => {
                 self.tasks.remove(&task);
@@ -665,6 +689,8 @@ impl State {
                     // Cancelled before any outcome (the lease ran out): a fetch that started meanwhile
                     // (the lease renewed) passed over its key.
                     self.leave_flight(&key);
+                } else if let Some(next) = self.next_suspect(&key, &outcomes, context) {
+                    self.count(vec![next], outcomes, 0, context, (outbox, db));
                 } else {
                     self.outcomes.extend(outcomes);
                 }
@@ -679,6 +705,27 @@ impl State {
         }
     }
 
+    /// The next of `key`'s suspects (`careful.rs`), to be counted in the write of `outcomes` and called
+    /// in the same turn: only after a call that completed, and not once stopping. A suspect whose
+    /// unfinished calls used up its retries is not (it is FAILED uncalled once fetched again), nor are
+    /// those after it.
+    fn next_suspect(&mut self, key: &str, outcomes: &[Outcome], context: &Context) -> Option<Vec<Fetched>> {
+        let mut next = self.next_suspects.remove(key)?;
+        let head = next.first()?;
+        let completed = matches!(outcomes, [o] if o.verdict.completes());
+        if !completed
+            || self.stop_deadline.is_some()
+            || out_of_unfinished_calls(&context.handlers, &self.config, &head.record).is_some()
+        {
+            return None;
+        }
+        let later = next.split_off(1);
+        if !later.is_empty() {
+            self.next_suspects.insert(key.to_string(), later);
+        }
+        Some(next)
+    }
+
     fn on_completed(&mut self, completed: Completed) {
         let Completed { settled, written, retry } = completed;
         let written_together = settled.len();
@@ -689,31 +736,7 @@ impl State {
             if !unsettled.contains(outcome.key.as_str()) {
                 self.leave_flight(&outcome.key);
             }
-            if written.ids.contains(&outcome.id) {
-                record_metrics(&outcome);
-                if matches!(outcome.verdict, Verdict::Delivered | Verdict::Fallback) {
-                    self.delivered.fetch_add(1, Ordering::Relaxed);
-                }
-                if let Verdict::Retry { delay, .. } = outcome.verdict {
-                    let partition = Partitions::of(outcome.partition);
-                    if self.held.contains(outcome.partition) {
-                        self.wake_at(Instant::now() + delay, partition);
-                    } else {
-                        // Given up while the call ran (a graceful handover lets it finish).
-                        self.handing_on.push(Wake { partitions: partition, after: millis_up(delay) });
-                    }
-                }
-            } else if written.held.contains(&outcome.grant()) {
-                debug!(record = %outcome.id, key = %outcome.key, partition = outcome.partition,
-                    "outcome already settled (an earlier attempt committed, or the record was removed or requeued)");
-            } else if self.fenced.insert(outcome.partition, (outcome.instance, outcome.epoch))
-                != Some((outcome.instance, outcome.epoch))
-            {
-                warn!(partition = outcome.partition, instance = %outcome.instance, epoch = %outcome.epoch,
-                    record = %outcome.id, key = %outcome.key,
-                    "fenced out: the partition has a new owner or epoch; stopped processing it");
-                self.cancels.cancel(outcome.grant());
-            }
+            self.settle(&outcome, &written);
         }
         if let Some((batch, e)) = &retry
             && e.is_time_limit()
@@ -732,6 +755,36 @@ impl State {
             self.retry_later(batch);
         } else if self.completing_retries && self.retrying.is_empty() {
             self.retry_backoff = COMPLETE_RETRY_MIN;
+        }
+    }
+
+    /// The bookkeeping of an outcome a write settled: written (metrics, the retry's timer), already
+    /// settled, or fenced out (its partition stops being processed under that grant).
+    fn settle(&mut self, outcome: &Outcome, written: &Written) {
+        if written.ids.contains(&outcome.id) {
+            record_metrics(outcome);
+            if matches!(outcome.verdict, Verdict::Delivered | Verdict::Fallback) {
+                self.delivered.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Verdict::Retry { delay, .. } = outcome.verdict {
+                let partition = Partitions::of(outcome.partition);
+                if self.held.contains(outcome.partition) {
+                    self.wake_at(Instant::now() + delay, partition);
+                } else {
+                    // Given up while the call ran (a graceful handover lets it finish).
+                    self.handing_on.push(Wake { partitions: partition, after: millis_up(delay) });
+                }
+            }
+        } else if written.held.contains(&outcome.grant()) {
+            debug!(record = %outcome.id, key = %outcome.key, partition = outcome.partition,
+                "outcome already settled (an earlier attempt committed, or the record was removed or requeued)");
+        } else if self.fenced.insert(outcome.partition, (outcome.instance, outcome.epoch))
+            != Some((outcome.instance, outcome.epoch))
+        {
+            warn!(partition = outcome.partition, instance = %outcome.instance, epoch = %outcome.epoch,
+                record = %outcome.id, key = %outcome.key,
+                "fenced out: the partition has a new owner or epoch; stopped processing it");
+            self.cancels.cancel(outcome.grant());
         }
     }
 
@@ -852,6 +905,8 @@ impl Drop for State {
 /// count wrote.
 struct CountWritten {
     runs: Vec<Vec<Fetched>>,
+    /// Outcomes written first in the same write (the call before a key's next suspect).
+    carried: Vec<Outcome>,
     turn: Option<OwnedSemaphorePermit>,
     per_run: u32,
     written: Result<Written>,
