@@ -516,6 +516,50 @@ async fn measure_a_drain_after_a_takeover(pool: PgPool) {
     }
 }
 
+/// Measures what suspects cost their next owner: a node takes over (from a dead owner) 40 keys whose
+/// 20 records each are all suspects, as a process that ended in the middle of runs of 20 leaves them,
+/// beside 400 keys of 10 records in counted runs; the handler takes 5 ms. Timed from the first
+/// completed record until the suspects are delivered, and until the backlog is.
+///
+/// `./scripts/test.sh -p outbox-tests --test faults -- --ignored --nocapture measure_suspects`
+#[sqlx::test(migrations = false)]
+#[ignore = "measurement, run on demand"]
+async fn measure_suspects_after_a_takeover(pool: PgPool) {
+    let db = TestDb::postgres(pool.clone());
+    let outbox = outbox(&db, |_| {}).await;
+    let slow = outbox_core::handler_fn(|_| async {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok::<(), outbox_core::HandlerError>(())
+    });
+    let handlers = || outbox_core::Handlers::new().default_route(outbox_core::Route::new(slow.clone()));
+    for _ in 0..3 {
+        let suspects = (0..20).flat_map(|_| (0..40).map(|k| NewRecord::new(format!("s-{k}"), "t", "x")));
+        let counted = (0..10).flat_map(|_| (0..400).map(|k| NewRecord::new(format!("k-{k}"), "t", "x")));
+        commit(&outbox, &db, suspects.chain(counted).collect()).await;
+        exec!(
+            db,
+            "UPDATE {s}records SET attempts = 1, last_error = $1 WHERE key LIKE 's-%'",
+            outbox_core::UNFINISHED_CALL
+        );
+        let dead = register_instance(&db).await;
+        exec!(db, "UPDATE {s}instances SET expires_at = {ago:60} WHERE id = $1", dead);
+        exec!(db, "UPDATE {s}partitions SET owner = $1", dead);
+        let all = pending(&db).await;
+        let node = start(&outbox, &db, handlers()).await;
+        wait_for("the first record completed", Duration::from_secs(60), || async { pending(&db).await < all }).await;
+        let began = Instant::now();
+        let left = "SELECT count(*) FROM {s}records WHERE key LIKE 's-%'";
+        wait_for("the suspects delivered", Duration::from_secs(600), || async { count(&db, left).await == 0 }).await;
+        let suspects = began.elapsed();
+        drained(&db, Duration::from_secs(600)).await;
+        eprintln!("800 suspects over 40 keys: delivered in {suspects:?}; the whole backlog in {:?}", began.elapsed());
+        node.shutdown().await.unwrap();
+        exec!(db, "DELETE FROM {s}completed");
+        exec!(db, "DELETE FROM {s}instances");
+        exec!(db, "UPDATE {s}partitions SET owner = NULL, target_owner = NULL");
+    }
+}
+
 /// Measures, with real worker processes, how long partitions take to move after a graceful stop
 /// (handover) and after a kill -9 (failover), until the other instance owns them and until a record
 /// committed into one of them right after the stop is delivered, and how many transactions per second
