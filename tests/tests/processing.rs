@@ -739,6 +739,16 @@ async fn own_partition_of(db: &TestDb, key: &str, epoch: Epoch) -> (InstanceId, 
     (me, partition)
 }
 
+/// `partition` granted to `me` at epoch 1 and taken over an hour from now: every record there is counted
+/// (`careful.rs`).
+fn taken_over(me: InstanceId, partition: outbox_core::Partition) -> Assignment {
+    Assignment {
+        lease: Some(Deadline::now().after(LONG)),
+        taken_over: [(partition, chrono::Utc::now() + chrono::Duration::hours(1))].into(),
+        ..Assignment::new(me, [(partition, Epoch(1))].into())
+    }
+}
+
 /// Past the assignment's deadline (the lease may have expired while the process was paused) nothing
 /// is fetched or handed to a handler; a renewed deadline resumes delivery.
 async fn nothing_is_delivered_past_the_assignment_deadline(db: TestDb) {
@@ -800,13 +810,7 @@ async fn counted_calls_whose_turns_come_after_a_stop_began_are_not_made(db: Test
             }
         }
     })));
-    let taken_over = chrono::Utc::now() + chrono::Duration::hours(1);
-    let granted = Assignment {
-        lease: Some(Deadline::now().after(LONG)),
-        taken_over: [(partition, taken_over)].into(),
-        ..Assignment::new(me, [(partition, Epoch(1))].into())
-    };
-    let (_tx, assignment) = watch::channel(granted);
+    let (_tx, assignment) = watch::channel(taken_over(me, partition));
     let stop = CancellationToken::new();
     let processor = tokio::spawn(Processor::new(outbox.clone(), db.clone(), handlers, assignment).run(stop.clone()));
     wait_for("the suspect called", LONG, || async { suspect_called.load(Ordering::SeqCst) }).await;
@@ -854,12 +858,7 @@ async fn a_keys_suspects_are_called_one_after_another_in_one_turn(db: TestDb) {
             }
         }
     })));
-    let granted = Assignment {
-        lease: Some(Deadline::now().after(LONG)),
-        taken_over: [(partition, chrono::Utc::now() + chrono::Duration::hours(1))].into(),
-        ..Assignment::new(me, [(partition, Epoch(1))].into())
-    };
-    let (_tx, assignment) = watch::channel(granted);
+    let (_tx, assignment) = watch::channel(taken_over(me, partition));
     let stop = CancellationToken::new();
     let processor = tokio::spawn(Processor::new(outbox.clone(), db.clone(), handlers, assignment).run(stop.clone()));
     drained(&db, LONG).await;
@@ -901,12 +900,7 @@ async fn a_process_ending_among_a_keys_suspects_counts_only_the_call_it_ended_in
             Ok::<(), HandlerError>(())
         }
     })));
-    let granted = Assignment {
-        lease: Some(Deadline::now().after(LONG)),
-        taken_over: [(partition, chrono::Utc::now() + chrono::Duration::hours(1))].into(),
-        ..Assignment::new(me, [(partition, Epoch(1))].into())
-    };
-    let (_tx, assignment) = watch::channel(granted);
+    let (_tx, assignment) = watch::channel(taken_over(me, partition));
     let processor =
         tokio::spawn(Processor::new(outbox.clone(), db.clone(), handlers, assignment).run(CancellationToken::new()));
     tokio::time::timeout(LONG, entered.wait_for(|&e| e)).await.expect("the third suspect called").unwrap();

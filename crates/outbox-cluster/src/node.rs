@@ -89,10 +89,11 @@ impl Node {
     pub async fn start(outbox: Outbox, db: impl Into<Db>, handlers: Handlers, config: ClusterConfig) -> Result<Node> {
         config.validate()?;
         let store = Store::new(db.into(), &outbox, outbox.config().query_timeout.min(config.lease() / 2));
-        if config.lease() < store.shortest_lease() {
+        let shortest = store.shortest_lease();
+        if config.lease() < shortest {
             warn!(
                 lease = ?config.lease(),
-                shortest = ?store.shortest_lease(),
+                ?shortest,
                 "the lease (stale_timeout less two heartbeat intervals) is shorter than this database keeps safe: \
                  an instance whose host vanishes mid-round can hold back others' renewals past their leases"
             );
