@@ -28,8 +28,8 @@
 //!
 //! An end of the process leaves every record of a counted run a suspect, though one at most was being
 //! called. A key's suspects fetched together are called in one turn: each call's outcome is written
-//! with the next suspect's count, in one write, before that call starts. A turn each, they waited in
-//! turn behind every counted run queued meanwhile, one round of runs per suspect.
+//! with the next suspect's count, in one write, before that call starts. A turn each would queue every
+//! suspect behind all the counted runs queued meanwhile: a round of runs per suspect.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
