@@ -148,7 +148,9 @@ pub enum Error {
     /// A table or column this library uses is missing: the schema has not been migrated, is older than
     /// this library, or a newer version's migration changed it (SQLite's migration 7 dropped a table
     /// older versions' `schedule` reads).
-    #[error("the outbox schema {schema:?} lacks a table or column this library version uses: run the migrator (Outbox::migrate) first, or, if a newer library version has migrated it, run that version")]
+    #[error(
+        "the outbox schema {schema:?} lacks a table or column this library version uses: run the migrator (Outbox::migrate) first, or, if a newer library version has migrated it, run that version"
+    )]
     NotMigrated {
         /// The configured schema name.
         schema: String,
