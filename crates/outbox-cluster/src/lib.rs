@@ -9,8 +9,8 @@
 //! in flight, and the targeted instance then acquires them (release-before-acquire). A crashed
 //! instance's partitions are taken once its lease has expired by database time.
 //!
-//! Runs on every database of [`outbox_core::Db`] this crate is built with (features `postgres` and
-//! `sqlite`); each one's statements and their execution are in `driver/<name>.rs`, behind the one
+//! Runs on every database of [`outbox_core::Db`] this crate is built with (features `postgres`,
+//! `sqlite` and `mysql`); each one's statements and their execution are in `driver/<name>.rs`, behind the one
 //! interface of `driver/mod.rs`.
 //!
 //! ```no_run

@@ -213,7 +213,8 @@ pub struct Record {
     /// Failed deliveries so far (0 on the first delivery), counting calls that did not finish in a
     /// partition taken over from an owner that did not give it up (the processor's docs).
     pub attempts: i32,
-    /// When the record was scheduled (the scheduling transaction's start, database time).
+    /// When the record was scheduled, database time: the scheduling transaction's start on PostgreSQL,
+    /// the `schedule` statement's time on MySQL and SQLite.
     pub created_at: DateTime<Utc>,
     /// When it was scheduled to be delivered at, if later than `created_at` (see [`NewRecord::delay`]).
     pub deliver_at: Option<DateTime<Utc>>,
