@@ -10,8 +10,8 @@
 //! instance's partitions are taken once its lease has expired by database time.
 //!
 //! Runs on every database of [`outbox_core::Db`] this crate is built with (features `postgres`,
-//! `sqlite` and `mysql`); each one's statements and their execution are in `driver/<name>.rs`, behind the one
-//! interface of `driver/mod.rs`.
+//! `sqlite` and `mysql`); each one's statements and their execution are in `driver/<name>.rs`, behind
+//! the one interface of `driver/mod.rs`.
 //!
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {

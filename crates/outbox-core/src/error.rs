@@ -146,8 +146,7 @@ pub enum Error {
     #[error("the database session cannot run the outbox's workers: {0}")]
     UnsuitableSession(String),
     /// A table or column this library uses is missing: the schema has not been migrated, is older than
-    /// this library, or a newer version's migration changed it (SQLite's migration 7 dropped a table
-    /// older versions' `schedule` reads).
+    /// this library, or a newer version's migration removed or changed it.
     #[error(
         "the outbox schema {schema:?} lacks a table or column this library version uses: run the migrator (Outbox::migrate) first, or, if a newer library version has migrated it, run that version"
     )]
