@@ -22,6 +22,7 @@ every_backend!(
     only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over,
     owned_partitions_fall_to_none_when_the_lease_runs_out_and_at_stop,
     the_ownership_task_waits_while_its_lease_has_run_out,
+    the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -155,6 +156,63 @@ async fn the_ownership_task_waits_while_its_lease_has_run_out(db: TestDb) {
     node.shutdown().await.unwrap();
     // A tick every 100 ms (the rebalance interval) sets the gauge about ten times a second.
     assert!(in_a_second < 100, "the gauge was set {in_a_second} times in a second: the ownership task spins");
+}
+
+/// The backlog gauges count what waits: a record backing off (pending, with the oldest pending age), one
+/// scheduled for later, one FAILED. The leader reports them; once it stops, the next leader does (a
+/// record scheduled after the first one stopped shows), and the last to stop sets them back to 0.
+/// Before, only the demo's worker set them: a service embedding `Node` had no backlog to alert on.
+async fn the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops(db: TestDb) {
+    let kept = Kept::new();
+    let _local = metrics::set_default_local_recorder(&kept);
+    let outbox = outbox(&db, |c| c.backlog_gauges_interval = Duration::from_millis(50)).await;
+    let written = commit(
+        &outbox,
+        &db,
+        vec![
+            NewRecord::new("backing-off", "flaky", ""),
+            NewRecord::new("later", "ok", "").deliver_after(Duration::from_secs(3600)),
+            NewRecord::new("broken", "broken", ""),
+        ],
+    )
+    .await;
+    let (flaky, later, broken) = (written[0].partition.to_string(), written[1].partition.to_string(), written[2].id);
+    let handlers = || {
+        let not_yet = handler_fn(|_| async { Err(HandlerError::retryable("not yet").with_retry_after(LONG)) });
+        Handlers::new()
+            .route("flaky", Route::new(not_yet))
+            .route("broken", Route::new(handler_fn(|_| async { Err(HandlerError::permanent("malformed")) })))
+            .default_route(Route::new(handler_fn(|_| async { Ok(()) })))
+    };
+    let pending = |partition: &str| kept.gauge_of("outbox_pending_records", &[("partition", partition)]);
+    let scheduled = |partition: &str| kept.gauge_of("outbox_scheduled_records", &[("partition", partition)]);
+    let failed = || kept.gauge_of("outbox_failed_records", &[]);
+    let oldest = || kept.gauge_of("outbox_oldest_pending_seconds", &[]).unwrap_or_default();
+
+    let a = start(&outbox, &db, handlers()).await;
+    wait_for("the backlog reported", LONG, || async {
+        pending(&flaky) == Some(1.0) && scheduled(&later) == Some(1.0) && failed() == Some(1.0) && oldest() > 0.0
+    })
+    .await;
+    outbox.skip(&db, broken).await.unwrap();
+    wait_for("the skipped record gone from the gauge", LONG, || async { failed() == Some(0.0) }).await;
+
+    let b = start(&outbox, &db, handlers()).await;
+    a.shutdown().await.unwrap();
+    let fresh =
+        commit(&outbox, &db, vec![NewRecord::new("fresh", "ok", "").deliver_after(Duration::from_secs(3600))]).await;
+    let fresh = fresh[0].partition.to_string();
+    let expected = if fresh == later { 2.0 } else { 1.0 };
+    wait_for("the next leader reporting", LONG, || async {
+        scheduled(&fresh) == Some(expected) && pending(&flaky) == Some(1.0)
+    })
+    .await;
+    b.shutdown().await.unwrap();
+    for partition in [&flaky, &later, &fresh] {
+        assert_eq!(pending(partition), Some(0.0), "partition {partition} after the stop");
+        assert_eq!(scheduled(partition), Some(0.0), "partition {partition} after the stop");
+    }
+    assert_eq!((failed(), oldest()), (Some(0.0), 0.0), "after the stop");
 }
 
 /// A handler call that blocks its thread (a synchronous sleep inside an async handler) can be neither

@@ -7,8 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use outbox_cluster::{ClusterConfig, Node};
 use outbox_core::operator::FailedFilter;
-use outbox_core::{Completion, Error, NewRecord, partition_of};
+use outbox_core::{Completion, Config, Error, Handlers, NewRecord, Route, Value, handler_fn, partition_of};
 
 const LONG: Duration = Duration::from_secs(60);
 
@@ -16,6 +17,7 @@ every_backend!(
     stats_count_pending_and_failed_per_partition_with_the_oldest_age,
     purge_deletes_only_expired_completed_records_in_bounded_batches,
     a_stop_ends_a_purge_pass_under_way,
+    only_the_leader_purges_at_its_own_retention,
     a_requeue_waiting_for_a_row_holds_up_no_writer,
     delete_on_complete_keeps_no_completed_rows,
     operator_calls_refuse_bad_keys_and_limits_with_typed_errors,
@@ -70,7 +72,8 @@ async fn a_stop_ends_a_purge_pass_under_way(db: TestDb) {
     deliver_all(&outbox, &db).await;
     exec!(db, "UPDATE {s}completed SET completed_at = {ago:60}");
     let stop = tokio_util::sync::CancellationToken::new();
-    let purging = tokio::spawn(outbox.clone().run_purge(db.db.clone(), stop.clone()));
+    let leads = tokio::sync::watch::channel(true).1;
+    let purging = tokio::spawn(outbox.clone().run_purge(db.db.clone(), leads, stop.clone()));
     wait_for("the purge under way", Duration::from_secs(30), || async {
         count(&db, "SELECT count(*) FROM {s}completed").await < 2_000
     })
@@ -79,6 +82,41 @@ async fn a_stop_ends_a_purge_pass_under_way(db: TestDb) {
     tokio::time::timeout(Duration::from_secs(60), purging).await.expect("the purge ended").unwrap();
     let left = count(&db, "SELECT count(*) FROM {s}completed").await;
     assert!(left > 0, "the pass went on to its end after the stop");
+}
+
+/// Only the leader purges, at its own retention: a second node whose retention would purge every
+/// completed record at once purges none while the first leads, and all of them once it leads. Before,
+/// every node purged and pruned key rows (a read of the whole backlog) each `purge_interval`: a cluster
+/// of N did the work N times, and each at its own retention.
+async fn only_the_leader_purges_at_its_own_retention(db: TestDb) {
+    let tune = |retention| {
+        move |c: &mut Config| {
+            c.completed_retention = retention;
+            c.purge_interval = Duration::from_millis(50);
+        }
+    };
+    let keeps = outbox(&db, tune(Duration::from_secs(3600))).await;
+    let purges = outbox(&db, tune(Duration::ZERO)).await;
+    commit(&keeps, &db, (0..10).map(|i| NewRecord::new(format!("k{i}"), "t", "")).collect()).await;
+    let ok = || Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok(()) })));
+    // Leases long enough that no stall of a loaded machine makes the first register again (and so
+    // lose the lead to the second, whose id is older).
+    let config = || ClusterConfig { stale_timeout: Duration::from_secs(10), ..fast_cluster() };
+    let leader = Node::start(keeps.clone(), &db, ok(), config()).await.unwrap();
+    drained(&db, LONG).await;
+    let follower = Node::start(purges.clone(), &db, ok(), config()).await.unwrap();
+    let owns = "SELECT count(*) FROM {s}partitions WHERE owner = $1";
+    let id = follower.id();
+    wait_for("the second node's share", LONG, || async { db.scalar::<i64>(owns, &[Value::from(id)]).await == 128 })
+        .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed").await, 10, "purged by a node that does not lead");
+    leader.shutdown().await.unwrap();
+    wait_for("the purge of the next leader", LONG, || async {
+        count(&db, "SELECT count(*) FROM {s}completed").await == 0
+    })
+    .await;
+    follower.shutdown().await.unwrap();
 }
 
 /// A requeue of a key, or of everything, that waits for a row another transaction holds (here the

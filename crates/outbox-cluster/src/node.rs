@@ -15,7 +15,8 @@
 //!   that are free or whose owner's lease has expired; the latter it hands to the processor only after a
 //!   quiet period of two heartbeat intervals (the previous owner's, or its own if longer). Each step
 //!   nudges the instances that must take the next one, so a handover does not wait for their rounds;
-//! - **processor** and **purge** from `outbox-core`.
+//! - **processor**, **purge** and **backlog gauges** from `outbox-core`; the purge and the gauges run
+//!   on the leader only (each works on the whole database).
 //!
 //! Graceful shutdown: mark the instance draining; its ownership task writes targets without it and
 //! hands each partition over as in a rebalance (stop fetching it, release it once its records in
@@ -149,6 +150,9 @@ impl Node {
         let leaving = CancellationToken::new();
         let holds_none = Arc::new(watch::Sender::new(false));
         let held = Arc::new(watch::Sender::new(Held::new()));
+        // The leader runs the cluster's housekeeping: the purge and the backlog gauges.
+        let leads = watch::Sender::new(false);
+        let (purge_leads, gauges_leads) = (leads.subscribe(), leads.subscribe());
         let ownership = Ownership {
             outbox: outbox.clone(),
             store: store.clone(),
@@ -159,11 +163,14 @@ impl Node {
             holds_none: holds_none.clone(),
             held: held.clone(),
             asks_round,
+            leads,
         };
         let run = ownership.run(stop_background.clone());
         background.spawn(watched("ownership", &stop_background).run(ended(run)));
-        let run = outbox.clone().run_purge(store.db().clone(), stop_background.clone());
+        let run = outbox.clone().run_purge(store.db().clone(), purge_leads, stop_background.clone());
         background.spawn(watched("purge", &stop_background).run(ended(run)));
+        let run = outbox.clone().run_backlog_gauges(store.db().clone(), gauges_leads, stop_background.clone());
+        background.spawn(watched("backlog gauges", &stop_background).run(ended(run)));
         background.close();
         Ok(Node {
             outbox,

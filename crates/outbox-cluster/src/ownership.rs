@@ -43,6 +43,9 @@ pub(crate) struct Ownership {
     pub(crate) held: Arc<watch::Sender<Held>>,
     /// Bumped by the heartbeat to ask for a round (see `Heartbeat::asks_round`).
     pub(crate) asks_round: Arc<AtomicU64>,
+    /// Whether this instance leads the cluster (and is not leaving), as of its last round: the leader
+    /// runs the purge and reads the backlog gauges.
+    pub(crate) leads: watch::Sender<bool>,
 }
 
 /// Partitions taken from a dead owner, each at its epoch with the end of its quiet period.
@@ -164,6 +167,7 @@ impl Ownership {
             live.retain(|&other| other != id);
         }
         let leader = live.first() == Some(&id);
+        self.leads.send_replace(leader && !self.leaving.is_cancelled());
         let targets: Targets = if self.leaving.is_cancelled() {
             // Leaving (no longer counted live): its partitions go to the others without waiting for the
             // leader.

@@ -58,6 +58,9 @@ pub const DEFAULT_COMPLETED_RETENTION: Duration = Duration::from_secs(3600);
 pub const DEFAULT_PURGE_INTERVAL: Duration = Duration::from_secs(60);
 /// Rows deleted per purge statement: short transactions that never hold locks for long.
 pub const DEFAULT_PURGE_BATCH_SIZE: usize = 5_000;
+/// Read the backlog for its gauges every 15 s (Prometheus' default scrape interval): one count over the
+/// records table per interval, on one instance of a cluster.
+pub const DEFAULT_BACKLOG_GAUGES_INTERVAL: Duration = Duration::from_secs(15);
 /// A graceful stop waits this long for in-flight deliveries before giving up (they will be redelivered).
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -126,6 +129,10 @@ pub struct Config {
     pub purge_interval: Duration,
     /// Rows per purge statement.
     pub purge_batch_size: usize,
+    /// How often the backlog gauges are read ([`Outbox::run_backlog_gauges`](crate::Outbox::run_backlog_gauges));
+    /// `0s` reads them never.
+    #[serde(with = "humantime_serde")]
+    pub backlog_gauges_interval: Duration,
     /// How long a graceful stop waits for in-flight deliveries; then their calls are cancelled, and
     /// the stop returns once each has yielded (a call that never yields holds the partition with it).
     #[serde(with = "humantime_serde")]
@@ -152,6 +159,7 @@ impl Default for Config {
             completed_retention: DEFAULT_COMPLETED_RETENTION,
             purge_interval: DEFAULT_PURGE_INTERVAL,
             purge_batch_size: DEFAULT_PURGE_BATCH_SIZE,
+            backlog_gauges_interval: DEFAULT_BACKLOG_GAUGES_INTERVAL,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
         }
     }
@@ -181,8 +189,10 @@ impl Config {
             ("shutdown_timeout", self.shutdown_timeout),
             // 0: purged at the next purge.
             ("completed_retention", self.completed_retention),
+            // 0: never read.
+            ("backlog_gauges_interval", self.backlog_gauges_interval),
         ] {
-            if value.is_zero() && name != "completed_retention" {
+            if value.is_zero() && !matches!(name, "completed_retention" | "backlog_gauges_interval") {
                 return bad(format!("{name} must be > 0"));
             }
             if value > MAX_DURATION {
@@ -275,9 +285,10 @@ mod tests {
     #[test]
     fn validate_names_the_bad_field() {
         type Mutate = fn(&mut Config);
-        let cases: [(Mutate, &str); 10] = [
+        let cases: [(Mutate, &str); 11] = [
             (|c| c.schema = "Outbox; drop".into(), "schema"),
             (|c| c.purge_interval = Duration::MAX, "purge_interval"),
+            (|c| c.backlog_gauges_interval = MAX_DURATION + Duration::from_secs(1), "backlog_gauges_interval"),
             (|c| c.shutdown_timeout = Duration::MAX, "shutdown_timeout"),
             (|c| c.completed_retention = MAX_DURATION + Duration::from_secs(1), "completed_retention"),
             (|c| c.retry = RetryPolicy::fixed(Duration::MAX, 3), "max_delay"),

@@ -9,7 +9,7 @@
 //! → [`schedule`](Outbox::schedule) (inside the caller's transaction) → [`wake`](Outbox::wake) (after the
 //! commit, the partitions' owners fetch now) → [`processor`] (fetch each key's head from owned
 //! partitions, deliver many keys at once, complete in fenced batches) → [`retry`] / [`handler`] (retry,
-//! fallback, FAILED) → [`operator`] (list, requeue, skip FAILED; stats) → [`purge`].
+//! fallback, FAILED) → [`operator`] (list, requeue, skip FAILED; stats and the backlog gauges) → [`purge`].
 //! Every database access goes through [`driver`]: one interface stating each operation's contract, and a
 //! module per database with its statements and their execution (`driver/postgres/`, `driver/sqlite/`,
 //! `driver/mysql/`, each a Cargo feature); the schemas are in `migrations/<database>/`.

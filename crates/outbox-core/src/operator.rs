@@ -1,10 +1,13 @@
 //! Operator functions: inspect and resolve FAILED records, and watch the backlog.
 
+use std::collections::BTreeSet;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, instrument, warn};
 use uuid::Uuid;
 
-use crate::Outbox;
-use crate::driver::Db;
+use crate::driver::{Db, answered_within};
 use crate::error::{Error, Result};
 use crate::notice::{Partitions, Wake};
 use crate::record::check_key;
@@ -12,6 +15,7 @@ use crate::stored::Requeue;
 pub use crate::stored::{
     BacklogTotals, FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedPosition, FailedRecord, PartitionStats,
 };
+use crate::{Outbox, Partition};
 
 /// The most FAILED records one call of [`Outbox::failed`] lists.
 pub const MAX_FAILED_PAGE: i64 = 10_000;
@@ -99,5 +103,89 @@ impl Outbox {
     #[instrument(skip_all)]
     pub async fn stats(&self, db: impl Into<Db>) -> Result<Vec<PartitionStats>> {
         db.into().stats(self.statements()).await.map_err(|e| self.not_migrated(e))
+    }
+
+    /// Sets the backlog gauges from [`Outbox::stats`] every `backlog_gauges_interval` while `leads`
+    /// holds `true`, until `shutdown`: `outbox_pending_records` and `outbox_scheduled_records` per
+    /// partition, `outbox_failed_records` and `outbox_oldest_pending_seconds`. Each reading counts the
+    /// whole records table, so a cluster reads it on one instance (the node passes whether it leads);
+    /// when `leads` turns `false`, and at `shutdown`, the gauges this instance set go back to 0, so the
+    /// maximum over the instances is the backlog (a sum counts it twice for as long as two instances
+    /// report it, as around a change of leader).
+    pub async fn run_backlog_gauges(
+        self,
+        db: impl Into<Db>,
+        leads: watch::Receiver<bool>,
+        shutdown: CancellationToken,
+    ) {
+        let db = db.into();
+        let interval = self.config().backlog_gauges_interval;
+        if interval.is_zero() {
+            return shutdown.cancelled().await;
+        }
+        let mut gauges = BacklogGauges::default();
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                _ = ticker.tick() => {}
+            }
+            if !*leads.borrow() {
+                gauges.clear();
+                continue;
+            }
+            let limit = self.config().query_timeout;
+            let read = tokio::select! {
+                () = shutdown.cancelled() => break,
+                read = answered_within(limit, "reading the backlog", self.stats(&db)) => read,
+            };
+            match read {
+                Ok(stats) => gauges.set(&stats),
+                Err(e) => {
+                    warn!(error = %e, "reading the backlog for its gauges failed; they keep their last values until the next interval")
+                }
+            }
+        }
+        gauges.clear();
+    }
+}
+
+/// The backlog gauges one instance has set, so that it can set them back to 0.
+#[derive(Default)]
+struct BacklogGauges {
+    /// Whether the totals were set.
+    set: bool,
+    /// The partitions whose gauges were set (those holding records at the last reading).
+    partitions: BTreeSet<Partition>,
+}
+
+impl BacklogGauges {
+    fn set(&mut self, stats: &[PartitionStats]) {
+        let now: BTreeSet<Partition> = stats.iter().map(|s| s.partition).collect();
+        for &gone in self.partitions.difference(&now) {
+            Self::set_partition(gone, 0, 0);
+        }
+        for s in stats {
+            Self::set_partition(s.partition, s.pending, s.scheduled);
+        }
+        let totals = BacklogTotals::of(stats);
+        metrics::gauge!("outbox_failed_records").set(totals.failed as f64);
+        metrics::gauge!("outbox_oldest_pending_seconds").set(totals.oldest_pending.unwrap_or_default().as_secs_f64());
+        (self.set, self.partitions) = (true, now);
+    }
+
+    fn set_partition(partition: Partition, pending: i64, scheduled: i64) {
+        let label = partition.to_string();
+        metrics::gauge!("outbox_pending_records", "partition" => label.clone()).set(pending as f64);
+        metrics::gauge!("outbox_scheduled_records", "partition" => label).set(scheduled as f64);
+    }
+
+    /// Sets what was set back to 0 (and leaves alone the gauges of an instance that never reported).
+    fn clear(&mut self) {
+        if self.set {
+            self.set(&[]);
+            self.set = false;
+        }
     }
 }

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, instrument, warn};
 
@@ -42,9 +43,11 @@ impl Outbox {
     }
 
     /// Purges completed records (with `completion = "keep"`) and prunes key rows every `purge_interval`
-    /// until `shutdown`, which also ends a pass under way (each batch is a statement of its own, so the
-    /// rest is left for the next pass).
-    pub async fn run_purge(self, db: impl Into<Db>, shutdown: CancellationToken) {
+    /// while `leads` holds `true`, until `shutdown`, which also ends a pass under way (each batch is a
+    /// statement of its own, so the rest is left for the next pass). Both work on the whole database, so
+    /// a cluster runs them on one instance: the node passes whether it leads (as River's and Oban's
+    /// leaders run their cleaners), and the leader's `completed_retention` is the one that holds.
+    pub async fn run_purge(self, db: impl Into<Db>, leads: watch::Receiver<bool>, shutdown: CancellationToken) {
         let db = db.into();
         let config = self.config().clone();
         let mut ticker = tokio::time::interval(config.purge_interval);
@@ -52,6 +55,9 @@ impl Outbox {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
+            }
+            if !*leads.borrow() {
+                continue;
             }
             let pass = async {
                 match self.purge_completed(&db, config.completed_retention, config.purge_batch_size).await {

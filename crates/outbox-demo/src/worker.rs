@@ -1,15 +1,12 @@
 //! `worker`: one clustered instance delivering to JetStream, until SIGTERM or SIGINT, then a graceful
 //! handover. Optionally serves Prometheus metrics.
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use clap::Args;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use outbox_cluster::{ClusterConfig, Node};
 use tokio::signal::unix::{SignalKind, signal};
-use tracing::warn;
 
 use crate::{Context, Failure};
 
@@ -41,7 +38,6 @@ pub async fn run(ctx: &Context, args: WorkerArgs) -> Result<(), Failure> {
             .with_http_listener(addr)
             .install()
             .map_err(|e| Failure(format!("cannot serve metrics on {addr}: {e}")))?;
-        tokio::spawn(backlog_gauges(ctx.outbox.clone(), ctx.db.clone()));
     }
     let mut cluster = ctx.config.cluster.clone();
     if let Some(name) = args.name {
@@ -65,35 +61,4 @@ pub async fn run(ctx: &Context, args: WorkerArgs) -> Result<(), Failure> {
     node.shutdown().await?;
     eprintln!("worker {name} stopped");
     Ok(())
-}
-
-/// Pending and scheduled-for-later records per partition, FAILED records and the oldest pending age,
-/// every 5 s.
-async fn backlog_gauges(outbox: outbox_core::Outbox, db: outbox_core::Db) {
-    let mut reported: BTreeSet<u8> = BTreeSet::new();
-    let mut ticker = tokio::time::interval(Duration::from_secs(5));
-    loop {
-        ticker.tick().await;
-        let stats = match outbox.stats(&db).await {
-            Ok(stats) => stats,
-            Err(e) => {
-                warn!(error = %e, "reading backlog for metrics failed");
-                continue;
-            }
-        };
-        let now: BTreeSet<u8> = stats.iter().map(|s| s.partition).collect();
-        for gone in reported.difference(&now) {
-            metrics::gauge!("outbox_pending_records", "partition" => gone.to_string()).set(0.0);
-            metrics::gauge!("outbox_scheduled_records", "partition" => gone.to_string()).set(0.0);
-        }
-        for s in &stats {
-            metrics::gauge!("outbox_pending_records", "partition" => s.partition.to_string()).set(s.pending as f64);
-            metrics::gauge!("outbox_scheduled_records", "partition" => s.partition.to_string()).set(s.scheduled as f64);
-        }
-        let totals = outbox_core::operator::BacklogTotals::of(&stats);
-        metrics::gauge!("outbox_failed_records").set(totals.failed as f64);
-        let oldest = totals.oldest_pending.unwrap_or_default();
-        metrics::gauge!("outbox_oldest_pending_seconds").set(oldest.as_secs_f64());
-        reported = now;
-    }
 }

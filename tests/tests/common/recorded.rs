@@ -71,6 +71,15 @@ impl Kept {
         gauges.iter().find(|(key, _)| key.name() == name).map(|(_, g)| f64::from_bits(g.load(Ordering::SeqCst)))
     }
 
+    /// The value of the gauge `name` with every label of `labels` (`None` if never set).
+    pub fn gauge_of(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let gauges = self.0.get_gauge_handles();
+        let matches = |key: &Key| {
+            key.name() == name && labels.iter().all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
+        };
+        gauges.iter().find(|(key, _)| matches(key)).map(|(_, g)| f64::from_bits(g.load(Ordering::SeqCst)))
+    }
+
     /// A counter's total over all its labels (0 if never incremented).
     pub fn counter(&self, name: &str) -> u64 {
         let counters = self.0.get_counter_handles();
