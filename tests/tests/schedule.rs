@@ -253,7 +253,17 @@ async fn migrations_are_idempotent_concurrent_and_use_their_own_table(db: TestDb
     other.migrate(&db).await.unwrap();
     assert_eq!(count(&db, &format!("SELECT count(*) FROM {}", db.db.table("events", "partitions"))).await, 256);
 
-    // A database migrated by a newer library version is refused, not silently used.
+    // A database migrated by a newer library version whose migrations say older versions still run on
+    // their schema is used (a deploy rolled back goes on); one whose migration does not say so is
+    // refused, not silently used.
+    exec!(
+        db,
+        "INSERT INTO {s}schema_migrations (version, name, checksum, older_versions_run) VALUES (998, 'adds', 0, TRUE)"
+    );
+    outbox.migrate(&db).await.unwrap();
+    let mut tx = db.begin().await;
+    outbox.schedule(&mut tx, NewRecord::new("k", "t", "")).await.unwrap();
+    tx.commit().await.unwrap();
     exec!(db, "INSERT INTO {s}schema_migrations (version, name, checksum) VALUES (999, 'future', 0)");
     let err = outbox.migrate(&db).await.unwrap_err();
     assert!(matches!(err, Error::Migration { version: 999, .. }), "{err:?}");

@@ -1,7 +1,9 @@
 //! The library's own migrator: plain SQL files (`migrations/<database>/`, listed by each driver),
 //! applied in one transaction that instances starting together serialise on (each driver says how),
 //! tracked in the schema's own `schema_migrations` table, never the host application's
-//! `_sqlx_migrations`. A database migrated by a newer library, or whose applied SQL changed, is refused.
+//! `_sqlx_migrations`. A database whose applied SQL changed is refused, and so is one migrated by a newer
+//! library, unless each migration this library does not know says that older libraries still run on
+//! the schema it leaves (stored with it): a deploy rolled back then starts, `migrate` included.
 
 use std::time::Duration;
 
@@ -52,6 +54,12 @@ pub struct Migration {
     /// Checksums of earlier texts of this migration, corrected after they were applied (to databases
     /// they worked on, with the same effect): a database holding one of them is not refused.
     pub earlier: &'static [i64],
+    /// Whether a library that knows only the migrations before this one still runs correctly on the
+    /// schema this one leaves (it only adds what the older one ignores: a table, a column with a default,
+    /// an index). Stored with the migration, where that older library reads it: a deploy rolled back
+    /// after this migration then goes on, where it would be refused. Only from the migration that
+    /// added the column (PostgreSQL 8, MySQL 7, SQLite 10); libraries before it refuse every newer one.
+    pub older_versions_run: bool,
 }
 
 /// A migration's checksum, stored when it is applied: a known migration whose text changed is refused.
@@ -66,15 +74,44 @@ fn raw_checksum(sql: &str) -> i64 {
     i64::from_ne_bytes(xxh3_64(sql.as_bytes()).to_ne_bytes())
 }
 
+/// The columns a migration's record is inserted with, and what follows its three bound values
+/// (version, name, checksum): the flag only where it is set, as its column comes with a migration of
+/// its own, after the earlier ones were recorded.
+pub(crate) fn recorded_columns(m: &Migration) -> (&'static str, &'static str) {
+    if m.older_versions_run {
+        ("version, name, checksum, older_versions_run", ", TRUE")
+    } else {
+        ("version, name, checksum", "")
+    }
+}
+
+/// Whether `applied` (version, checksum) holds a migration newer than every one of `known`: the
+/// migrator then reads which of them older libraries still run on ([`pending`]'s `older_versions_run`).
+pub(crate) fn has_newer(applied: &[(i64, i64)], known: &[Migration]) -> bool {
+    let latest = known.last().map_or(0, |m| m.version);
+    applied.iter().any(|&(version, _)| version > latest)
+}
+
 /// The migrations of `known` still to apply, in order; refuses a database holding a migration this
-/// library does not know, or a known one whose text changed. `applied` are (version, checksum).
-pub(crate) fn pending<'a>(schema: &str, applied: &[(i64, i64)], known: &'a [Migration]) -> Result<Vec<&'a Migration>> {
+/// library does not know, unless it is newer than all of them and among `older_versions_run` (the
+/// applied migrations that say older libraries still run on their schema), or a known one whose text
+/// changed. `applied` are (version, checksum).
+pub(crate) fn pending<'a>(
+    schema: &str,
+    applied: &[(i64, i64)],
+    older_versions_run: &[i64],
+    known: &'a [Migration],
+) -> Result<Vec<&'a Migration>> {
     let latest = known.last().map_or(0, |m| m.version);
     for &(version, sum) in applied {
         let bad = |reason: String| Err(Error::Migration { schema: schema.to_string(), version, reason });
         match known.iter().find(|m| m.version == version) {
+            None if version > latest && older_versions_run.contains(&version) => {}
             None if version > latest => {
-                return bad(format!("applied by a newer library version (this one knows up to {latest})"));
+                return bad(format!(
+                    "applied by a newer library version, which says older versions do not run on its schema \
+                     (this one knows up to {latest}): run that version or a newer one"
+                ));
             }
             None => return bad("applied but unknown to this library".into()),
             // A database migrated by an earlier build from a CRLF checkout holds its text's own checksum.
@@ -83,6 +120,13 @@ pub(crate) fn pending<'a>(schema: &str, applied: &[(i64, i64)], known: &'a [Migr
             }
             Some(_) => {}
         }
+    }
+    if has_newer(applied, known) {
+        tracing::info!(
+            schema,
+            latest,
+            "the outbox schema was migrated by a newer library version, which says this one still runs on it"
+        );
     }
     Ok(known.iter().filter(|m| !applied.iter().any(|&(v, _)| v == m.version)).collect())
 }
@@ -98,11 +142,39 @@ mod tests {
         let lf = "CREATE TABLE t (\n    id bigint\n);\n";
         assert_eq!(checksum(lf), checksum(&lf.replace('\n', "\r\n")));
         assert_ne!(checksum(lf), checksum(&lf.replace("bigint", "int")));
-        let known =
-            [Migration { version: 1, name: "t", sql: "CREATE TABLE t (\r\n    id bigint\r\n);\r\n", earlier: &[] }];
-        assert_eq!(pending("s", &[(1, checksum(lf))], &known).unwrap().len(), 0);
+        let known = [Migration {
+            version: 1,
+            name: "t",
+            sql: "CREATE TABLE t (\r\n    id bigint\r\n);\r\n",
+            earlier: &[],
+            older_versions_run: false,
+        }];
+        assert_eq!(pending("s", &[(1, checksum(lf))], &[], &known).unwrap().len(), 0);
         // Migrated by an earlier build from a CRLF checkout: the raw text's checksum stands too.
-        assert_eq!(pending("s", &[(1, raw_checksum(known[0].sql))], &known).unwrap().len(), 0);
-        assert!(pending("s", &[(1, checksum("another"))], &known).is_err());
+        assert_eq!(pending("s", &[(1, raw_checksum(known[0].sql))], &[], &known).unwrap().len(), 0);
+        assert!(pending("s", &[(1, checksum("another"))], &[], &known).is_err());
+    }
+
+    /// A database migrated by a newer library is refused unless every migration this library does not
+    /// know says older versions still run on its schema; an unknown one older than the latest known,
+    /// or a changed known one, is refused whatever it says.
+    #[test]
+    fn newer_migrations_are_refused_unless_they_say_older_versions_run() {
+        let m = |version, sql| Migration { version, name: "m", sql, earlier: &[], older_versions_run: false };
+        let known = [m(1, "one"), m(2, "two")];
+        let base = [(1, checksum("one")), (2, checksum("two"))];
+        let with = |extra: &[(i64, i64)]| [&base[..], extra].concat();
+        assert!(!has_newer(&base, &known));
+        assert!(has_newer(&with(&[(3, 0)]), &known));
+
+        let newer = with(&[(3, 0), (4, 0)]);
+        assert_eq!(pending("s", &newer, &[3, 4], &known).unwrap().len(), 0, "both say older versions run");
+        let refused = pending("s", &newer, &[3], &known).unwrap_err();
+        assert!(matches!(refused, Error::Migration { version: 4, .. }), "{refused:?}");
+        assert!(refused.to_string().contains("knows up to 2"), "{refused}");
+        // Flags do not cover what is not newer: an unknown migration among the known ones, a changed one.
+        let gap = [(1, checksum("one")), (3, 0)];
+        assert!(pending("s", &gap, &[3], &[m(1, "one"), m(2, "two"), m(4, "four")]).is_err());
+        assert!(pending("s", &[(1, checksum("changed")), (2, checksum("two")), (3, 0)], &[1, 3], &known).is_err());
     }
 }

@@ -20,7 +20,7 @@ use self::statements::MIGRATIONS_TABLE;
 pub use self::statements::{MySqlStatements, NOW, begin_statement, render};
 use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
-use crate::migrate::{self, Migration, checksum, pending};
+use crate::migrate::{self, Migration, checksum, has_newer, pending, recorded_columns};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
     Requeue, Runs, StatsRow, Written, grants_list,
@@ -33,36 +33,50 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "initial",
         sql: include_str!("../../../../../migrations/mysql/0001_initial.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 2,
         name: "delivery_times",
         sql: include_str!("../../../../../migrations/mysql/0002_delivery_times.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 3,
         name: "inbox",
         sql: include_str!("../../../../../migrations/mysql/0003_inbox.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 4,
         name: "delivered counts",
         sql: include_str!("../../../../../migrations/mysql/0004_delivered_counts.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 5,
         name: "takeovers",
         sql: include_str!("../../../../../migrations/mysql/0005_takeovers.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 6,
         name: "ended leases",
         sql: include_str!("../../../../../migrations/mysql/0006_ended_leases.sql"),
         earlier: &[],
+        older_versions_run: false,
+    },
+    Migration {
+        version: 7,
+        name: "migration_compatibility",
+        sql: include_str!("../../../../../migrations/mysql/0007_migration_compatibility.sql"),
+        earlier: &[],
+        // Adds a column with a default to the migrations table, which older libraries ignore.
+        older_versions_run: true,
     },
 ];
 
@@ -515,7 +529,13 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             sqlx::query_as(AssertSqlSafe(format!("SELECT version, checksum FROM {schema}_schema_migrations")))
                 .fetch_all(&mut *conn)
                 .await?;
-        let pending = pending(schema, &applied, MIGRATIONS)?;
+        let older_versions_run: Vec<i64> = if has_newer(&applied, MIGRATIONS) {
+            let flagged = format!("SELECT version FROM {schema}_schema_migrations WHERE older_versions_run");
+            sqlx::query_scalar(AssertSqlSafe(flagged)).fetch_all(&mut *conn).await?
+        } else {
+            Vec::new()
+        };
+        let pending = pending(schema, &applied, &older_versions_run, MIGRATIONS)?;
         let collation = if is_mariadb(conn).await? { "utf8mb4_nopad_bin" } else { "utf8mb4_0900_bin" };
         // The session's own wait comes back after, for an application's connection from a shared pool.
         let wait = migrate::LOCK_TIMEOUT.as_secs();
@@ -542,14 +562,14 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             let sql = render(m.sql, schema).replace("{bin}", collation);
             let applied = async {
                 sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await?;
-                sqlx::query(AssertSqlSafe(format!(
-                    "INSERT INTO {schema}_schema_migrations (version, name, checksum) VALUES (?, ?, ?)"
-                )))
-                .bind(m.version)
-                .bind(m.name)
-                .bind(checksum(m.sql))
-                .execute(&mut *conn)
-                .await
+                let (columns, flag) = recorded_columns(m);
+                let record = format!("INSERT INTO {schema}_schema_migrations ({columns}) VALUES (?, ?, ?{flag})");
+                sqlx::query(AssertSqlSafe(record))
+                    .bind(m.version)
+                    .bind(m.name)
+                    .bind(checksum(m.sql))
+                    .execute(&mut *conn)
+                    .await
             };
             applied.await.map_err(|e| applied_in_part(e.into(), schema, m))?;
             info!(schema, version = m.version, name = m.name, "applied outbox migration (MySQL)");

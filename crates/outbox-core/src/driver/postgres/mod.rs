@@ -18,7 +18,7 @@ pub use self::statements::{PgStatements, quoted};
 use super::{ConnectOptions, Driver, count, millis, statement};
 use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};
-use crate::migrate::{self, Migration, checksum, pending};
+use crate::migrate::{self, Migration, checksum, has_newer, pending, recorded_columns};
 use crate::notice::{Channel, Wakeups};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
@@ -32,42 +32,57 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "initial",
         sql: include_str!("../../../../../migrations/postgres/0001_initial.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 2,
         name: "leases_requeues_sequences",
         sql: include_str!("../../../../../migrations/postgres/0002_leases_requeues_sequences.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 3,
         name: "delivery_times",
         sql: include_str!("../../../../../migrations/postgres/0003_delivery_times.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 4,
         name: "inbox",
         sql: include_str!("../../../../../migrations/postgres/0004_inbox.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 5,
         name: "delivered counts",
         sql: include_str!("../../../../../migrations/postgres/0005_delivered_counts.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 6,
         name: "takeovers",
         sql: include_str!("../../../../../migrations/postgres/0006_takeovers.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 7,
         name: "ended leases",
         sql: include_str!("../../../../../migrations/postgres/0007_ended_leases.sql"),
         earlier: &[],
+        older_versions_run: false,
+    },
+    Migration {
+        version: 8,
+        name: "migration_compatibility",
+        sql: include_str!("../../../../../migrations/postgres/0008_migration_compatibility.sql"),
+        earlier: &[],
+        // Adds a column with a default to the migrations table, which older libraries ignore.
+        older_versions_run: true,
     },
 ];
 
@@ -365,20 +380,26 @@ impl Driver<'_, PgPool, PgStatements> {
             sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT version, checksum FROM {ident}.schema_migrations")))
                 .fetch_all(&mut *tx)
                 .await?;
-        let pending = pending(schema, &applied, MIGRATIONS)?;
+        let older_versions_run: Vec<i64> = if has_newer(&applied, MIGRATIONS) {
+            let flagged = format!("SELECT version FROM {ident}.schema_migrations WHERE older_versions_run");
+            sqlx::query_scalar(sqlx::AssertSqlSafe(flagged)).fetch_all(&mut *tx).await?
+        } else {
+            Vec::new()
+        };
+        let pending = pending(schema, &applied, &older_versions_run, MIGRATIONS)?;
         sqlx::query(sqlx::AssertSqlSafe(format!("SET LOCAL search_path TO {ident}"))).execute(&mut *tx).await?;
         for m in pending {
             sqlx::raw_sql(m.sql).execute(&mut *tx).await.inspect_err(|e| {
                 warn!(schema, version = m.version, name = m.name, error = %e, "outbox migration failed; none of this run's is kept");
             })?;
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "INSERT INTO {ident}.schema_migrations (version, name, checksum) VALUES ($1, $2, $3)"
-            )))
-            .bind(m.version)
-            .bind(m.name)
-            .bind(checksum(m.sql))
-            .execute(&mut *tx)
-            .await?;
+            let (columns, flag) = recorded_columns(m);
+            let record = format!("INSERT INTO {ident}.schema_migrations ({columns}) VALUES ($1, $2, $3{flag})");
+            sqlx::query(sqlx::AssertSqlSafe(record))
+                .bind(m.version)
+                .bind(m.name)
+                .bind(checksum(m.sql))
+                .execute(&mut *tx)
+                .await?;
             info!(schema, version = m.version, name = m.name, "applied outbox migration");
         }
         tx.commit().await?;
@@ -605,15 +626,21 @@ mod tests {
         assert_eq!(kept, 1, "pending records are kept");
     }
 
-    /// The last migration undone, as on a database the new release has not migrated yet.
-    async fn one_migration_behind(pool: &PgPool) -> Outbox {
+    /// The last two migrations undone, as on a database the new release has not migrated yet.
+    async fn migrations_behind(pool: &PgPool) -> Outbox {
         let outbox = Outbox::new(Config::default()).unwrap();
         outbox.migrate(pool).await.unwrap();
-        let last = MIGRATIONS.last().unwrap();
-        assert!(last.sql.contains("ALTER TABLE instances ADD COLUMN taken_over_at"), "the undo below is the last's");
+        let [.., takeovers, compatibility] = MIGRATIONS else { panic!("two migrations at least") };
+        assert!(
+            takeovers.sql.contains("ALTER TABLE instances ADD COLUMN taken_over_at")
+                && compatibility.sql.contains("ADD COLUMN older_versions_run"),
+            "the undo below is the last two's"
+        );
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "ALTER TABLE outbox.instances DROP COLUMN taken_over_at; DELETE FROM outbox.schema_migrations WHERE version = {}",
-            last.version
+            "ALTER TABLE outbox.instances DROP COLUMN taken_over_at;
+             ALTER TABLE outbox.schema_migrations DROP COLUMN older_versions_run;
+             DELETE FROM outbox.schema_migrations WHERE version >= {}",
+            takeovers.version
         )))
         .execute(pool)
         .await
@@ -626,7 +653,7 @@ mod tests {
     /// the migrators' lock, predated the first one's commit, and it applied the migration again.
     #[sqlx::test(migrations = false)]
     async fn migrators_see_each_others_work_at_any_default_isolation(pool: PgPool) {
-        let outbox = one_migration_behind(&pool).await;
+        let outbox = migrations_behind(&pool).await;
         let fresh = at_repeatable_read(&pool).await;
         let (first, second) = tokio::join!(outbox.migrate(&fresh), outbox.migrate(&fresh));
         first.unwrap();

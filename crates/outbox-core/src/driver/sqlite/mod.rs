@@ -22,7 +22,7 @@ pub use self::statements::{SqliteStatements, render};
 pub use self::write::{Write, write, write_on};
 use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
-use crate::migrate::{Migration, checksum, pending};
+use crate::migrate::{Migration, checksum, has_newer, pending, recorded_columns};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
     Requeue, Runs, StatsRow, Written, fits_one_statement, grants_list,
@@ -35,36 +35,42 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "initial",
         sql: include_str!("../../../../../migrations/sqlite/0001_initial.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 2,
         name: "leases_requeues_sequences",
         sql: include_str!("../../../../../migrations/sqlite/0002_leases_requeues_sequences.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 3,
         name: "numbered_on_insert",
         sql: include_str!("../../../../../migrations/sqlite/0003_numbered_on_insert.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 4,
         name: "delivery_times",
         sql: include_str!("../../../../../migrations/sqlite/0004_delivery_times.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 5,
         name: "inbox",
         sql: include_str!("../../../../../migrations/sqlite/0005_inbox.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 6,
         name: "delivered counts",
         sql: include_str!("../../../../../migrations/sqlite/0006_delivered_counts.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 7,
@@ -72,18 +78,29 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../../../migrations/sqlite/0007_numbered_by_rowid.sql"),
         // Its first text (02fe401), which failed on records of version 1 that share numbers.
         earlier: &[2_231_032_707_873_112_697],
+        older_versions_run: false,
     },
     Migration {
         version: 8,
         name: "takeovers",
         sql: include_str!("../../../../../migrations/sqlite/0008_takeovers.sql"),
         earlier: &[],
+        older_versions_run: false,
     },
     Migration {
         version: 9,
         name: "ended_leases",
         sql: include_str!("../../../../../migrations/sqlite/0009_ended_leases.sql"),
         earlier: &[],
+        older_versions_run: false,
+    },
+    Migration {
+        version: 10,
+        name: "migration_compatibility",
+        sql: include_str!("../../../../../migrations/sqlite/0010_migration_compatibility.sql"),
+        earlier: &[],
+        // Adds a column with a default to the migrations table, which older libraries ignore.
+        older_versions_run: true,
     },
 ];
 
@@ -284,19 +301,25 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             sqlx::query_as(AssertSqlSafe(format!("SELECT version, checksum FROM {schema}_schema_migrations")))
                 .fetch_all(&mut *tx)
                 .await?;
-        let pending = pending(schema, &applied, MIGRATIONS)?;
+        let older_versions_run: Vec<i64> = if has_newer(&applied, MIGRATIONS) {
+            let flagged = format!("SELECT version FROM {schema}_schema_migrations WHERE older_versions_run");
+            sqlx::query_scalar(AssertSqlSafe(flagged)).fetch_all(&mut *tx).await?
+        } else {
+            Vec::new()
+        };
+        let pending = pending(schema, &applied, &older_versions_run, MIGRATIONS)?;
         for m in pending {
             sqlx::raw_sql(AssertSqlSafe(render(m.sql, schema).to_string())).execute(&mut *tx).await.inspect_err(|e| {
                 warn!(schema, version = m.version, name = m.name, error = %e, "outbox migration failed; none of this run's is kept");
             })?;
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {schema}_schema_migrations (version, name, checksum) VALUES ($1, $2, $3)"
-            )))
-            .bind(m.version)
-            .bind(m.name)
-            .bind(checksum(m.sql))
-            .execute(&mut *tx)
-            .await?;
+            let (columns, flag) = recorded_columns(m);
+            let record = format!("INSERT INTO {schema}_schema_migrations ({columns}) VALUES ($1, $2, $3{flag})");
+            sqlx::query(AssertSqlSafe(record))
+                .bind(m.version)
+                .bind(m.name)
+                .bind(checksum(m.sql))
+                .execute(&mut *tx)
+                .await?;
             info!(schema, version = m.version, name = m.name, "applied outbox migration (SQLite)");
         }
         tx.commit().await?;
