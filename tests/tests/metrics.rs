@@ -23,6 +23,7 @@ every_backend!(
     owned_partitions_fall_to_none_when_the_lease_runs_out_and_at_stop,
     the_ownership_task_waits_while_its_lease_has_run_out,
     the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops,
+    a_leader_whose_lease_runs_out_sets_the_backlog_back_to_zero,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -213,6 +214,28 @@ async fn the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops(d
         assert_eq!(scheduled(partition), Some(0.0), "partition {partition} after the stop");
     }
     assert_eq!((failed(), oldest()), (Some(0.0), 0.0), "after the stop");
+}
+
+/// A leader cut off from the database stops leading once its lease runs out, and sets the backlog
+/// gauges it set back to 0: the others elect a leader of their own, and a frozen reading (every count
+/// failing) would otherwise keep an alert on the maximum over the instances firing after an operator
+/// resolved what it showed. Back in reach, it leads and reports again.
+async fn a_leader_whose_lease_runs_out_sets_the_backlog_back_to_zero(db: TestDb) {
+    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let kept = Kept::new();
+    let _local = metrics::set_default_local_recorder(&kept);
+    let outbox = outbox(&db, |c| c.backlog_gauges_interval = Duration::from_millis(50)).await;
+    commit(&outbox, &db, vec![NewRecord::new("broken", "broken", "")]).await;
+    let refuse =
+        Handlers::new().default_route(Route::new(handler_fn(|_| async { Err(HandlerError::permanent("no")) })));
+    let node = Node::start(outbox.clone(), &far, refuse, fast_cluster()).await.unwrap();
+    let failed = || async { kept.gauge_of("outbox_failed_records", &[]) };
+    wait_for("the FAILED record reported", LONG, || async { failed().await == Some(1.0) }).await;
+    proxy.cut();
+    wait_for("the gauge back to 0 once the lease ran out", LONG, || async { failed().await == Some(0.0) }).await;
+    proxy.mend();
+    wait_for("reported again", LONG, || async { failed().await == Some(1.0) }).await;
+    node.shutdown().await.unwrap();
 }
 
 /// A handler call that blocks its thread (a synchronous sleep inside an async handler) can be neither

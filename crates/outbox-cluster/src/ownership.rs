@@ -43,8 +43,8 @@ pub(crate) struct Ownership {
     pub(crate) held: Arc<watch::Sender<Held>>,
     /// Bumped by the heartbeat to ask for a round (see `Heartbeat::asks_round`).
     pub(crate) asks_round: Arc<AtomicU64>,
-    /// Whether this instance leads the cluster (and is not leaving), as of its last round: the leader
-    /// runs the purge and reads the backlog gauges.
+    /// Whether this instance leads the cluster (and is not leaving), as of its last round, and only
+    /// while its lease is live: the leader runs the purge and reads the backlog gauges.
     pub(crate) leads: watch::Sender<bool>,
 }
 
@@ -139,8 +139,10 @@ impl Ownership {
             answered = asks;
             let current = self.assign.borrow().clone();
             if !current.is_live() {
-                // The processor delivers nothing past the lease.
+                // The processor delivers nothing past the lease, and the others may have a leader by now:
+                // this instance's housekeeping stops (its gauges go back to 0) until a round says again.
                 metrics::gauge!("outbox_owned_partitions").set(0.0);
+                self.leads.send_replace(false);
                 continue;
             }
             if rounds.instance != current.instance {

@@ -54,11 +54,13 @@ pub struct Migration {
     /// Checksums of earlier texts of this migration, corrected after they were applied (to databases
     /// they worked on, with the same effect): a database holding one of them is not refused.
     pub earlier: &'static [i64],
-    /// Whether a library that knows only the migrations before this one still runs correctly on the
-    /// schema this one leaves (it only adds what the older one ignores: a table, a column with a default,
-    /// an index). Stored with the migration, where that older library reads it: a deploy rolled back
-    /// after this migration then goes on, where it would be refused. Only from the migration that
-    /// added the column (PostgreSQL 8, MySQL 7, SQLite 10); libraries before it refuse every newer one.
+    /// Whether every library that runs on the schema before this migration still runs correctly on
+    /// the schema it leaves (it only adds what they ignore: a table, a column with a default, an index).
+    /// A library accepts a run of newer migrations that all say so, so the flag must hold for all of
+    /// them, not only for the version just before. Stored with the migration, where the older library
+    /// reads it: a deploy rolled back after this migration then goes on, where it would be refused.
+    /// Read only by libraries from the migration that added the column on (PostgreSQL 8, MySQL 7,
+    /// SQLite 10); those before it refuse every newer migration.
     pub older_versions_run: bool,
 }
 

@@ -111,7 +111,7 @@ impl Outbox {
     /// whole records table, so a cluster reads it on one instance (the node passes whether it leads);
     /// when `leads` turns `false`, and at `shutdown`, the gauges this instance set go back to 0, so the
     /// maximum over the instances is the backlog (a sum counts it twice for as long as two instances
-    /// report it, as around a change of leader).
+    /// report it, as around a change of leader). A reading that fails leaves them as they were.
     pub async fn run_backlog_gauges(
         self,
         db: impl Into<Db>,
@@ -135,7 +135,9 @@ impl Outbox {
                 gauges.clear();
                 continue;
             }
-            let limit = self.config().query_timeout;
+            // A count over a large backlog may legitimately outlast `query_timeout`; the limit only keeps
+            // a connection that stopped answering from silencing the gauges for good.
+            let limit = self.config().query_timeout.max(interval.saturating_mul(4));
             let read = tokio::select! {
                 () = shutdown.cancelled() => break,
                 read = answered_within(limit, "reading the backlog", self.stats(&db)) => read,
@@ -143,7 +145,7 @@ impl Outbox {
             match read {
                 Ok(stats) => gauges.set(&stats),
                 Err(e) => {
-                    warn!(error = %e, "reading the backlog for its gauges failed; they keep their last values until the next interval")
+                    warn!(error = %e, "reading the backlog for its gauges failed; they keep their last values until a reading succeeds")
                 }
             }
         }

@@ -75,7 +75,8 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "migration_compatibility",
         sql: include_str!("../../../../../migrations/mysql/0007_migration_compatibility.sql"),
         earlier: &[],
-        // Adds a column with a default to the migrations table, which older libraries ignore.
+        // Adds a column with a default, which older libraries ignore (none reads this flag: a library
+        // that reads flags knows this migration).
         older_versions_run: true,
     },
 ];
