@@ -87,9 +87,21 @@ pub(crate) fn recorded_columns(m: &Migration) -> (&'static str, &'static str) {
     }
 }
 
-/// Whether `applied` (version, checksum) holds a migration newer than every one of `known`: the
-/// migrator then reads which of them older libraries still run on ([`pending`]'s `older_versions_run`).
-pub(crate) fn has_newer(applied: &[(i64, i64)], known: &[Migration]) -> bool {
+/// The migrations of `known` still to apply ([`pending`]), reading which applied migrations say older
+/// versions still run on their schema (`read_flags`) only where one is newer than all of `known`: the
+/// column holding the flags came with a migration of its own, which such a database has.
+pub(crate) async fn to_apply<'a>(
+    schema: &str,
+    applied: &[(i64, i64)],
+    known: &'a [Migration],
+    read_flags: impl AsyncFnOnce() -> Result<Vec<i64>>,
+) -> Result<Vec<&'a Migration>> {
+    let older_versions_run = if has_newer(applied, known) { read_flags().await? } else { Vec::new() };
+    pending(schema, applied, &older_versions_run, known)
+}
+
+/// Whether `applied` (version, checksum) holds a migration newer than every one of `known`.
+fn has_newer(applied: &[(i64, i64)], known: &[Migration]) -> bool {
     let latest = known.last().map_or(0, |m| m.version);
     applied.iter().any(|&(version, _)| version > latest)
 }

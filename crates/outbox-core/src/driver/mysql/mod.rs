@@ -20,7 +20,7 @@ use self::statements::MIGRATIONS_TABLE;
 pub use self::statements::{MySqlStatements, NOW, begin_statement, render};
 use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
-use crate::migrate::{self, Migration, checksum, has_newer, pending, recorded_columns};
+use crate::migrate::{self, Migration, checksum, recorded_columns, to_apply};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
     Requeue, Runs, StatsRow, Written, grants_list,
@@ -530,13 +530,9 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             sqlx::query_as(AssertSqlSafe(format!("SELECT version, checksum FROM {schema}_schema_migrations")))
                 .fetch_all(&mut *conn)
                 .await?;
-        let older_versions_run: Vec<i64> = if has_newer(&applied, MIGRATIONS) {
-            let flagged = format!("SELECT version FROM {schema}_schema_migrations WHERE older_versions_run");
-            sqlx::query_scalar(AssertSqlSafe(flagged)).fetch_all(&mut *conn).await?
-        } else {
-            Vec::new()
-        };
-        let pending = pending(schema, &applied, &older_versions_run, MIGRATIONS)?;
+        let flagged = format!("SELECT version FROM {schema}_schema_migrations WHERE older_versions_run");
+        let read_flags = async || Ok(sqlx::query_scalar(AssertSqlSafe(flagged)).fetch_all(&mut *conn).await?);
+        let pending = to_apply(schema, &applied, MIGRATIONS, read_flags).await?;
         let collation = if is_mariadb(conn).await? { "utf8mb4_nopad_bin" } else { "utf8mb4_0900_bin" };
         // The session's own wait comes back after, for an application's connection from a shared pool.
         let wait = migrate::LOCK_TIMEOUT.as_secs();

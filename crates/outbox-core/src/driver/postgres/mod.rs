@@ -18,7 +18,7 @@ pub use self::statements::{PgStatements, quoted};
 use super::{ConnectOptions, Driver, count, millis, statement};
 use crate::assignment::{Epoch, InstanceId};
 use crate::error::{Error, Result};
-use crate::migrate::{self, Migration, checksum, has_newer, pending, recorded_columns};
+use crate::migrate::{self, Migration, checksum, recorded_columns, to_apply};
 use crate::notice::{Channel, Wakeups};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
@@ -381,13 +381,9 @@ impl Driver<'_, PgPool, PgStatements> {
             sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT version, checksum FROM {ident}.schema_migrations")))
                 .fetch_all(&mut *tx)
                 .await?;
-        let older_versions_run: Vec<i64> = if has_newer(&applied, MIGRATIONS) {
-            let flagged = format!("SELECT version FROM {ident}.schema_migrations WHERE older_versions_run");
-            sqlx::query_scalar(sqlx::AssertSqlSafe(flagged)).fetch_all(&mut *tx).await?
-        } else {
-            Vec::new()
-        };
-        let pending = pending(schema, &applied, &older_versions_run, MIGRATIONS)?;
+        let flagged = format!("SELECT version FROM {ident}.schema_migrations WHERE older_versions_run");
+        let read_flags = async || Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(flagged)).fetch_all(&mut *tx).await?);
+        let pending = to_apply(schema, &applied, MIGRATIONS, read_flags).await?;
         sqlx::query(sqlx::AssertSqlSafe(format!("SET LOCAL search_path TO {ident}"))).execute(&mut *tx).await?;
         for m in pending {
             sqlx::raw_sql(m.sql).execute(&mut *tx).await.inspect_err(|e| {

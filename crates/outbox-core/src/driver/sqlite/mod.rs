@@ -22,7 +22,7 @@ pub use self::statements::{SqliteStatements, render};
 pub use self::write::{Write, write, write_on};
 use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
-use crate::migrate::{Migration, checksum, has_newer, pending, recorded_columns};
+use crate::migrate::{Migration, checksum, recorded_columns, to_apply};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
     Requeue, Runs, StatsRow, Written, fits_one_statement, grants_list,
@@ -302,13 +302,9 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             sqlx::query_as(AssertSqlSafe(format!("SELECT version, checksum FROM {schema}_schema_migrations")))
                 .fetch_all(&mut *tx)
                 .await?;
-        let older_versions_run: Vec<i64> = if has_newer(&applied, MIGRATIONS) {
-            let flagged = format!("SELECT version FROM {schema}_schema_migrations WHERE older_versions_run");
-            sqlx::query_scalar(AssertSqlSafe(flagged)).fetch_all(&mut *tx).await?
-        } else {
-            Vec::new()
-        };
-        let pending = pending(schema, &applied, &older_versions_run, MIGRATIONS)?;
+        let flagged = format!("SELECT version FROM {schema}_schema_migrations WHERE older_versions_run");
+        let read_flags = async || Ok(sqlx::query_scalar(AssertSqlSafe(flagged)).fetch_all(&mut *tx).await?);
+        let pending = to_apply(schema, &applied, MIGRATIONS, read_flags).await?;
         for m in pending {
             sqlx::raw_sql(AssertSqlSafe(render(m.sql, schema).to_string())).execute(&mut *tx).await.inspect_err(|e| {
                 warn!(schema, version = m.version, name = m.name, error = %e, "outbox migration failed; none of this run's is kept");
