@@ -24,6 +24,7 @@ every_backend!(
     the_ownership_task_waits_while_its_lease_has_run_out,
     the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops,
     a_leader_whose_lease_runs_out_sets_the_backlog_back_to_zero,
+    a_reading_that_fails_leaves_the_time_of_the_last_one,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -189,12 +190,15 @@ async fn the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops(d
     let scheduled = |partition: &str| kept.gauge_of("outbox_scheduled_records", &[("partition", partition)]);
     let failed = || kept.gauge_of("outbox_failed_records", &[]);
     let oldest = || kept.gauge_of("outbox_oldest_pending_seconds", &[]).unwrap_or_default();
+    let read_at = || kept.gauge_of("outbox_backlog_read_timestamp_seconds", &[]).unwrap_or_default();
 
+    let started = unix_seconds();
     let a = start(&outbox, &db, handlers()).await;
     wait_for("the backlog reported", LONG, || async {
         pending(&flaky) == Some(1.0) && scheduled(&later) == Some(1.0) && failed() == Some(1.0) && oldest() > 0.0
     })
     .await;
+    assert!((started..=unix_seconds()).contains(&read_at()), "read at {}, started at {started}", read_at());
     outbox.skip(&db, broken).await.unwrap();
     wait_for("the skipped record gone from the gauge", LONG, || async { failed() == Some(0.0) }).await;
 
@@ -213,7 +217,34 @@ async fn the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops(d
         assert_eq!(pending(partition), Some(0.0), "partition {partition} after the stop");
         assert_eq!(scheduled(partition), Some(0.0), "partition {partition} after the stop");
     }
-    assert_eq!((failed(), oldest()), (Some(0.0), 0.0), "after the stop");
+    assert_eq!((failed(), oldest(), read_at()), (Some(0.0), 0.0, 0.0), "after the stop");
+}
+
+/// A backlog reading that fails (here, waiting for a table lock past its time limit) leaves the gauges
+/// as they were, and the time of the last reading with them: an alert on its age tells gauges that no
+/// longer move from a backlog that does not. Before, nothing told them apart.
+async fn a_reading_that_fails_leaves_the_time_of_the_last_one(db: TestDb) {
+    let kept = Kept::new();
+    let _local = metrics::set_default_local_recorder(&kept);
+    let outbox = outbox(&db, |c| {
+        c.backlog_gauges_interval = Duration::from_millis(50);
+        c.query_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let node = start(&outbox, &db, Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok(()) })))).await;
+    let read_at = || kept.gauge_of("outbox_backlog_read_timestamp_seconds", &[]).unwrap_or_default();
+    wait_for("a reading", LONG, || async { read_at() > 0.0 }).await;
+    let Some(lock) = db.lock_records_table().await else { return node.shutdown().await.unwrap() };
+    // A reading under way when the lock was taken may still end well; after a time limit none can.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let last = read_at();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(read_at(), last, "no reading got through the lock");
+    assert!(kept.gauge_of("outbox_owned_partitions", &[]) == Some(256.0), "the instance still leads and owns");
+    lock.release().await;
+    wait_for("a reading once the lock is gone", LONG, || async { read_at() > last }).await;
+    node.shutdown().await.unwrap();
+    assert_eq!(read_at(), 0.0, "after the stop");
 }
 
 /// A leader cut off from the database stops leading once its lease runs out, and sets the backlog
@@ -260,4 +291,9 @@ async fn a_handler_call_that_blocks_its_thread_is_reported_overdue() {
     drained(&db, LONG).await;
     wait_for("no call overdue once it returned", LONG, || async { overdue() == Some(0.0) }).await;
     node.shutdown().await.unwrap();
+}
+
+/// Now, as the backlog reading's time is recorded: seconds since the Unix epoch.
+fn unix_seconds() -> f64 {
+    std::time::UNIX_EPOCH.elapsed().unwrap().as_secs_f64()
 }

@@ -1,6 +1,7 @@
 //! Operator functions: inspect and resolve FAILED records, and watch the backlog.
 
 use std::collections::BTreeSet;
+use std::time::{Duration, UNIX_EPOCH};
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -107,11 +108,12 @@ impl Outbox {
 
     /// Sets the backlog gauges from [`Outbox::stats`] every `backlog_gauges_interval` while `leads`
     /// holds `true`, until `shutdown`: `outbox_pending_records` and `outbox_scheduled_records` per
-    /// partition, `outbox_failed_records` and `outbox_oldest_pending_seconds`. Each reading counts the
-    /// whole records table, so a cluster reads it on one instance (the node passes whether it leads);
-    /// when `leads` turns `false`, and at `shutdown`, the gauges this instance set go back to 0, so the
-    /// maximum over the instances is the backlog (a sum counts it twice for as long as two instances
-    /// report it, as around a change of leader). A reading that fails leaves them as they were.
+    /// partition, `outbox_failed_records` and `outbox_oldest_pending_seconds`, with the reading's time in
+    /// `outbox_backlog_read_timestamp_seconds`. Each reading counts the whole records table, so a
+    /// cluster reads it on one instance (the node passes whether it leads); when `leads` turns `false`,
+    /// and at `shutdown`, the gauges this instance set go back to 0, so the maximum over the instances is
+    /// the backlog (a sum counts it twice for as long as two instances report it, as around a change of
+    /// leader). A reading that fails leaves them as they were, its time too: a stale reading shows.
     pub async fn run_backlog_gauges(
         self,
         db: impl Into<Db>,
@@ -143,7 +145,7 @@ impl Outbox {
                 read = answered_within(limit, "reading the backlog", self.stats(&db)) => read,
             };
             match read {
-                Ok(stats) => gauges.set(&stats),
+                Ok(stats) => gauges.set(&stats, UNIX_EPOCH.elapsed().unwrap_or_default()),
                 Err(e) => {
                     warn!(error = %e, "reading the backlog for its gauges failed; they keep their last values until a reading succeeds")
                 }
@@ -163,7 +165,8 @@ struct BacklogGauges {
 }
 
 impl BacklogGauges {
-    fn set(&mut self, stats: &[PartitionStats]) {
+    /// Sets the gauges from a reading taken at `read_at` (since the Unix epoch; zero when clearing).
+    fn set(&mut self, stats: &[PartitionStats], read_at: Duration) {
         let now: BTreeSet<Partition> = stats.iter().map(|s| s.partition).collect();
         for &gone in self.partitions.difference(&now) {
             Self::set_partition(gone, 0, 0);
@@ -174,6 +177,7 @@ impl BacklogGauges {
         let totals = BacklogTotals::of(stats);
         metrics::gauge!("outbox_failed_records").set(totals.failed as f64);
         metrics::gauge!("outbox_oldest_pending_seconds").set(totals.oldest_pending.unwrap_or_default().as_secs_f64());
+        metrics::gauge!("outbox_backlog_read_timestamp_seconds").set(read_at.as_secs_f64());
         (self.set, self.partitions) = (true, now);
     }
 
@@ -186,7 +190,7 @@ impl BacklogGauges {
     /// Sets what was set back to 0 (and leaves alone the gauges of an instance that never reported).
     fn clear(&mut self) {
         if self.set {
-            self.set(&[]);
+            self.set(&[], Duration::ZERO);
             self.set = false;
         }
     }
