@@ -13,7 +13,7 @@ use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
 use std::sync::{Arc, LazyLock, PoisonError};
 
-use sqlx::{Connection, Sqlite, SqliteConnection, SqlitePool, Transaction};
+use sqlx::{AssertSqlSafe, Connection, SqlSafeStr, Sqlite, SqliteConnection, SqlitePool, Transaction};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::BUSY_TIMEOUT;
@@ -56,8 +56,8 @@ impl DerefMut for Write<'_> {
 }
 
 /// Starts a write (the application's transactions, completions, heartbeats, ownership, operator
-/// commands): waits for this process's turn at the database file, then begins `BEGIN IMMEDIATE` (the
-/// write lock from the start). For crates that add statements over the outbox tables
+/// commands): takes a pooled connection, waits for this process's turn at the database file, then
+/// begins `BEGIN IMMEDIATE` (the write lock from the start). For crates that add statements over the outbox tables
 /// (`outbox-cluster`). Cancel-safe: sqlx's SQLite worker rolls back a `BEGIN` whose caller went away.
 ///
 /// # Errors
@@ -65,8 +65,12 @@ impl DerefMut for Write<'_> {
 /// SQLite's busy error after as long for the lock): a transaction of this process held it that long,
 /// maybe the caller's own.
 pub async fn write(pool: &SqlitePool) -> Result<Write<'static>> {
+    // The connection first: a writer that took the turn and then waited for one (the application
+    // holding the pool) held up every writer of the process, the heartbeat on its own connection too.
+    let conn = pool.acquire().await?;
     let turn = take_turn(pool).await?;
-    let tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    // What `Pool::begin_with` does, on the connection already held.
+    let tx = Transaction::begin(conn, Some(AssertSqlSafe("BEGIN IMMEDIATE").into_sql_str())).await?;
     Ok(Write { tx, _turn: turn })
 }
 
@@ -131,6 +135,30 @@ mod tests {
         again.commit().await.unwrap();
     }
 
+    /// A writer waiting for a pooled connection (the application holds them all) does not hold up the
+    /// heartbeat, which writes on a connection of its own: the file is free, so it goes first. Before,
+    /// the waiting writer held the process's turn, and the heartbeat waited up to the pool's acquire
+    /// timeout (30 s by default) behind it, far past its lease.
+    #[tokio::test]
+    async fn a_writer_waiting_for_a_pooled_connection_does_not_hold_up_the_heartbeat() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = super::super::options(&format!("sqlite://{}", dir.path().join("a.db").display())).unwrap();
+        let pool =
+            sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect_with(options.clone()).await.unwrap();
+        let held = pool.acquire().await.unwrap();
+        let waiting = tokio::spawn({
+            let pool = pool.clone();
+            async move { write(&pool).await.map(drop) }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!waiting.is_finished(), "the writer waits for the pooled connection");
+        let mut own = SqliteConnection::connect_with(&options).await.unwrap();
+        let heartbeat = tokio::time::timeout(Duration::from_secs(2), write_on(&pool, &mut own)).await;
+        heartbeat.expect("the heartbeat's write began at once").unwrap().commit().await.unwrap();
+        drop(held);
+        waiting.await.unwrap().unwrap();
+    }
+
     /// A second transaction begun in one process while the first is open waits for its turn as long as
     /// SQLite would wait for the lock, then fails with a typed error, not a hang (here the caller's own
     /// first transaction, which would never commit while the caller waits).
@@ -138,7 +166,18 @@ mod tests {
     async fn a_turn_waited_for_past_the_busy_timeout_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let options = super::super::options(&format!("sqlite://{}", dir.path().join("a.db").display())).unwrap();
-        let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(2).connect_with(options).await.unwrap();
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(2)
+            .test_before_acquire(false)
+            .connect_with(options)
+            .await
+            .unwrap();
+        // Both connections open and idle: the second writer takes its own at once, with no round trip
+        // for the paused clock to run past.
+        drop((pool.acquire().await.unwrap(), pool.acquire().await.unwrap()));
+        while pool.num_idle() < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let db = crate::Db::Sqlite(pool.clone());
         let first = db.begin().await.unwrap();
         // The clock runs on by itself while the runtime waits for nothing but the turn.
