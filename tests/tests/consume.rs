@@ -16,7 +16,7 @@ use futures::StreamExt;
 use outbox_core::{BoxError, Handler, Record, Tx};
 use outbox_nats::{Consumed, JetStreamHandler, NatsConfig, apply_once, ensure_stream};
 
-every_backend!(a_consumer_applies_each_message_once_through_its_inbox);
+every_backend!(a_consumer_applies_each_message_once_through_its_inbox, a_database_out_of_reach_uses_up_no_deliveries,);
 
 fn record(i: u32) -> Record {
     Record {
@@ -86,6 +86,54 @@ async fn a_consumer_applies_each_message_once_through_its_inbox(db: TestDb) {
         async move { consumer.info().await.unwrap().num_ack_pending == 0 }
     })
     .await;
+}
+
+/// The consumer's database out of reach for a few seconds (a failover) fails nothing for good: each
+/// message waits in place, JetStream told it is in progress, and all are applied once it is back. Before,
+/// every failed begin naked its message, and a consumer with a `max_deliver` gave up each message the
+/// outage outlasted: never applied, though nothing was wrong with it.
+async fn a_database_out_of_reach_uses_up_no_deliveries(db: TestDb) {
+    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let server = NatsServer::start();
+    let (_client, publisher, consumer) = consuming(&server, &db, |c| c.max_deliver = 2).await;
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    for i in 1..=3 {
+        publisher.handle(&record(i)).await.unwrap();
+    }
+    proxy.cut();
+    let messages = consumer.messages().await.unwrap();
+    let consuming = tokio::spawn(async move { apply_once(messages, &far.db, &inbox, "orders", apply).await });
+    // Four times the consumer's ack wait, and past its two deliveries' naks.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(count(&db, "SELECT count(*) FROM read_model").await, 0, "applied through a cut link");
+    proxy.mend();
+    wait_for("the three applied", Duration::from_secs(60), || async {
+        count(&db, "SELECT count(*) FROM read_model").await == 3
+    })
+    .await;
+    assert!(!consuming.is_finished(), "the consumer ended: {:?}", consuming.await);
+    consuming.abort();
+}
+
+/// A message whose apply outlasts the consumer's ack wait (here 1 s) is not delivered again meanwhile:
+/// the consumer tells JetStream it is in progress.
+#[sqlx::test(migrations = false)]
+async fn a_message_applied_for_longer_than_the_ack_wait_is_not_delivered_again(pool: sqlx::PgPool) {
+    let db = TestDb::postgres(pool);
+    let server = NatsServer::start();
+    let (_client, publisher, mut consumer) = consuming(&server, &db, |_| {}).await;
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    publisher.handle(&record(1)).await.unwrap();
+    let messages = consumer.messages().await.unwrap().take(1);
+    let slow = async |tx: &mut Tx, message: &async_nats::jetstream::Message| {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        apply(tx, message).await
+    };
+    let consumed = apply_once(messages, &db.db, &inbox, "orders", slow).await.unwrap();
+    assert_eq!(consumed, Consumed { applied: 1, duplicates: 0, failed: 0, given_up: 0 });
+    // Deliveries the consumer made, a message delivered again counted again.
+    let deliveries = consumer.info().await.unwrap().delivered.consumer_sequence;
+    assert_eq!(deliveries, 1, "delivered again while it was applied");
 }
 
 /// A consumer set up as the outbox's: a server, its stream, a publisher of records and a durable pull

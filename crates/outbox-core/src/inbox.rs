@@ -31,8 +31,9 @@ impl Outbox {
 }
 
 impl Inbox {
-    /// Records in the caller's transaction that message `message_id` of `source` (say, a stream name
-    /// and the message's id, such as an outbox record's id) is applied; `true` if it is new, `false` if
+    /// Records in the caller's transaction that message `message_id` (such as an outbox record's id) is
+    /// applied by `source` (the consumer applying it, say its read model's name: two consumers of one
+    /// stream that share a source skip each other's messages); `true` if it is new, `false` if
     /// a committed transaction accepted it already, in which case nothing changes. If another
     /// transaction accepted it and has not ended, this waits for that one: `false` if it commits,
     /// `true` if it rolls back. Apply the message in the same transaction, after a `true`.

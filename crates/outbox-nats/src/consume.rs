@@ -4,7 +4,9 @@
 //! consumer crashed between commit and ack, the ack was lost, a producer published it twice) finds its
 //! inbox row and is acknowledged without being applied again. A message whose apply or transaction
 //! fails is rolled back and negatively acknowledged with a growing delay, so JetStream delivers it
-//! again.
+//! again; unless the database failed in a way that may pass (out of reach, a deadlock): then the same
+//! message is tried again in place, for as long as that lasts, and JetStream told it is in progress,
+//! so an outage does not use up its deliveries (a consumer's `max_deliver`).
 
 use std::time::Duration;
 
@@ -39,7 +41,11 @@ pub struct Consumed {
 /// ends, applying each once through `inbox` under `source` (see the [module docs](self)). A message's
 /// inbox id is its `Nats-Msg-Id` header (the outbox record's id, for messages the outbox published; a
 /// digest of it if longer than an inbox id), else its stream sequence. `apply` runs inside the
-/// transaction; its error, or the database's, rolls the message back and naks it.
+/// transaction; its error, or the database's, rolls the message back and naks it. An error of the
+/// database's ([`outbox_core::Error`], from `apply` too) that [`is_transient`](outbox_core::Error::is_transient)
+/// instead has the message tried again after a pause (50 ms, doubling up to 2 s), until it is applied
+/// or fails otherwise; JetStream is told the message is in progress every third of the consumer's
+/// `ack_wait` until it is settled, so it delivers it neither again nor to another reader meanwhile.
 ///
 /// The consumer must acknowledge message by message (`AckPolicy::Explicit`, the default): another
 /// policy is refused at the first message ([`Error::AckPolicy`]), as failed messages would be lost.
@@ -57,8 +63,8 @@ where
 {
     let mut consumed = Consumed::default();
     let mut messages = std::pin::pin!(messages);
-    // The consumer's `max_deliver` (none: unbounded), read at the first message.
-    let mut max_deliver = None;
+    // The consumer's settings, read at the first message.
+    let mut settings = None;
     let mut pauses = read_on_pauses();
     // When the errors in a row began, and when the last one came.
     let mut failing: Option<(Instant, Instant)> = None;
@@ -77,12 +83,26 @@ where
             }
             Err(e) => return Err(Error::Messages(e)),
         };
-        let max_deliver = match max_deliver {
+        let Settings { max_deliver, ack_wait } = match settings {
             Some(checked) => checked,
-            None => *max_deliver.insert(explicit_acks(&message, source).await?),
+            None => *settings.insert(explicit_acks(&message, source).await?),
         };
         let id = message_id(&message);
-        match apply_in_transaction(db, inbox, source, &id, &message, &mut apply).await {
+        let settled = async {
+            let mut pauses = read_on_pauses();
+            loop {
+                match apply_in_transaction(db, inbox, source, &id, &message, &mut apply).await {
+                    Err(e) if outage(&*e) => {
+                        let pause = pauses.next().unwrap_or(READ_ON_MAX);
+                        warn!(source, message = %id, error = %e, retry_in = ?pause,
+                            "applying a message failed on the database's side; rolled back, tried again in place");
+                        tokio::time::sleep(pause).await;
+                    }
+                    settled => return settled,
+                }
+            }
+        };
+        match in_progress(&message, ack_wait / 3, settled).await {
             Ok(applied) => {
                 if let Err(e) = message.ack().await {
                     // Applied and committed: delivered again, it finds its inbox row.
@@ -114,6 +134,29 @@ where
         }
     }
     Ok(consumed)
+}
+
+/// Whether `error` is the database's, and may pass: the message is not at fault, and trying it again
+/// later must not count as one of its deliveries.
+fn outage(error: &(dyn std::error::Error + 'static)) -> bool {
+    error.downcast_ref::<outbox_core::Error>().is_some_and(outbox_core::Error::is_transient)
+}
+
+/// Runs `work`, telling JetStream every `every` that `message` is in progress (which restarts its ack
+/// wait), so that a message waiting for the database is not delivered again.
+async fn in_progress<T>(message: &Message, every: Duration, work: impl Future<Output = T>) -> T {
+    let mut work = std::pin::pin!(work);
+    let mut ticks = tokio::time::interval_at(Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            done = &mut work => return done,
+            _ = ticks.tick() => {
+                if let Err(e) = message.ack_with(AckKind::Progress).await {
+                    debug!(error = %e, "telling JetStream a message is in progress failed");
+                }
+            }
+        }
+    }
 }
 
 /// Whether the message stream goes on after `error` (async-nats ends it after the others).
@@ -161,20 +204,36 @@ const READ_ON_MAX: Duration = Duration::from_secs(2);
 /// a pull the server refuses is refused again); and how long after the last error a row of them ends.
 const READ_ON_FOR: Duration = Duration::from_secs(60);
 
-/// Refuses a consumer that does not acknowledge message by message; returns its `max_deliver` (`None`:
-/// unbounded, or not known). A consumer whose settings cannot be read (the account may not allow
-/// asking) is taken as it is, with a warning.
-async fn explicit_acks(message: &Message, source: &str) -> Result<Option<i64>> {
-    let Ok(info) = message.info() else { return Ok(None) };
+/// What [`apply_once`] reads of its consumer's settings.
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    /// `None`: unbounded, or not known.
+    max_deliver: Option<i64>,
+    /// How long JetStream waits for an ack before delivering a message again.
+    ack_wait: Duration,
+}
+
+/// JetStream's `ack_wait` where a consumer does not set one.
+const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+
+/// Refuses a consumer that does not acknowledge message by message; returns its settings. A consumer
+/// whose settings cannot be read (the account may not allow asking) is taken as it is, with a warning,
+/// and JetStream's defaults.
+async fn explicit_acks(message: &Message, source: &str) -> Result<Settings> {
+    let unknown = Settings { max_deliver: None, ack_wait: DEFAULT_ACK_WAIT };
+    let Ok(info) = message.info() else { return Ok(unknown) };
     let (stream, consumer) = (info.stream.to_string(), info.consumer.to_string());
     match message.context.get_consumer_from_stream::<pull::Config, _, _>(&consumer, &stream).await {
         Ok(found) => match &found.cached_info().config {
-            config if config.ack_policy == AckPolicy::Explicit => Ok(Some(config.max_deliver).filter(|&n| n > 0)),
+            config if config.ack_policy == AckPolicy::Explicit => Ok(Settings {
+                max_deliver: Some(config.max_deliver).filter(|&n| n > 0),
+                ack_wait: Some(config.ack_wait).filter(|wait| !wait.is_zero()).unwrap_or(DEFAULT_ACK_WAIT),
+            }),
             config => Err(Error::AckPolicy { stream, consumer, policy: config.ack_policy }),
         },
         Err(e) => {
             warn!(source, %stream, %consumer, error = %e, "cannot read the consumer's ack policy; it must be explicit");
-            Ok(None)
+            Ok(unknown)
         }
     }
 }
