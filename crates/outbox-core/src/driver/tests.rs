@@ -723,7 +723,18 @@ async fn a_time_limit_and_a_full_database_are_worth_retrying(pool: PgPool) {
                 tx.execute("SELECT pg_sleep(1)", &[]).await.unwrap_err()
             }
             Db::MySql(_) => {
-                db.execute("SET STATEMENT max_statement_time = 0.01 FOR SELECT SLEEP(1)", &[]).await.unwrap_err()
+                let late = db.execute("SET STATEMENT max_statement_time = 0.01 FOR SELECT SLEEP(1)", &[]).await;
+                assert!(late.unwrap_err().is_transient(), "{backend}: a statement past its time limit");
+                // A table that is full answers 1114 (InnoDB's out of disk or tablespace, not 1021,
+                // MyISAM's); a MEMORY table past its size limit answers the same, on one connection.
+                let mut tx = db.begin().await.unwrap();
+                tx.execute("SET SESSION max_heap_table_size = 16384", &[]).await.unwrap();
+                tx.execute("CREATE TEMPORARY TABLE filler (b VARBINARY(1000)) ENGINE = MEMORY", &[]).await.unwrap();
+                let mut full = None;
+                while full.is_none() {
+                    full = tx.execute("INSERT INTO filler VALUES (REPEAT('x', 1000))", &[]).await.err();
+                }
+                full.unwrap()
             }
             Db::Sqlite(_) => {
                 // The test pool has one connection, so the page limit holds for the insert.

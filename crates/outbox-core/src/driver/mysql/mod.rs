@@ -170,7 +170,8 @@ pub async fn transaction<T, E: From<sqlx::Error>>(
 /// Deadlock (1213), lock wait timeout (1205), a row changed since the transaction's snapshot (MariaDB's
 /// snapshot isolation, 1020), too many connections for the server or the user (1040, 1203, 1226),
 /// server shutdown (1053), connection killed (1927), query interrupted (1317), a statement time limit
-/// (MariaDB 1969, MySQL 3024), a full disk (1021), exhausted memory or resources (1037, 1038, 1041), a
+/// (MariaDB 1969, MySQL 3024), a full disk or table (1021; 1114, InnoDB's answer when its disk or
+/// tablespace is full), exhausted memory or resources (1037, 1038, 1041), a
 /// server or transaction running read-only (1290, as a failed-over primary does; 1792, 1836), a commit
 /// Group Replication's certification rolled back (3101) and a connection the server closed as idle
 /// (4031) are worth retrying, as PostgreSQL's classes 40, 53, 57014 and 25006 are. Not 1047, 1180 nor
@@ -187,6 +188,7 @@ pub(super) fn is_transient(db: &dyn sqlx::error::DatabaseError) -> Option<bool> 
             | 1040
             | 1041
             | 1053
+            | 1114
             | 1203
             | 1205
             | 1213
