@@ -505,11 +505,15 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
                 ))));
             }
             let applied = self.apply(conn, schema).await;
+            // With autocommit off (an application's pool) the last migration's row, and the reads'
+            // snapshot, would stay in a transaction nobody ends (DDL commits only what came before it).
+            let committed = sqlx::raw_sql("COMMIT").execute(&mut *conn).await;
             let released = sqlx::query(AssertSqlSafe(format!("SELECT RELEASE_LOCK({lock})")))
                 .bind(schema)
                 .execute(&mut *conn)
                 .await;
             applied?;
+            committed?;
             released?;
             Ok(())
         })
@@ -631,8 +635,15 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
         .await
     }
 
-    /// Under `finishing`, as every operator call: one its caller gives up closes its connection, where
-    /// it kept a place in the pool until the server finished.
+    /// Runs `work` in a transaction of the library's own ([`transaction`], with `begin`), under
+    /// `finishing`, as every operator call: one its caller gives up closes its connection, where it kept
+    /// a place in the pool until the server finished. The reads too: on a connection with autocommit
+    /// off (an application's pool) a read alone left its snapshot open there, for the next one to see
+    /// the same data.
+    async fn within<T>(&self, work: impl AsyncFnOnce(&mut MySqlConnection) -> Result<T>) -> Result<T> {
+        super::finishing(self.pool, async |conn| transaction(conn, &self.statements.begin, work).await).await
+    }
+
     pub(crate) async fn failed(&self, filter: &FailedFilter) -> Result<Vec<FailedRecord>> {
         let partition = filter.partition.map(i16::from);
         let after = filter.after.as_ref().map(|a| i16::from(a.partition));
@@ -649,7 +660,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             .bind(filter.limit.unwrap_or(100))
             .bind(count(FAILED_PAGE_PAYLOAD_BYTES))
             .bind(filter.payloads);
-        super::finishing(self.pool, async |conn| Ok(query.fetch_all(conn).await?)).await
+        self.within(async |tx| Ok(query.fetch_all(tx).await?)).await
     }
 
     /// At READ COMMITTED, as the purges below: at the server's REPEATABLE READ a requeue of a key or of
@@ -661,68 +672,52 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
             Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
             Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
         };
-        super::finishing(self.pool, async |conn| {
-            transaction(conn, &self.statements.begin, async |tx| Ok(query.execute(tx).await?.rows_affected())).await
-        })
-        .await
+        self.within(async |tx| Ok(query.execute(tx).await?.rows_affected())).await
     }
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
-        super::finishing(self.pool, async |conn| {
-            transaction(conn, &self.statements.begin, async |tx| {
-                if sqlx::query(statement(&self.statements.skip_lock)).bind(id).fetch_optional(&mut *tx).await?.is_none()
-                {
-                    return Ok(false);
-                }
-                sqlx::query(statement(&self.statements.skip_keep)).bind(id).execute(&mut *tx).await?;
-                let deleted = sqlx::query(statement(&self.statements.skip_delete)).bind(id).execute(&mut *tx).await?;
-                Ok(deleted.rows_affected() > 0)
-            })
-            .await
+        self.within(async |tx| {
+            if sqlx::query(statement(&self.statements.skip_lock)).bind(id).fetch_optional(&mut *tx).await?.is_none() {
+                return Ok(false);
+            }
+            sqlx::query(statement(&self.statements.skip_keep)).bind(id).execute(&mut *tx).await?;
+            let deleted = sqlx::query(statement(&self.statements.skip_delete)).bind(id).execute(&mut *tx).await?;
+            Ok(deleted.rows_affected() > 0)
         })
         .await
     }
 
     pub(crate) async fn stats(&self) -> Result<Vec<PartitionStats>> {
         let query = sqlx::query_as::<_, StatsRow>(statement(&self.statements.stats));
-        let rows = super::finishing(self.pool, async |conn| query.fetch_all(conn).await).await?;
+        let rows = self.within(async |tx| Ok(query.fetch_all(tx).await?)).await?;
         Ok(rows.into_iter().map(PartitionStats::from).collect())
     }
 
     pub(crate) async fn purge(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge)).bind(millis(retention)).bind(count(limit));
-        super::finishing(self.pool, async |conn| {
-            transaction(conn, &self.statements.begin, async |tx| Ok(query.execute(tx).await?.rows_affected())).await
-        })
-        .await
+        self.within(async |tx| Ok(query.execute(tx).await?.rows_affected())).await
     }
 
     pub(crate) async fn purge_inbox(&self, retention: Duration, limit: usize) -> Result<u64> {
         let query = sqlx::query(statement(&self.statements.purge_inbox)).bind(millis(retention)).bind(count(limit));
-        super::finishing(self.pool, async |conn| {
-            transaction(conn, &self.statements.begin, async |tx| Ok(query.execute(tx).await?.rows_affected())).await
-        })
-        .await
+        self.within(async |tx| Ok(query.execute(tx).await?.rows_affected())).await
     }
 
     pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
-        super::finishing(self.pool, async |conn| {
-            transaction(conn, &self.statements.begin, async |tx| {
-                let keys: Vec<String> = sqlx::query_scalar(statement(&self.statements.prunable_keys))
-                    .bind(count(limit))
-                    .fetch_all(&mut *tx)
-                    .await?;
-                let mut pruned = 0;
-                for chunk in keys.chunks(statements::DELETE_KEYS_AT_ONCE) {
-                    let mut query = sqlx::query(statement(&self.statements.delete_keys));
-                    for i in 0..statements::DELETE_KEYS_AT_ONCE {
-                        query = query.bind(chunk.get(i).or(chunk.last()));
-                    }
-                    pruned += query.execute(&mut *tx).await?.rows_affected();
+        self.within(async |tx| {
+            let keys: Vec<String> = sqlx::query_scalar(statement(&self.statements.prunable_keys))
+                .bind(count(limit))
+                .fetch_all(&mut *tx)
+                .await?;
+            let mut pruned = 0;
+            for chunk in keys.chunks(statements::DELETE_KEYS_AT_ONCE) {
+                let mut query = sqlx::query(statement(&self.statements.delete_keys));
+                for i in 0..statements::DELETE_KEYS_AT_ONCE {
+                    query = query.bind(chunk.get(i).or(chunk.last()));
                 }
-                Ok(pruned)
-            })
-            .await
+                pruned += query.execute(&mut *tx).await?.rows_affected();
+            }
+            Ok(pruned)
         })
         .await
     }
@@ -810,6 +805,42 @@ mod tests {
     use crate::assignment::{Epoch, InstanceId};
     use crate::stored::Request;
     use crate::{Config, Db, Outbox};
+
+    /// On a pool whose connections have autocommit off (an application's, through a connect hook),
+    /// `migrate` and the operator's reads end what they begin. The last migration's row stayed in a
+    /// transaction nobody ended, lost when the pool closed, and the next `migrate` ran that migration
+    /// again over its own tables and failed, "applied in part"; a backlog reading left its snapshot
+    /// open, so the next one on the connection saw the same backlog, and the next operator write
+    /// failed (1568: a transaction's level set inside a transaction).
+    #[tokio::test]
+    async fn on_a_pool_without_autocommit_migrate_and_reads_end_their_transactions() {
+        let db = super::test_database().await;
+        let Db::MySql(plain) = &db else { unreachable!("a MySQL database") };
+        let without_autocommit = MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move { sqlx::raw_sql("SET autocommit = 0").execute(conn).await.map(drop) })
+            })
+            .connect_with((*plain.connect_options()).clone())
+            .await
+            .unwrap();
+        let outbox = Outbox::new(Config::default()).unwrap();
+        outbox.migrate(&without_autocommit).await.unwrap();
+        let newest: i64 =
+            sqlx::query_scalar("SELECT MAX(version) FROM outbox_schema_migrations").fetch_one(plain).await.unwrap();
+        assert_eq!(newest, super::MIGRATIONS.last().unwrap().version, "every migration's row committed");
+
+        assert!(outbox.stats(&without_autocommit).await.unwrap().is_empty());
+        assert!(outbox.failed(&without_autocommit, &Default::default()).await.unwrap().is_empty());
+        let mut tx = db.begin().await.unwrap();
+        outbox.schedule(&mut tx, crate::NewRecord::new("k", "t", "")).await.unwrap();
+        tx.commit().await.unwrap();
+        let pending: i64 = outbox.stats(&without_autocommit).await.unwrap().iter().map(|s| s.pending).sum();
+        assert_eq!(pending, 1, "the reading sees what committed since the last one");
+        assert_eq!(outbox.requeue_all(&without_autocommit).await.unwrap(), 0);
+        without_autocommit.close().await;
+        outbox.migrate(&db).await.unwrap();
+    }
 
     #[test]
     fn records_split_into_arrays_within_the_budget_in_order() {
