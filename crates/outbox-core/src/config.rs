@@ -172,7 +172,7 @@ impl Config {
         if !is_schema_name(&self.schema) {
             return bad(format!(
                 "schema must be a lowercase SQL identifier ([a-z_][a-z0-9_]*, at most {MAX_SCHEMA_BYTES} bytes, \
-                 not starting with pg_ or sqlite_), got {:?}",
+                 not starting with pg_ or sqlite_, not ending in _inbox), got {:?}",
                 self.schema
             ));
         }
@@ -242,7 +242,8 @@ const MAX_SCHEMA_BYTES: usize = 32;
 /// A schema name every backend accepts: a lowercase SQL identifier (spliced into statements: quoted on
 /// PostgreSQL, as a table name prefix elsewhere), short enough, and outside the prefixes the databases
 /// keep for themselves (`pg_` schemas on PostgreSQL, `sqlite_` tables on SQLite, where the tables are
-/// named `<schema>_…`).
+/// named `<schema>_…`), nor one ending in `_inbox`: on MySQL and SQLite the key table of `<name>_inbox`
+/// would be the inbox's key table of `<name>` (`<name>_inbox_keys`), and the second to migrate failed.
 fn is_schema_name(s: &str) -> bool {
     let mut bytes = s.bytes();
     matches!(bytes.next(), Some(b'a'..=b'z' | b'_'))
@@ -251,6 +252,7 @@ fn is_schema_name(s: &str) -> bool {
         && !s.starts_with("pg_")
         && s != "sqlite"
         && !s.starts_with("sqlite_")
+        && !s.ends_with("_inbox")
 }
 
 #[cfg(test)]
@@ -313,7 +315,8 @@ mod tests {
             let config = Config { schema: schema.into(), ..Config::default() };
             config.validate().unwrap_or_else(|e| panic!("{schema}: {e}"));
         }
-        for schema in [&"s".repeat(MAX_SCHEMA_BYTES + 1) as &str, "pg_outbox", "sqlite", "sqlite_outbox", ""] {
+        for schema in [&"s".repeat(MAX_SCHEMA_BYTES + 1) as &str, "pg_outbox", "sqlite", "sqlite_outbox", "", "a_inbox"]
+        {
             let config = Config { schema: schema.into(), ..Config::default() };
             assert!(config.validate().unwrap_err().to_string().contains("schema"), "{schema} accepted");
         }
