@@ -373,6 +373,51 @@ async fn stream_provisioning_creates_checks_and_explains_mismatches() {
     }
 }
 
+/// Stream settings the server refuses for good are not worth retrying: subjects another stream
+/// captures (10065), replicas on a server that is not clustered (10074). A start-up loop that retries
+/// what `is_transient` says retried them for ever. A broker out of reach still is worth retrying.
+#[tokio::test]
+async fn stream_settings_the_server_refuses_are_not_worth_retrying() {
+    let server = NatsServer::start();
+    let config = config(&server);
+    let client = outbox_nats::connect(&config).await.unwrap();
+    ensure_stream(&client, &config.stream).await.unwrap();
+    let overlapping = StreamSettings { name: "ANOTHER".into(), ..config.stream.clone() };
+    let replicated = StreamSettings {
+        name: "REPLICATED".into(),
+        subjects: vec!["else.>".into()],
+        replicas: 3,
+        ..config.stream.clone()
+    };
+    for refused in [overlapping, replicated] {
+        let err = ensure_stream(&client, &refused).await.unwrap_err();
+        assert!(matches!(err, NatsError::Stream { .. }), "{err:?}");
+        assert!(!err.is_transient(), "{err}");
+    }
+    let mut stopped = server;
+    stopped.stop();
+    let unanswered = StreamSettings { name: "LATER".into(), subjects: vec!["later.>".into()], ..config.stream.clone() };
+    let err = ensure_stream(&client, &unanswered).await.unwrap_err();
+    assert!(err.is_transient(), "{err:?}");
+}
+
+/// Errors a consumer's message stream reads on after (the broker out of reach) are worth retrying when
+/// `apply_once` returns them after a minute in a row; those that end the stream are not.
+#[test]
+fn message_stream_errors_are_transient_where_they_pass() {
+    use async_nats::jetstream::consumer::pull::{MessagesError, MessagesErrorKind as Kind};
+    for (kind, transient) in [
+        (Kind::MissingHeartbeat, true),
+        (Kind::NoResponders, true),
+        (Kind::Pull, true),
+        (Kind::ConsumerDeleted, false),
+        (Kind::PushBasedConsumer, false),
+        (Kind::RequestLimitExceeded, false),
+    ] {
+        assert_eq!(NatsError::Messages(MessagesError::new(kind)).is_transient(), transient, "{kind:?}");
+    }
+}
+
 #[tokio::test]
 async fn connection_errors_are_typed_and_auth_works() {
     let nobody = NatsConfig { servers: vec![format!("nats://127.0.0.1:{}", free_port())], ..NatsConfig::default() };

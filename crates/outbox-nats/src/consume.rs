@@ -160,7 +160,7 @@ async fn in_progress<T>(message: &Message, every: Duration, work: impl Future<Ou
 }
 
 /// Whether the message stream goes on after `error` (async-nats ends it after the others).
-fn reads_on_after(error: &MessagesError) -> bool {
+pub(crate) fn reads_on_after(error: &MessagesError) -> bool {
     matches!(
         error.kind(),
         MessagesErrorKind::MissingHeartbeat

@@ -75,9 +75,14 @@ pub enum Error {
         stream: String,
         /// What failed.
         message: String,
+        /// Whether the server refused the stream for good: subjects another stream captures, replicas
+        /// a server that is not clustered cannot keep, settings it finds invalid, JetStream not enabled
+        /// (for the account). Otherwise the broker did not answer, or not yet.
+        refused: bool,
     },
     /// Reading a consumer's messages ended with an error it does not read on after (the consumer was
-    /// deleted, is push based, or refused the pull's size).
+    /// deleted, is push based, or refused the pull's size), or with one it reads on after (the broker
+    /// out of reach) that went on for a minute: [`Error::is_transient`] tells them apart.
     #[error("reading JetStream messages: {0}")]
     Messages(#[source] async_nats::jetstream::consumer::pull::MessagesError),
     /// [`apply_once`] was given a consumer whose acks are not message by message: with `AckPolicy::All`
@@ -105,9 +110,10 @@ pub enum Error {
 
 impl Error {
     /// Whether retrying later may succeed: the broker was unreachable (refused, timed out, a name not
-    /// resolved yet) or a stream request failed. Not credentials the server refuses, a TLS setup it does
-    /// not meet (a server without TLS answers the handshake with data that is not TLS), or an address
-    /// that does not parse: a start-up loop retrying those would never end.
+    /// resolved yet), a stream request went unanswered, or a consumer's messages could not be read for
+    /// a minute. Not credentials the server refuses, a TLS setup it does not meet (a server without TLS
+    /// answers the handshake with data that is not TLS), an address that does not parse, a stream the
+    /// server refused, or a message stream that ended: a start-up loop retrying those would never end.
     pub fn is_transient(&self) -> bool {
         use async_nats::ConnectErrorKind as Kind;
         match self {
@@ -118,7 +124,8 @@ impl Error {
                     .is_none_or(|e| e.kind() != std::io::ErrorKind::InvalidData),
                 Kind::Dns | Kind::TimedOut | Kind::MaxReconnects => true,
             },
-            Error::Stream { .. } => true,
+            Error::Stream { refused, .. } => !refused,
+            Error::Messages(e) => consume::reads_on_after(e),
             _ => false,
         }
     }

@@ -14,7 +14,7 @@ use crate::{Error, Result};
 pub async fn ensure_stream(client: &Client, settings: &StreamSettings) -> Result<stream::Info> {
     let js = jetstream::new(client.clone());
     let name = settings.name.clone();
-    let failed = |message: String| Error::Stream { stream: name.clone(), message };
+    let failed = |message: String, refused: bool| Error::Stream { stream: name.clone(), message, refused };
     let wanted = stream::Config {
         name: settings.name.clone(),
         subjects: settings.subjects.clone(),
@@ -28,7 +28,7 @@ pub async fn ensure_stream(client: &Client, settings: &StreamSettings) -> Result
     };
     match js.get_stream(&settings.name).await {
         Ok(mut existing) => {
-            let info = existing.info().await.map_err(|e| failed(e.to_string()))?.clone();
+            let info = existing.info().await.map_err(|e| failed(e.to_string(), false))?.clone();
             let differences = differences(&wanted, &info.config);
             if !differences.is_empty() {
                 return Err(Error::StreamMismatch { stream: name, differences });
@@ -36,12 +36,43 @@ pub async fn ensure_stream(client: &Client, settings: &StreamSettings) -> Result
             Ok(info)
         }
         Err(e) if is_not_found(&e) => {
-            let mut created = js.create_stream(wanted).await.map_err(|e| failed(format!("cannot create: {e}")))?;
+            let mut created = js.create_stream(wanted).await.map_err(|e| {
+                use jetstream::context::CreateStreamErrorKind as Kind;
+                let refused = match e.kind() {
+                    Kind::JetStream(js) => refuses_for_good(js.error_code()),
+                    Kind::EmptyStreamName | Kind::InvalidStreamName | Kind::DomainAndExternalSet => true,
+                    _ => false,
+                };
+                failed(format!("cannot create: {e}"), refused)
+            })?;
             info!(stream = %settings.name, subjects = ?settings.subjects, "created JetStream stream");
-            Ok(created.info().await.map_err(|e| failed(e.to_string()))?.clone())
+            Ok(created.info().await.map_err(|e| failed(e.to_string(), false))?.clone())
         }
-        Err(e) => Err(failed(e.to_string())),
+        Err(e) => {
+            use jetstream::context::GetStreamErrorKind as Kind;
+            let refused = match e.kind() {
+                Kind::JetStream(js) => refuses_for_good(js.error_code()),
+                Kind::EmptyName | Kind::InvalidStreamName => true,
+                Kind::Request => false,
+            };
+            Err(failed(e.to_string(), refused))
+        }
     }
+}
+
+/// Whether the server's answer holds whatever the retries: the settings clash with another stream or
+/// the server's own (not clustered, no JetStream), or are invalid.
+fn refuses_for_good(code: jetstream::ErrorCode) -> bool {
+    use jetstream::ErrorCode as C;
+    [
+        C::STREAM_SUBJECT_OVERLAP,
+        C::STREAM_REPLICAS_NOT_SUPPORTED,
+        C::STREAM_INVALID_CONFIG,
+        C::STREAM_NAME_EXIST,
+        C::JETSTREAM_NOT_ENABLED,
+        C::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT,
+    ]
+    .contains(&code)
 }
 
 pub(crate) fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
