@@ -56,8 +56,8 @@ impl DerefMut for Write<'_> {
 }
 
 /// Starts a write (the application's transactions, completions, heartbeats, ownership, operator
-/// commands): takes a pooled connection, waits for this process's turn at the database file, then
-/// begins `BEGIN IMMEDIATE` (the write lock from the start). For crates that add statements over the outbox tables
+/// commands): waits for this process's turn at the database file and a pooled connection, then begins
+/// `BEGIN IMMEDIATE` (the write lock from the start). For crates that add statements over the outbox tables
 /// (`outbox-cluster`). Cancel-safe: sqlx's SQLite worker rolls back a `BEGIN` whose caller went away.
 ///
 /// # Errors
@@ -65,10 +65,20 @@ impl DerefMut for Write<'_> {
 /// SQLite's busy error after as long for the lock): a transaction of this process held it that long,
 /// maybe the caller's own.
 pub async fn write(pool: &SqlitePool) -> Result<Write<'static>> {
-    // The connection first: a writer that took the turn and then waited for one (the application
-    // holding the pool) held up every writer of the process, the heartbeat on its own connection too.
-    let conn = pool.acquire().await?;
     let turn = take_turn(pool).await?;
+    // A writer that waited for a pooled connection in its turn (the application holding the pool) held
+    // up every writer of the process, the heartbeat on its own connection too. With none idle, it waits
+    // in the pool's queue without the turn (taking its place in that fair queue, so it is not passed
+    // over), then in the turn's with its connection. Waiting in the turn's queue holds none otherwise,
+    // so a turn's holder that reads from the pool meanwhile finds one.
+    let (turn, conn) = match pool.try_acquire() {
+        Some(conn) => (turn, conn),
+        None => {
+            drop(turn);
+            let conn = pool.acquire().await?;
+            (take_turn(pool).await?, conn)
+        }
+    };
     // What `Pool::begin_with` does, on the connection already held.
     let tx = Transaction::begin(conn, Some(AssertSqlSafe("BEGIN IMMEDIATE").into_sql_str())).await?;
     Ok(Write { tx, _turn: turn })
@@ -159,6 +169,33 @@ mod tests {
         waiting.await.unwrap().unwrap();
     }
 
+    /// Writers queued for the turn hold no pooled connection, so the turn's holder may read from the
+    /// pool meanwhile (an application reading outside its transaction): with the connections taken by
+    /// the queue, it would wait for them, and they for it.
+    #[tokio::test]
+    async fn writers_queued_for_the_turn_leave_the_pool_to_its_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = super::super::options(&format!("sqlite://{}", dir.path().join("a.db").display())).unwrap();
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_with(options)
+            .await
+            .unwrap();
+        let holder = write(&pool).await.unwrap();
+        let queued = tokio::spawn({
+            let pool = pool.clone();
+            async move { write(&pool).await.map(drop) }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!queued.is_finished(), "the second writer waits for the turn");
+        let read: i64 =
+            sqlx::query_scalar("SELECT 1").fetch_one(&pool).await.expect("a connection for the holder's read");
+        assert_eq!(read, 1);
+        holder.commit().await.unwrap();
+        queued.await.unwrap().unwrap();
+    }
+
     /// A second transaction begun in one process while the first is open waits for its turn as long as
     /// SQLite would wait for the lock, then fails with a typed error, not a hang (here the caller's own
     /// first transaction, which would never commit while the caller waits).
@@ -166,18 +203,7 @@ mod tests {
     async fn a_turn_waited_for_past_the_busy_timeout_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let options = super::super::options(&format!("sqlite://{}", dir.path().join("a.db").display())).unwrap();
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(2)
-            .test_before_acquire(false)
-            .connect_with(options)
-            .await
-            .unwrap();
-        // Both connections open and idle: the second writer takes its own at once, with no round trip
-        // for the paused clock to run past.
-        drop((pool.acquire().await.unwrap(), pool.acquire().await.unwrap()));
-        while pool.num_idle() < 2 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(2).connect_with(options).await.unwrap();
         let db = crate::Db::Sqlite(pool.clone());
         let first = db.begin().await.unwrap();
         // The clock runs on by itself while the runtime waits for nothing but the turn.
