@@ -5,8 +5,8 @@
 //! inbox row and is acknowledged without being applied again. A message whose apply or transaction
 //! fails is rolled back and negatively acknowledged with a growing delay, so JetStream delivers it
 //! again; unless the database failed in a way that may pass (out of reach, a deadlock): then the same
-//! message is tried again in place, for as long as that lasts, and JetStream told it is in progress,
-//! so an outage does not use up its deliveries (a consumer's `max_deliver`).
+//! message is tried again in place, for up to a minute, and JetStream told it is in progress, so a
+//! short outage does not use up its deliveries (a consumer's `max_deliver`).
 
 use std::time::Duration;
 
@@ -43,9 +43,12 @@ pub struct Consumed {
 /// digest of it if longer than an inbox id), else its stream sequence. `apply` runs inside the
 /// transaction; its error, or the database's, rolls the message back and naks it. An error of the
 /// database's ([`outbox_core::Error`], from `apply` too) that [`is_transient`](outbox_core::Error::is_transient)
-/// instead has the message tried again after a pause (50 ms, doubling up to 2 s), until it is applied
-/// or fails otherwise; JetStream is told the message is in progress every third of the consumer's
-/// `ack_wait` until it is settled, so it delivers it neither again nor to another reader meanwhile.
+/// instead has the message tried again after a pause (50 ms, doubling up to 2 s), for up to a minute
+/// of such errors (a failover's), then it is nak'ed as any failure. JetStream is told the message is
+/// in progress every third of the consumer's `ack_wait` until it is settled, so it delivers it neither
+/// again nor to another reader meanwhile; the messages the client has already pulled behind it still
+/// reach their ack wait and are delivered again (counted towards `max_deliver`), so with a
+/// `max_deliver` pull few at a time.
 ///
 /// The consumer must acknowledge message by message (`AckPolicy::Explicit`, the default): another
 /// policy is refused at the first message ([`Error::AckPolicy`]), as failed messages would be lost.
@@ -90,9 +93,12 @@ where
         let id = message_id(&message);
         let settled = async {
             let mut pauses = read_on_pauses();
+            let since = Instant::now();
             loop {
                 match apply_in_transaction(db, inbox, source, &id, &message, &mut apply).await {
-                    Err(e) if outage(&*e) => {
+                    // Past a minute it counts as a delivery, as any failure: one the message causes
+                    // (too large for a time limit) or a pool closed for good must not hold it for ever.
+                    Err(e) if outage(&*e) && since.elapsed() < READ_ON_FOR => {
                         let pause = pauses.next().unwrap_or(READ_ON_MAX);
                         warn!(source, message = %id, error = %e, retry_in = ?pause,
                             "applying a message failed on the database's side; rolled back, tried again in place");
@@ -102,7 +108,7 @@ where
                 }
             }
         };
-        match in_progress(&message, ack_wait / 3, settled).await {
+        match in_progress(&message, (ack_wait / 3).max(PROGRESS_AT_MOST_EVERY), settled).await {
             Ok(applied) => {
                 if let Err(e) = message.ack().await {
                     // Applied and committed: delivered again, it finds its inbox row.
@@ -141,6 +147,9 @@ where
 fn outage(error: &(dyn std::error::Error + 'static)) -> bool {
     error.downcast_ref::<outbox_core::Error>().is_some_and(outbox_core::Error::is_transient)
 }
+
+/// The shortest time between two reports that a message is in progress.
+const PROGRESS_AT_MOST_EVERY: Duration = Duration::from_millis(10);
 
 /// Runs `work`, telling JetStream every `every` that `message` is in progress (which restarts its ack
 /// wait), so that a message waiting for the database is not delivered again.
