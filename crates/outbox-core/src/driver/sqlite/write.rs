@@ -67,12 +67,16 @@ impl DerefMut for Write<'_> {
 pub async fn write(pool: &SqlitePool) -> Result<Write<'static>> {
     let turn = take_turn(pool).await?;
     // A writer that waited for a pooled connection in its turn (the application holding the pool) held
-    // up every writer of the process, the heartbeat on its own connection too. With none idle, it waits
-    // in the pool's queue without the turn (taking its place in that fair queue, so it is not passed
-    // over), then in the turn's with its connection. Waiting in the turn's queue holds none otherwise,
-    // so a turn's holder that reads from the pool meanwhile finds one.
+    // up every writer of the process, the heartbeat on its own connection too. With none idle and no
+    // room to open one, it waits in the pool's queue without the turn (taking its place in that fair
+    // queue, so it is not passed over), then in the turn's with its connection. Waiting in the turn's
+    // queue holds none otherwise, so a turn's holder that reads from the pool meanwhile finds one
+    // (unless the pool ran out and the writers that waited for it hold them all).
+    let room = pool.size() < pool.options().get_max_connections();
     let (turn, conn) = match pool.try_acquire() {
         Some(conn) => (turn, conn),
+        // Opening one takes a moment: the turn is kept.
+        None if room => (turn, pool.acquire().await?),
         None => {
             drop(turn);
             let conn = pool.acquire().await?;
