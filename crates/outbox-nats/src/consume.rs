@@ -210,7 +210,8 @@ const READ_ON_MAX: Duration = Duration::from_secs(2);
 
 /// How long errors may follow one another, without a message between them, before the last one is
 /// returned (a consumer deleted while the client was away answers every pull with "no responders", and
-/// a pull the server refuses is refused again); and how long after the last error a row of them ends.
+/// a pull the server refuses is refused again); how long after the last error a row of them ends; and
+/// how long a message is tried again in place while the database fails in a way that may pass.
 const READ_ON_FOR: Duration = Duration::from_secs(60);
 
 /// What [`apply_once`] reads of its consumer's settings.
