@@ -118,21 +118,29 @@ async fn a_database_out_of_reach_uses_up_no_deliveries(db: TestDb) {
 /// the last one the consumer allows, the message is given up, not held for ever.
 #[sqlx::test(migrations = false)]
 async fn a_database_error_that_does_not_pass_is_given_up_after_a_minute(pool: sqlx::PgPool) {
-    let db = TestDb::postgres(pool);
-    let server = NatsServer::start();
-    let (_client, publisher, consumer) = consuming(&server, &db, |c| c.max_deliver = 1).await;
-    let inbox = outbox(&db, |_| {}).await.inbox();
-    publisher.handle(&record(1)).await.unwrap();
-    let messages = consumer.messages().await.unwrap().take(1);
     let too_slow = async |_: &mut Tx, _: &async_nats::jetstream::Message| -> Result<(), BoxError> {
         Err(outbox_core::Error::QueryTimeout { work: "applying", after: Duration::from_secs(1) }.into())
     };
-    let consumed =
-        tokio::time::timeout(Duration::from_secs(120), apply_once(messages, &db.db, &inbox, "orders", too_slow))
-            .await
-            .expect("given up within two minutes")
-            .unwrap();
+    let consumed = one_message_delivered(pool, 1, Duration::from_secs(120), too_slow).await;
     assert_eq!(consumed, Consumed { applied: 0, duplicates: 0, failed: 1, given_up: 1 });
+}
+
+/// What `apply_once` did with one message, by `apply`, on a consumer that delivers it at most
+/// `deliveries` times, once it has read them all (within `within`).
+async fn one_message_delivered(
+    pool: sqlx::PgPool,
+    deliveries: i64,
+    within: Duration,
+    apply: impl AsyncFnMut(&mut Tx, &async_nats::jetstream::Message) -> Result<(), BoxError>,
+) -> Consumed {
+    let db = TestDb::postgres(pool);
+    let server = NatsServer::start();
+    let (_client, publisher, consumer) = consuming(&server, &db, |c| c.max_deliver = deliveries).await;
+    let inbox = outbox(&db, |_| {}).await.inbox();
+    publisher.handle(&record(1)).await.unwrap();
+    let messages = consumer.messages().await.unwrap().take(usize::try_from(deliveries).unwrap());
+    let consuming = apply_once(messages, &db.db, &inbox, "orders", apply);
+    tokio::time::timeout(within, consuming).await.expect("every delivery read in time").unwrap()
 }
 
 /// A message whose apply outlasts the consumer's ack wait (here 1 s) is not delivered again meanwhile:
@@ -248,19 +256,9 @@ async fn a_consumer_without_explicit_acks_is_refused(pool: sqlx::PgPool) {
 /// again later", and nothing told it from a failure that would be.
 #[sqlx::test(migrations = false)]
 async fn a_message_failed_on_its_last_delivery_is_counted_as_given_up(pool: sqlx::PgPool) {
-    let db = TestDb::postgres(pool);
-    let server = NatsServer::start();
-    let (_client, publisher, consumer) = consuming(&server, &db, |c| c.max_deliver = 2).await;
-    let inbox = outbox(&db, |_| {}).await.inbox();
-    publisher.handle(&record(1)).await.unwrap();
-    let messages = consumer.messages().await.unwrap().take(2);
-    let consumed = tokio::time::timeout(
-        Duration::from_secs(30),
-        apply_once(messages, &db.db, &inbox, "orders", async |_: &mut Tx, _: &_| Err("always refused".into())),
-    )
-    .await
-    .expect("two deliveries")
-    .unwrap();
+    let refuse =
+        async |_: &mut Tx, _: &async_nats::jetstream::Message| -> Result<(), BoxError> { Err("always refused".into()) };
+    let consumed = one_message_delivered(pool, 2, Duration::from_secs(30), refuse).await;
     assert_eq!(consumed, Consumed { applied: 0, duplicates: 0, failed: 2, given_up: 1 });
 }
 
