@@ -815,6 +815,7 @@ mod tests {
     #[tokio::test]
     async fn on_a_pool_without_autocommit_migrate_and_reads_end_their_transactions() {
         let db = super::test_database().await;
+        #[allow(irrefutable_let_patterns, reason = "the only variant in a MySQL-only build")]
         let Db::MySql(plain) = &db else { unreachable!("a MySQL database") };
         let without_autocommit = MySqlPoolOptions::new()
             .max_connections(1)
