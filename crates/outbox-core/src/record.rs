@@ -148,15 +148,16 @@ impl NewRecord {
         if self.payload.len() > max_payload_bytes {
             return Err(Error::PayloadTooLarge { key: key.clone(), len: self.payload.len(), max: max_payload_bytes });
         }
-        if let Some(Delay::After(delay)) = self.delay
-            && delay > MAX_DELAY
-        {
-            return Err(Error::DelayTooLong { key: key.clone(), delay, max: MAX_DELAY });
-        }
-        if let Some(Delay::At(at)) = self.delay
-            && !(1..=MAX_YEAR).contains(&at.year())
-        {
-            return Err(Error::DeliverAtOutOfRange { key: key.clone(), at });
+        // The delay as stored, rounded up to the millisecond: a time in the last millisecond of the
+        // last year would be stored in the next.
+        match (self.delay, self.delay.map(Delay::in_whole_millis)) {
+            (Some(Delay::After(delay)), Some(Delay::After(stored))) if stored > MAX_DELAY => {
+                return Err(Error::DelayTooLong { key: key.clone(), delay, max: MAX_DELAY });
+            }
+            (Some(Delay::At(at)), Some(Delay::At(stored))) if !(1..=MAX_YEAR).contains(&stored.year()) => {
+                return Err(Error::DeliverAtOutOfRange { key: key.clone(), at });
+            }
+            _ => {}
         }
         let mut header_bytes = 0_usize;
         for (name, value) in &self.headers {
@@ -363,5 +364,14 @@ mod tests {
         ));
         let first = chrono::TimeZone::with_ymd_and_hms(&Utc, 1, 1, 1, 0, 0, 0).unwrap();
         assert!(check(NewRecord::new("k", "t", "").deliver_at(first)).is_ok(), "a time long past is due at once");
+        // Rounded up to the millisecond as stored: .NET's `DateTime.MaxValue`, a common "never", is in
+        // year 10000 then.
+        let never = late - chrono::Duration::nanoseconds(100);
+        assert!(matches!(
+            check(NewRecord::new("k", "t", "").deliver_at(never)),
+            Err(Error::DeliverAtOutOfRange { .. })
+        ));
+        let last = late - chrono::Duration::milliseconds(1);
+        assert!(check(NewRecord::new("k", "t", "").deliver_at(last)).is_ok());
     }
 }
