@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use async_nats::jetstream::stream::RawMessageErrorKind;
 use futures::{StreamExt, TryStreamExt};
 use outbox_core::{ConnectOptions, Db};
 use outbox_core::{HandlerError, Handlers, Record, Route};
@@ -125,7 +126,7 @@ impl Sink {
                         match stream.get_raw_message(seq).await {
                             Ok(message) => Ok(Some(message.payload.to_vec())),
                             // A deleted sequence number inside the range is not an error.
-                            Err(e) if e.to_string().contains("not found") => Ok(None),
+                            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
                             Err(e) => Err(Failure(format!("reading stream message {seq}: {e}"))),
                         }
                     })

@@ -237,7 +237,8 @@ async fn a_consumer_killed_mid_batch_keeps_the_read_model_exact(pool: PgPool) {
     assert!(logs.contains("consumer stopped"), "{logs}");
 }
 
-/// `verify` exits non-zero and names what is wrong: a leaked (rolled-back) event, a duplicate, a gap.
+/// `verify` exits non-zero and names what is wrong: a leaked (rolled-back) event, a duplicate, a gap;
+/// a message deleted from the stream is read past.
 #[sqlx::test(migrations = false)]
 async fn verify_reports_ghosts_duplicates_and_missing_events(pool: PgPool) {
     let env = Env::new(&pool).await;
@@ -268,8 +269,13 @@ async fn verify_reports_ghosts_duplicates_and_missing_events(pool: PgPool) {
         .await
         .unwrap();
     let _ = seq;
+    // A message deleted from the stream leaves a gap that verify reads past (it stopped there with
+    // "no message found").
+    let stream = js.get_stream("OUTBOX").await.unwrap();
+    let junk = js.publish("outbox.order.junk", "junk".into()).await.unwrap().await.unwrap();
+    assert!(stream.delete_message(junk.sequence).await.unwrap());
     // A copy of a committed event published again outside the outbox (no message id to dedupe on).
-    let first = js.get_stream("OUTBOX").await.unwrap().get_raw_message(1).await.unwrap();
+    let first = stream.get_raw_message(1).await.unwrap();
     js.publish(first.subject.to_string(), first.payload.clone()).await.unwrap().await.unwrap();
     let out = env.run(&["verify"]);
     let report = String::from_utf8_lossy(&out.stdout);
