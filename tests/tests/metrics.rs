@@ -191,14 +191,16 @@ async fn the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops(d
     let failed = || kept.gauge_of("outbox_failed_records", &[]);
     let oldest = || kept.gauge_of("outbox_oldest_pending_seconds", &[]).unwrap_or_default();
     let read_at = || kept.gauge_of("outbox_backlog_read_timestamp_seconds", &[]).unwrap_or_default();
+    // Seconds since the Unix epoch, as the reading's time is recorded.
+    let now_seconds = || outbox_tests::wall_micros() as f64 / 1e6;
 
-    let started = unix_seconds();
+    let started = now_seconds();
     let a = start(&outbox, &db, handlers()).await;
     wait_for("the backlog reported", LONG, || async {
         pending(&flaky) == Some(1.0) && scheduled(&later) == Some(1.0) && failed() == Some(1.0) && oldest() > 0.0
     })
     .await;
-    assert!((started..=unix_seconds()).contains(&read_at()), "read at {}, started at {started}", read_at());
+    assert!((started..=now_seconds()).contains(&read_at()), "read at {}, started at {started}", read_at());
     outbox.skip(&db, broken).await.unwrap();
     wait_for("the skipped record gone from the gauge", LONG, || async { failed() == Some(0.0) }).await;
 
@@ -291,9 +293,4 @@ async fn a_handler_call_that_blocks_its_thread_is_reported_overdue() {
     drained(&db, LONG).await;
     wait_for("no call overdue once it returned", LONG, || async { overdue() == Some(0.0) }).await;
     node.shutdown().await.unwrap();
-}
-
-/// Now, as the backlog reading's time is recorded: seconds since the Unix epoch.
-fn unix_seconds() -> f64 {
-    std::time::UNIX_EPOCH.elapsed().unwrap().as_secs_f64()
 }
