@@ -1,5 +1,5 @@
 //! Test support shared by the end-to-end tests (`tests/`), the fault tests' worker process
-//! (`src/bin/`) and other crates' tests: a real nats-server per test, a PostgreSQL cluster of a test's own, a TCP proxy that adds latency.
+//! (`src/bin/`) and other crates' tests: a real nats-server per test, a PostgreSQL cluster of a test's own, certificates for it, a TCP proxy that adds latency.
 
 pub mod calls;
 pub mod nats;
@@ -7,6 +7,7 @@ pub mod postgres;
 pub mod process;
 pub mod proxy;
 pub mod spans;
+pub mod tls;
 
 /// Wall-clock microseconds since the Unix epoch: the processes of one host share this clock, so a test
 /// can compare the times its worker processes log.

@@ -1140,6 +1140,11 @@ impl Error {
     /// failures, deadlocks, a busy database). Input and configuration errors are never transient.
     pub fn is_transient(&self) -> bool {
         match self {
+            // Connecting, TLS that fails (not built in, refused by the server, a certificate not trusted)
+            // is the URL's or the server's configuration. Later, on a pool that connected, it is
+            // connection trouble like any other, never the statement's fault.
+            Error::Connect { source: sqlx::Error::Tls(_), .. } => false,
+            Error::Connect { source: sqlx::Error::Io(e), .. } if e.kind() == std::io::ErrorKind::InvalidData => false,
             Error::Database(e) | Error::Connect { source: e, .. } => is_transient(e),
             Error::WriteLockTimeout { .. } | Error::QueryTimeout { .. } => true,
             _ => false,
