@@ -23,6 +23,7 @@ every_backend!(
     failed_records_page_by_position_without_gaps_or_repeats,
     payloads_are_listed_only_when_enabled,
     mutations_need_a_configured_token_and_act,
+    a_change_that_fails_is_logged_with_who_asked_for_what,
     without_tokens_the_page_is_read_only,
     the_router_serves_under_a_path_of_the_service,
     an_instance_registered_again_counts_its_deliveries_from_zero,
@@ -308,6 +309,31 @@ async fn mutations_need_a_configured_token_and_act(db: TestDb) {
         call(&admin, "POST", "/api/purge", Some(TOKEN), Some(serde_json::json!({ "older_than": "1h" }))).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["purged"].as_u64(), Some(0), "the skipped record is younger than an hour: {body}");
+}
+
+/// A change the database fails answers 503 without the detail, which the log gives: the token's
+/// name and the record or key asked for, beside the database's error.
+async fn a_change_that_fails_is_logged_with_who_asked_for_what(db: TestDb) {
+    let outbox = outbox(&db, hourly).await;
+    failed_records(&outbox, &db, 1).await;
+    let admin = router(&outbox, &db, with_token());
+    let page: FailedPage = get(&admin, "/api/failed").await;
+    let record = &page.records[0].record;
+    let gone = if db.db.backend() == "postgres" { "records_gone" } else { "outbox_records_gone" };
+    db.exec(&format!("ALTER TABLE {{s}}records RENAME TO {gone}"), &[]).await;
+    let logs = Captured::start("outbox_cluster=warn");
+
+    let (status, body) = call(&admin, "POST", &format!("/api/failed/{}/skip", record.id), Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    let requeue = serde_json::json!({ "key": record.key });
+    let (status, body) = call(&admin, "POST", "/api/requeue", Some(TOKEN), Some(requeue)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    let logged = logs.text();
+    let lines: Vec<&str> = logged.lines().filter(|l| l.contains("admin request failed")).collect();
+    assert_eq!(lines.len(), 2, "{logged}");
+    assert!(lines[0].contains("token ops") && lines[0].contains(&record.id.to_string()), "{logged}");
+    assert!(lines[1].contains("token ops") && lines[1].contains(&format!("{:?}", record.key)), "{logged}");
+    assert!(!body.to_string().contains("ops"), "the detail stays in the log: {body}");
 }
 
 async fn without_tokens_the_page_is_read_only(db: TestDb) {

@@ -673,14 +673,7 @@ async fn errors_the_server_reports_on_a_connection_are_logged_as_warnings() {
     let server = NatsServer::start_with(
         "authorization { users: [ { user: \"app\", password: \"pw\", permissions: { publish: { deny: [\"forbidden.>\"] } } } ] }",
     );
-    let written = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let into = written.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new("outbox_nats=warn"))
-        .with_ansi(false)
-        .with_writer(move || Written(into.clone()))
-        .finish();
-    let _logs = tracing::subscriber::set_default(subscriber);
+    let logs = Captured::start("outbox_nats=warn");
     let config = NatsConfig {
         auth: Auth::UserPassword { user: "app".into(), password: "pw".into() },
         connection_name: "orders-outbox".into(),
@@ -689,21 +682,7 @@ async fn errors_the_server_reports_on_a_connection_are_logged_as_warnings() {
     let client = outbox_nats::connect(&config).await.unwrap();
     client.publish("forbidden.x", "".into()).await.unwrap();
     client.flush().await.unwrap();
-    let logged = || String::from_utf8_lossy(&written.lock().unwrap()).into_owned();
-    wait_for("the refusal to be logged", LONG, || async { logged().contains("Permissions Violation") }).await;
-    let line = logged();
+    wait_for("the refusal to be logged", LONG, || async { logs.text().contains("Permissions Violation") }).await;
+    let line = logs.text();
     assert!(line.contains("WARN") && line.contains("forbidden.x") && line.contains("orders-outbox"), "{line}");
-}
-
-/// A log writer into memory.
-struct Written(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Written {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }

@@ -396,6 +396,42 @@ pub fn logs() {
         .try_init();
 }
 
+/// The logs of this thread that `filter` (as `RUST_LOG`) lets through, kept in memory while it lives.
+pub struct Captured {
+    written: Arc<Mutex<Vec<u8>>>,
+    _default: tracing::subscriber::DefaultGuard,
+}
+
+impl Captured {
+    pub fn start(filter: &str) -> Captured {
+        let written = Arc::new(Mutex::new(Vec::new()));
+        let into = written.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_ansi(false)
+            .with_writer(move || Written(into.clone()))
+            .finish();
+        Captured { written, _default: tracing::subscriber::set_default(subscriber) }
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.written.lock().unwrap()).into_owned()
+    }
+}
+
+/// A log writer into memory.
+struct Written(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Written {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Makes PostgreSQL refuse, with SQLSTATE `code`, each `event` (`DELETE`, `UPDATE`, `DELETE OR UPDATE`)
 /// of a record for which `condition` (SQL over `OLD`) holds, until [`open_the_gate`]; [`refusals`]
 /// counts them.

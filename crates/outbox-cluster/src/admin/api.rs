@@ -265,10 +265,11 @@ pub(super) async fn resolve(
 ) -> ApiResult<serde_json::Value> {
     let Path((id, action)) = path?;
     let (outbox, db) = (&admin.inner.outbox, admin.inner.db.clone());
-    match action {
-        Resolve::Requeue => outbox.requeue(db, id).await?,
-        Resolve::Skip => outbox.skip(db, id).await?,
-    }
+    let done = match action {
+        Resolve::Requeue => outbox.requeue(db, id).await,
+        Resolve::Skip => outbox.skip(db, id).await,
+    };
+    done.map_err(|e| ApiError::from(e).of_change(|| format!("token {who}: {action:?} of FAILED record {id}")))?;
     info!(token = %who, record = %id, ?action, "admin: resolved a FAILED record");
     Ok(Json(serde_json::json!({ "resolved": 1 })))
 }
@@ -290,10 +291,16 @@ pub(super) async fn requeue_many(
     let Json(body) = body?;
     let (outbox, db) = (&admin.inner.outbox, admin.inner.db.clone());
     let n = match (body.key.as_deref(), body.all) {
-        (Some(key), false) if !key.is_empty() => outbox.requeue_key(db, key).await?,
-        (None, true) => outbox.requeue_all(db).await?,
+        (Some(key), false) if !key.is_empty() => outbox.requeue_key(db, key).await,
+        (None, true) => outbox.requeue_all(db).await,
         _ => return Err(ApiError::BadRequest("give a non-empty key, or all: true".into())),
     };
+    let n = n.map_err(|e| {
+        ApiError::from(e).of_change(|| match &body.key {
+            Some(key) => format!("token {who}: requeue of key {key:?}'s FAILED records"),
+            None => format!("token {who}: requeue of every FAILED record"),
+        })
+    })?;
     info!(token = %who, key = ?body.key, all = body.all, requeued = n, "admin: requeued FAILED records");
     Ok(Json(serde_json::json!({ "requeued": n })))
 }
@@ -315,8 +322,13 @@ pub(super) async fn purge(
         .map_err(|e| ApiError::BadRequest(format!("older_than {:?}: {e}", body.older_than)))?;
     let (outbox, db) = (&admin.inner.outbox, &admin.inner.db);
     let batch = outbox.config().purge_batch_size;
-    let purged = outbox.purge_completed(db.clone(), older_than, batch).await?;
-    let pruned = outbox.prune_keys(db.clone(), batch).await?;
+    let purge = || format!("token {who}: purge of completed records older than {}", body.older_than);
+    let purged =
+        outbox.purge_completed(db.clone(), older_than, batch).await.map_err(|e| ApiError::from(e).of_change(purge))?;
+    let pruned = outbox
+        .prune_keys(db.clone(), batch)
+        .await
+        .map_err(|e| ApiError::from(e).of_change(|| format!("{}: {purged} purged, then pruning keys", purge())))?;
     info!(token = %who, older_than = %body.older_than, purged, pruned_keys = pruned, "admin: purged completed records");
     Ok(Json(serde_json::json!({ "purged": purged, "pruned_keys": pruned })))
 }

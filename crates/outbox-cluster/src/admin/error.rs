@@ -57,6 +57,17 @@ impl From<outbox_core::Error> for ApiError {
     }
 }
 
+impl ApiError {
+    /// The error of a change that failed, its log line saying who asked for what (`change`): the
+    /// change may have been made in part, as a purge that failed pruning keys after purging records.
+    pub(super) fn of_change(self, change: impl FnOnce() -> String) -> Self {
+        match self {
+            ApiError::Unavailable(m) => ApiError::Unavailable(format!("{}: {m}", change())),
+            other => other,
+        }
+    }
+}
+
 impl From<crate::Error> for ApiError {
     fn from(e: crate::Error) -> Self {
         match e {
