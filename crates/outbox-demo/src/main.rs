@@ -128,10 +128,11 @@ impl From<outbox_cluster::Error> for Failure {
 
 impl From<outbox_nats::Error> for Failure {
     fn from(e: outbox_nats::Error) -> Self {
+        // The advice only where the broker was out of reach: refused credentials or TLS say why themselves.
         Failure(match e {
-            outbox_nats::Error::Connect { servers, .. } => format!(
-                "cannot connect to NATS at {servers}: start nats-server with JetStream (-js), or run ./scripts/demo.sh"
-            ),
+            e @ outbox_nats::Error::Connect { .. } if e.is_transient() => {
+                format!("{e}; start nats-server with JetStream (-js), or run ./scripts/demo.sh")
+            }
             other => other.to_string(),
         })
     }

@@ -419,6 +419,14 @@ async fn bad_config_and_unreachable_services_are_one_line_errors(pool: PgPool) {
         .unwrap();
     assert!(!out.status.success());
     assert!(stderr(&out).contains("cannot connect to NATS at nats://127.0.0.1:"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("start nats-server"), "{}", stderr(&out));
+    // A server that wants credentials the URL lacks: the refusal, not advice to start a server.
+    let guarded =
+        outbox_tests::nats::NatsServer::start_with("authorization { users: [ { user: \"app\", password: \"pw\" } ] }");
+    let out = env.command(&["verify"]).env("NATS_URL", guarded.url()).output().unwrap();
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("authorization violation"), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("start nats-server"), "{}", stderr(&out));
 }
 
 /// `run`, the default, tells the story and ends with a clean verification.

@@ -53,7 +53,7 @@ pub enum Error {
     #[error("invalid NATS configuration: {0}")]
     Config(String),
     /// The broker could not be reached or refused the connection.
-    #[error("cannot connect to NATS at {servers}: {source} (is nats-server running with -js?)")]
+    #[error("cannot connect to NATS at {servers}: {source}")]
     Connect {
         /// The configured servers, credentials redacted.
         servers: String,
