@@ -52,7 +52,10 @@ impl Default for ClusterConfig {
 }
 
 fn default_name() -> String {
-    std::env::var("HOSTNAME").unwrap_or_else(|_| format!("pid-{}", std::process::id()))
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| format!("pid-{}", std::process::id()))
 }
 
 /// Longest instance name: every backend's column holds it (MySQL's is `VARCHAR(256)`).

@@ -130,6 +130,14 @@ pub async fn produce(outbox: &Outbox, db: &Db, args: &ProduceArgs) -> Result<Pro
     if !(0.0..1.0).contains(&args.rollback_fraction) {
         return Err(Failure(format!("--rollback-fraction must be within [0, 1), got {}", args.rollback_fraction)));
     }
+    // NaN fails both comparisons; below a hundredth the pause between transactions outlasts any run,
+    // above a million it rounds to nothing, which tokio's interval refuses.
+    if !(args.rate == 0.0 || (0.01..=1_000_000.0).contains(&args.rate)) {
+        return Err(Failure(format!(
+            "--rate must be 0 (as fast as possible) or within 0.01..=1000000, got {}",
+            args.rate
+        )));
+    }
     let run = format!("{:04x}", rand::rng().random::<u16>());
     let workers = args.concurrency.max(1);
     let pause = (args.rate > 0.0).then(|| Duration::from_secs_f64(f64::from(workers) / args.rate));

@@ -412,6 +412,15 @@ async fn bad_config_and_unreachable_services_are_one_line_errors(pool: PgPool) {
     assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
 
     env.ok(&["migrate"]);
+    for rate in ["NaN", "-1", "1e10", "1e-300"] {
+        let out = env.run(&["produce", "--orders", "1", &format!("--rate={rate}")]);
+        assert!(!out.status.success(), "--rate {rate}");
+        assert!(stderr(&out).starts_with("error: --rate must be 0"), "--rate {rate}: {}", stderr(&out));
+        assert_eq!(stderr(&out).lines().count(), 1, "--rate {rate}: {}", stderr(&out));
+    }
+    // A HOSTNAME set but empty (some container runtimes): the instance is named by its process id.
+    let out = env.command(&["status"]).env("HOSTNAME", "").output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
     let out = env
         .command(&["verify"])
         .env("NATS_URL", format!("nats://127.0.0.1:{}", outbox_tests::nats::free_port()))
