@@ -55,6 +55,22 @@ impl DemoConfig {
         }
         config.nats.validate().map_err(|e| e.to_string())?;
         config.admin.validate().map_err(|e| e.to_string())?;
+        // A record whose publish was stored but whose ack was lost is published again after a retry
+        // delay, or by the next owner after a takeover; only within the window does the stream drop it.
+        let window = config.nats.stream.duplicate_window;
+        for (name, after) in [
+            ("outbox.retry.max_delay", config.outbox.retry.max_delay),
+            ("cluster.stale_timeout", config.cluster.stale_timeout),
+        ] {
+            if config.use_nats && after >= window {
+                return Err(format!(
+                    "nats.stream.duplicate_window ({}) must be longer than {name} ({}): a record published again \
+                     after the window lands in the stream twice",
+                    humantime::format_duration(window),
+                    humantime::format_duration(after)
+                ));
+            }
+        }
         Ok(config)
     }
 }

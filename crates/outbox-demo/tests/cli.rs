@@ -393,6 +393,14 @@ async fn bad_config_and_unreachable_services_are_one_line_errors(pool: PgPool) {
     std::fs::write(&bad, "[cluster]\nheartbeat_interval = \"5s\"\nstale_timeout = \"6s\"\n").unwrap();
     let out = env.run(&["--config", bad.to_str().unwrap(), "status"]);
     assert!(stderr(&out).contains("stale_timeout"), "{}", stderr(&out));
+    std::fs::write(&bad, "[outbox.retry]\nmax_delay = \"1h\"\n[nats]\n").unwrap();
+    let out = env.run(&["--config", bad.to_str().unwrap(), "status"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("nats.stream.duplicate_window (20m) must be longer than outbox.retry.max_delay (1h)"),
+        "{}",
+        stderr(&out)
+    );
     let out = env.command(&["status"]).env("OUTBOX_ADMIN_TOKEN", "guessable").output().unwrap();
     assert!(!out.status.success());
     assert!(stderr(&out).contains("admin.tokens.OUTBOX_ADMIN_TOKEN: shorter than 16"), "{}", stderr(&out));
