@@ -32,9 +32,7 @@ impl Error {
     /// A missing schema or table as [`outbox_core::Error::NotMigrated`], which says what to do.
     pub(crate) fn not_migrated(self, outbox: &outbox_core::Outbox) -> Error {
         match self {
-            Error::Core(e) if e.is_not_migrated() => {
-                Error::Core(outbox_core::Error::NotMigrated { schema: outbox.config().schema.clone() })
-            }
+            Error::Core(e) => Error::Core(e.not_migrated_in(&outbox.config().schema)),
             other => other,
         }
     }

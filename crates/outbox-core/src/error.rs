@@ -148,11 +148,13 @@ pub enum Error {
     /// A table or column this library uses is missing: the schema has not been migrated, is older than
     /// this library, or a newer version's migration removed or changed it.
     #[error(
-        "the outbox schema {schema:?} lacks a table or column this library version uses: run the migrator (Outbox::migrate) first, or, if a newer library version has migrated it, run that version"
+        "the outbox schema {schema:?} lacks a table or column this library version uses ({missing}): run the migrator (Outbox::migrate) first, or, if a newer library version has migrated it, run that version"
     )]
     NotMigrated {
         /// The configured schema name.
         schema: String,
+        /// The database's own words: which table or column it did not find.
+        missing: String,
     },
     /// The database holds a migration this library does not know (a newer version ran against it), or a
     /// known migration whose text changed.

@@ -122,6 +122,6 @@ impl Outbox {
 
     /// Maps "relation/schema does not exist" to [`Error::NotMigrated`], which says what to do.
     pub(crate) fn not_migrated(&self, e: Error) -> Error {
-        if e.is_not_migrated() { Error::NotMigrated { schema: self.config().schema.clone() } } else { e }
+        e.not_migrated_in(&self.config().schema)
     }
 }

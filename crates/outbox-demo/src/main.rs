@@ -105,9 +105,9 @@ struct Failure(String);
 impl From<outbox_core::Error> for Failure {
     fn from(e: outbox_core::Error) -> Self {
         match e {
-            outbox_core::Error::NotMigrated { schema } => {
-                Failure(format!("the outbox schema {schema:?} is missing: run `outbox-demo migrate` first"))
-            }
+            outbox_core::Error::NotMigrated { schema, missing } => Failure(format!(
+                "the outbox schema {schema:?} is missing or not migrated ({missing}): run `outbox-demo migrate` first"
+            )),
             e @ outbox_core::Error::Connect { .. } => {
                 Failure(format!("{e}: check that it runs and DATABASE_URL, or run ./scripts/demo.sh"))
             }

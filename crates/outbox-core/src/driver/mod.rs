@@ -1161,6 +1161,19 @@ impl Error {
         }
     }
 
+    /// [`Error::NotMigrated`] for `schema` in place of an error that [`is_not_migrated`](Self::is_not_migrated),
+    /// which says what to do; any other error unchanged.
+    pub fn not_migrated_in(self, schema: &str) -> Error {
+        if !self.is_not_migrated() || matches!(self, Error::NotMigrated { .. }) {
+            return self;
+        }
+        let missing = match &self {
+            Error::Database(sqlx::Error::Database(db)) => db.message().to_string(),
+            other => other.to_string(),
+        };
+        Error::NotMigrated { schema: schema.to_string(), missing }
+    }
+
     /// Whether the outbox's tables, columns or schema are missing: the database needs `migrate` first.
     pub fn is_not_migrated(&self) -> bool {
         match self {
