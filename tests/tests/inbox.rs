@@ -83,6 +83,8 @@ async fn bad_ids_are_refused_and_the_transaction_goes_on(db: TestDb) {
         let refused = inbox.accept(&mut tx, source, id).await;
         assert!(matches!(refused, Err(Error::BadInboxId { .. })), "{source:?} {id:?}: {refused:?}");
     }
+    let refused = inbox.accept(&mut tx, "orders", "a\0b").await.unwrap_err().to_string();
+    assert!(refused.starts_with("inbox message id starting \"a\\0b\", of 3 bytes"), "{refused}");
     let longest = "x".repeat(MAX_INBOX_ID_BYTES);
     assert!(inbox.accept(&mut tx, &longest, &longest).await.unwrap());
     tx.commit().await.unwrap();

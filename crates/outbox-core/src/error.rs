@@ -104,10 +104,12 @@ pub enum Error {
     /// An inbox source or message id that is empty, longer than
     /// [`MAX_INBOX_ID_BYTES`](crate::inbox::MAX_INBOX_ID_BYTES) or holds NUL (or a key, longer than
     /// [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES)).
-    #[error("inbox {what} of {len} bytes: it must be 1 to {max} bytes without NUL")]
+    #[error("inbox {what} starting {start:?}, of {len} bytes: it must be 1 to {max} bytes without NUL")]
     BadInboxId {
         /// `"source"`, `"message id"` or `"key"`.
         what: &'static str,
+        /// Its first 32 characters.
+        start: String,
         /// Its length in bytes.
         len: usize,
         /// The limit.

@@ -81,7 +81,7 @@ impl Inbox {
     ) -> Result<bool> {
         check_id("source", source)?;
         if key.is_empty() || key.len() > crate::MAX_KEY_BYTES || key.contains('\0') {
-            return Err(Error::BadInboxId { what: "key", len: key.len(), max: crate::MAX_KEY_BYTES });
+            return Err(bad_id("key", key, crate::MAX_KEY_BYTES));
         }
         let outbox = &self.outbox;
         let conn = conn.into();
@@ -107,7 +107,11 @@ impl Inbox {
 
 fn check_id(what: &'static str, id: &str) -> Result<()> {
     if id.is_empty() || id.len() > MAX_INBOX_ID_BYTES || id.contains('\0') {
-        return Err(Error::BadInboxId { what, len: id.len(), max: MAX_INBOX_ID_BYTES });
+        return Err(bad_id(what, id, MAX_INBOX_ID_BYTES));
     }
     Ok(())
+}
+
+fn bad_id(what: &'static str, id: &str, max: usize) -> Error {
+    Error::BadInboxId { what, start: id.chars().take(32).collect(), len: id.len(), max }
 }
