@@ -5,7 +5,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use uuid::Uuid;
 
@@ -26,8 +26,11 @@ pub struct Call {
     pub epoch: outbox_core::Epoch,
     /// When the call started.
     pub started_us: i64,
-    /// When it ended (before it returned `Ok`).
+    /// When it ended: before it returned `Ok`, or when it was dropped unfinished.
     pub ended_us: i64,
+    /// Whether it returned; `false` for a call dropped before it did (cancelled at a lease's end, a
+    /// fence, a stop), which a user's handler may still have acted on.
+    pub finished: bool,
 }
 
 /// A worker's log file. Each call is one `write` to a file opened for appending, so a line is either
@@ -43,7 +46,7 @@ impl CallLog {
     /// Appends one call.
     pub fn append(&self, call: &Call) -> std::io::Result<()> {
         let line = format!(
-            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\n",
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\n",
             call.instance,
             call.record_id,
             call.key,
@@ -51,10 +54,48 @@ impl CallLog {
             call.partition,
             call.epoch,
             call.started_us,
-            call.ended_us
+            call.ended_us,
+            u8::from(call.finished)
         );
         let mut file = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         file.write_all(line.as_bytes())
+    }
+}
+
+/// A call under way: logged when [`finish`](Ongoing::finish)ed, or as unfinished when dropped before.
+pub struct Ongoing {
+    log: Arc<CallLog>,
+    call: Call,
+    logged: bool,
+}
+
+impl Ongoing {
+    /// Starts `call` now (its times are set here).
+    pub fn start(log: Arc<CallLog>, call: Call) -> Ongoing {
+        Ongoing {
+            log,
+            call: Call { started_us: crate::wall_micros(), ended_us: 0, finished: false, ..call },
+            logged: false,
+        }
+    }
+
+    /// Logs the call as returned.
+    pub fn finish(mut self) -> std::io::Result<()> {
+        self.logged = true;
+        self.call.finished = true;
+        self.call.ended_us = crate::wall_micros();
+        self.log.append(&self.call)
+    }
+}
+
+impl Drop for Ongoing {
+    fn drop(&mut self) {
+        if !self.logged {
+            self.call.ended_us = crate::wall_micros();
+            if let Err(e) = self.log.append(&self.call) {
+                eprintln!("cannot log the unfinished call of record {}: {e}", self.call.record_id);
+            }
+        }
     }
 }
 
@@ -77,7 +118,7 @@ pub fn read_dir(dir: &Path) -> std::io::Result<Vec<Call>> {
 
 fn parse(line: &str) -> Option<Call> {
     let f: Vec<&str> = line.split('\t').collect();
-    let [instance, record_id, key, seq, partition, epoch, started_us, ended_us] = f[..] else { return None };
+    let [instance, record_id, key, seq, partition, epoch, started_us, ended_us, finished] = f[..] else { return None };
     Some(Call {
         instance: instance.into(),
         record_id: record_id.parse().ok()?,
@@ -87,5 +128,6 @@ fn parse(line: &str) -> Option<Call> {
         epoch: outbox_core::Epoch(epoch.parse().ok()?),
         started_us: started_us.parse().ok()?,
         ended_us: ended_us.parse().ok()?,
+        finished: finished == "1",
     })
 }

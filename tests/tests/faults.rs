@@ -347,9 +347,11 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
 
     // The checker.
     assert!(produced.committed.len() > 500, "produced {}", produced.committed.len());
+    // Every call begun, unfinished ones (cancelled) too: order, exclusivity and overlaps are what a
+    // handler saw begin; a record counts as delivered only by a call that returned.
     let mut deliveries = outbox_tests::calls::read_dir(calls.path()).unwrap();
     deliveries.sort_by_key(|c| c.started_us);
-    let delivered: BTreeSet<Uuid> = deliveries.iter().map(|d| d.record_id).collect();
+    let delivered: BTreeSet<Uuid> = deliveries.iter().filter(|d| d.finished).map(|d| d.record_id).collect();
     let missing: Vec<_> = produced.committed.iter().filter(|(id, _, _)| !delivered.contains(id)).collect();
     assert!(
         missing.is_empty(),
@@ -396,11 +398,12 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
     let paused: Vec<String> = pauses.iter().map(|p| format!("{} {:?}", p.worker, p.duration)).collect();
     eprintln!("paused: {}", paused.join(", "));
     eprintln!(
-        "committed {}, rolled back {}, deliveries {} ({} duplicates after crashes), epochs seen {}",
+        "committed {}, rolled back {}, calls {} ({} unfinished, {} duplicates after crashes), epochs seen {}",
         produced.committed.len(),
         produced.rolled_back.len(),
         deliveries.len(),
-        deliveries.len() - delivered.len(),
+        deliveries.iter().filter(|d| !d.finished).count(),
+        deliveries.iter().filter(|d| d.finished).count() - delivered.len(),
         by_epoch.len()
     );
 }
@@ -462,8 +465,12 @@ async fn a_record_whose_handler_ends_the_process_fails_after_its_retries(db: Tes
     assert_eq!(*attempts, MAX_RETRIES as i32 + 1, "every counted call");
     assert!(error.as_deref().is_some_and(|e| e.contains("did not finish")), "{error:?}");
     assert_eq!((*waiting, *waiting_failed), (after, false), "the key's later record waits behind it");
-    let delivered: BTreeSet<Uuid> =
-        outbox_tests::calls::read_dir(calls.path()).unwrap().iter().map(|c| c.record_id).collect();
+    let delivered: BTreeSet<Uuid> = outbox_tests::calls::read_dir(calls.path())
+        .unwrap()
+        .iter()
+        .filter(|c| c.finished)
+        .map(|c| c.record_id)
+        .collect();
     assert!(delivered.contains(&before), "the record before it was delivered");
     assert_eq!(delivered.len(), 1 + 20 * 5, "every record but the two of the key's from the poison on");
     // Calls in flight beside the record when a process ended are counted once: a record counted before

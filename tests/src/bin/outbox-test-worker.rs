@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use outbox_cluster::{ClusterConfig, Node};
 use outbox_core::{Config, Db, HandlerError, Handlers, Outbox, RetryPolicy, Route, handler_fn};
-use outbox_tests::calls::{Call, CallLog};
+use outbox_tests::calls::{Call, CallLog, Ongoing};
 use rand::RngExt;
 use tokio::signal::unix::{SignalKind, signal};
 use tracing_subscriber::layer::SubscriberExt;
@@ -70,11 +70,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             // Two awaits, as a handler that connects and then sends a request: a call spans several
             // polls, so a paused or fenced instance is caught in the middle of one.
             let (connect, request) = (rand::rng().random_range(2..12), rand::rng().random_range(0..8));
-            let started = outbox_tests::wall_micros();
-            tokio::time::sleep(Duration::from_millis(connect)).await;
-            tokio::time::sleep(Duration::from_millis(request)).await;
-            let ended = outbox_tests::wall_micros();
-            if let Some(log) = log {
+            // Logged when dropped unfinished too: a call a zombie starts and its lease's end then
+            // cancels has begun all the same, and must not overlap another call of its key.
+            let call = log.map(|log| {
                 let call = Call {
                     instance,
                     record_id: r.id,
@@ -82,10 +80,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     seq: r.seq,
                     partition: r.partition,
                     epoch: r.epoch,
-                    started_us: started,
-                    ended_us: ended,
+                    started_us: 0,
+                    ended_us: 0,
+                    finished: false,
                 };
-                log.append(&call).map_err(HandlerError::retryable)?;
+                Ongoing::start(log, call)
+            });
+            tokio::time::sleep(Duration::from_millis(connect)).await;
+            tokio::time::sleep(Duration::from_millis(request)).await;
+            if let Some(call) = call {
+                call.finish().map_err(HandlerError::retryable)?;
             }
             Ok(())
         }
