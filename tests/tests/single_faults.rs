@@ -68,6 +68,12 @@ async fn a_completion_whose_host_vanished_gives_its_partition_up(db: TestDb) {
     let _ = tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops");
     // The sessions whose clients went away unannounced stay until told to go.
     db.end_other_sessions().await;
+    // The record whose completion's answer never came back is not lost: it was completed (the
+    // database ran the COMMIT it was sent), or the next owner delivers and completes it.
+    let other = start(&outbox(&db, |_| {}).await, &db, Handlers::new()).await;
+    drained(&db, LONG).await;
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed WHERE key = 'k'").await, 1);
+    other.shutdown().await.unwrap();
 }
 
 /// A record locked by a transaction outside the outbox (an operator's console left open) holds its

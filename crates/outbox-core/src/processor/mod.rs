@@ -125,11 +125,17 @@ impl Processor {
             Err(e) => warn!(error = %e, "could not check the database session; delivering anyway"),
             Ok(()) => {}
         }
-        let own = self.db.fetch_pool(self.outbox.config().query_timeout);
+        let limit = self.outbox.config().query_timeout;
+        let own = self.db.fetch_pool(limit);
         let fetches = own.clone().unwrap_or_else(|| self.db.clone());
         let stopped = self.deliver(shutdown, &fetches).await;
         if let Some(own) = own {
-            own.close().await;
+            // Closing tells the server goodbye on each connection, and over TLS sqlx then waits for the
+            // server to answer, which the host of a connection that vanished never does: the stop
+            // hung for its whole budget. Past the limit the pool is dropped, its sockets closed.
+            if tokio::time::timeout(limit, own.close()).await.is_err() {
+                warn!(?limit, "closing the fetches' connections got no answer; dropped instead");
+            }
         }
         stopped
     }
