@@ -309,6 +309,11 @@ async fn mutations_need_a_configured_token_and_act(db: TestDb) {
         call(&admin, "POST", "/api/purge", Some(TOKEN), Some(serde_json::json!({ "older_than": "1h" }))).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["purged"].as_u64(), Some(0), "the skipped record is younger than an hour: {body}");
+    exec!(db, "UPDATE {s}completed SET completed_at = {ago:7200}");
+    let (status, body) =
+        call(&admin, "POST", "/api/purge", Some(TOKEN), Some(serde_json::json!({ "older_than": "1h" }))).await;
+    assert_eq!((status, body["purged"].as_u64()), (StatusCode::OK, Some(1)), "two hours old: {body}");
+    assert_eq!(count(&db, "SELECT count(*) FROM {s}completed").await, 0);
 }
 
 /// A change the database fails answers 503 without the detail, which the log gives: the token's

@@ -1205,9 +1205,9 @@ async fn an_acquisition_whose_host_vanished_kills_no_other_instance(db: TestDb) 
     .await;
     commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("key-{k}"), "t", "")).collect()).await;
     drained(&db, LONG).await;
-    for node in [a, b] {
-        let _ = tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops");
-    }
+    tokio::time::timeout(LONG, a.shutdown()).await.expect("a stops").unwrap();
+    // b's connections may have vanished with its host: an error, but it stops.
+    let _ = tokio::time::timeout(LONG, b.shutdown()).await.expect("b stops");
     db.end_other_sessions().await;
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
 }
