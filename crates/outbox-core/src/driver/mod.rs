@@ -1194,6 +1194,10 @@ fn is_transient(e: &sqlx::Error) -> bool {
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::Tls(_) => true,
         sqlx::Error::Database(db) => judged!(db.as_ref(), is_transient),
+        // A connection closed before the server answered PostgreSQL's TLS request: sqlx 0.9 reads the
+        // end of the stream as a byte 0 and calls it a protocol error (sqlx#4395). Connection trouble,
+        // as the same end is at any other step.
+        sqlx::Error::Protocol(m) => m.starts_with("unexpected response from SSLRequest: 0x00"),
         _ => false,
     }
 }

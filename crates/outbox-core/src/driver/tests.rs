@@ -554,6 +554,20 @@ async fn connect_errors_are_typed_and_name_the_database() {
         "{err}"
     );
     assert!(err.is_transient(), "{err:?}");
+    // A server (or a proxy before it) that ends each connection unanswered, as one going down does: sqlx
+    // reads that end, at its TLS request, as a protocol error; transient all the same.
+    let closing = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let closing_port = closing.local_addr().unwrap().port();
+    let closer = tokio::spawn(async move {
+        while let Ok((mut socket, _)) = closing.accept().await {
+            // The client's first message read, so that closing sends an end (FIN), not a reset.
+            let _ = tokio::io::AsyncReadExt::read(&mut socket, &mut [0; 64]).await;
+        }
+    });
+    let url = format!("postgres://root@127.0.0.1:{closing_port}/test");
+    let err = Error::Database(<sqlx::PgConnection as sqlx::Connection>::connect(&url).await.unwrap_err());
+    assert!(err.is_transient(), "{err:?}");
+    closer.abort();
     let err = Db::connect_with(&format!("mysql://root@127.0.0.1:{port}/test"), &quick).await.unwrap_err();
     assert!(
         err.to_string().starts_with(&format!("cannot connect to MySQL database \"test\" at 127.0.0.1:{port} (")),
