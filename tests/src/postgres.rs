@@ -28,7 +28,8 @@ fn bin() -> PathBuf {
     versions.pop().expect("no initdb under /usr/lib/postgresql/*/bin")
 }
 
-fn is_root() -> bool {
+/// Whether this process runs as root (a server it starts then runs as `postgres`).
+pub(crate) fn is_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0\n"))
 }
 

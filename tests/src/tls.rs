@@ -43,8 +43,7 @@ impl Certificates {
             "-out",
             &at("server.pem"),
         ]);
-        let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0\n"));
-        if is_root {
+        if crate::postgres::is_root() {
             let status = Command::new("chown").args(["-R", "postgres:", &at("")]).status().unwrap();
             assert!(status.success(), "chown of {} to postgres failed", dir.path().display());
         }
