@@ -36,6 +36,7 @@ every_backend!(
     nothing_is_delivered_past_the_assignment_deadline,
     the_in_process_sink_passes_the_handler_conformance_suite,
     a_run_stops_at_the_lease_deadline,
+    no_call_starts_past_the_lease_deadline_before_the_processor_notices,
     a_wake_up_delivers_without_waiting_for_the_poll,
     a_busy_partition_does_not_hold_back_the_poll,
     back_to_back_fetches_do_not_hold_back_the_poll,
@@ -948,6 +949,38 @@ async fn a_run_stops_at_the_lease_deadline(db: TestDb) {
     release.add_permits(10);
     drained(&db, LONG).await;
     assert_eq!(sink.ranks_of("k"), [1, 1, 2, 3], "delivered again from the first record");
+    stop.cancel();
+    processor.await.unwrap().unwrap();
+}
+
+/// A call that returns past the lease deadline, before anything else ran (as a process stopped in the
+/// middle of a call and resumed would), is followed by no other: the run checks the deadline itself
+/// before each call, not only the processor's watch over it (which cancels calls, but had not run yet).
+/// Record 1's handler blocks its thread past the deadline; records 2 and 3 are not handed out.
+async fn no_call_starts_past_the_lease_deadline_before_the_processor_notices(db: TestDb) {
+    let outbox = outbox(&db, |c| c.key_lookahead = 8).await;
+    let (me, partition) = own_partition_of(&db, "k", Epoch(3)).await;
+    commit(&outbox, &db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
+    let sink = Sink::new();
+    let deadline = Deadline::now().after(Duration::from_millis(500));
+    let calls = sink.clone();
+    let handlers = Handlers::new().default_route(Route::new(handler_fn(move |r| {
+        calls.record(&r);
+        // A thread stopped until the lease is over (SIGSTOP, say), then going on: no `.await` between.
+        std::thread::sleep(deadline.instant().saturating_duration_since(tokio::time::Instant::now()));
+        async { Ok::<(), HandlerError>(()) }
+    })));
+    let (tx, watched) =
+        watch::channel(Assignment { lease: Some(deadline), ..Assignment::new(me, [(partition, Epoch(3))].into()) });
+    let stop = CancellationToken::new();
+    let processor = tokio::spawn(Processor::new(outbox.clone(), db.clone(), handlers, watched).run(stop.clone()));
+    wait_for("record 1 called", LONG, || async { sink.len() >= 1 }).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(deadline.passed());
+    assert_eq!(sink.len(), 1, "records 2 and 3 were fetched with record 1 but not handed out");
+    tx.send_modify(|a| a.lease = Some(Deadline::now().after(LONG)));
+    drained(&db, LONG).await;
+    assert_eq!(sink.ranks_of("k"), [1, 2, 3]);
     stop.cancel();
     processor.await.unwrap().unwrap();
 }

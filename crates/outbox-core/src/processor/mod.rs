@@ -32,8 +32,9 @@
 //! completion finds the partition's epoch moved on, the calls still running for it are cancelled (their
 //! futures dropped at their next `.await`; their records are delivered again). So no handler call for a
 //! partition starts, or keeps running, once another instance may have taken it, with one exception no
-//! library can prevent: a call already running in a process that was stopped (SIGSTOP, a frozen VM)
-//! goes on when the process resumes, until the processor notices the lease ran out and cancels it.
+//! library can prevent: a call already running in a process that was stopped (SIGSTOP, a frozen VM),
+//! or about to start (its grant checked, the handler not yet entered), goes on or starts when the
+//! process resumes, until the processor notices the lease ran out and cancels it.
 
 mod careful;
 mod complete;
