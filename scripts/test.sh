@@ -14,12 +14,9 @@ ensure_nats_installed
 ensure_chromium
 ensure_database outbox_test
 drop_old_mysql_test_databases
-# Plain TCP for the tests' own databases: over TLS (sslmode's default, prefer, takes it where offered)
-# a retry handed on at a stop is at times not heard by the next owner (cluster.rs
-# a_retry_due_after_its_partition_moved_is_made_in_time, 1 run in 4; polls still deliver it), not yet
-# understood. TLS itself is tested in tls.rs, and connections through the tests' proxies and the fault
-# tests' worker processes use it.
-export DATABASE_URL="$DATABASE_URL_BASE/outbox_test?sslmode=disable"
+# sslmode's default (prefer): the tests' databases go over TLS where the server offers it, as a
+# user's would.
+export DATABASE_URL="$DATABASE_URL_BASE/outbox_test"
 # The whole workspace unless a package is named: cargo lets --workspace override -p.
 workspace=--workspace
 for arg in "$@"; do
