@@ -73,7 +73,7 @@ async fn losing_the_wake_up_connection_brings_the_poll_forward(pool: sqlx::PgPoo
     })
     .await;
     let sink = Sink::new();
-    let node = start(&consumer, &db, recording(&sink)).await;
+    let node = start_unlapsing(&consumer, &db, recording(&sink)).await;
     wait_for("the node owning every partition", LONG, || async { node.assignment().borrow().epochs.len() == 256 })
         .await;
     let listening =
@@ -173,7 +173,7 @@ async fn a_wake_up_delivers_without_waiting_for_the_poll(db: TestDb) {
 async fn wakes_up(db: &TestDb, producer: &outbox_core::Outbox, consumer: &outbox_core::Outbox) {
     logs();
     let sink = Sink::new();
-    let node = start(consumer, db, recording(&sink)).await;
+    let node = start_unlapsing(consumer, db, recording(&sink)).await;
     let owns_all = || async { node.assignment().borrow().epochs.len() == 256 };
     wait_for("the node owning every partition", LONG, owns_all).await;
     if db.db.backend() == "postgres" {

@@ -149,6 +149,18 @@ pub async fn start(outbox: &Outbox, db: &TestDb, handlers: Handlers) -> Node {
     Node::start(outbox.clone(), db, handlers, fast_cluster()).await.unwrap()
 }
 
+/// A node whose lease (30 s) no stall of a busy machine lets lapse, for tests that claim what is not
+/// read before the next poll: a lease renewed after it lapsed makes the processor read every partition
+/// (a fetch that ran across the lapse was thrown away), which a 600 ms one did under a loaded CI run.
+pub async fn start_unlapsing(outbox: &Outbox, db: &TestDb, handlers: Handlers) -> Node {
+    let config = ClusterConfig {
+        heartbeat_interval: Duration::from_secs(1),
+        stale_timeout: Duration::from_secs(30),
+        ..fast_cluster()
+    };
+    Node::start(outbox.clone(), db, handlers, config).await.unwrap()
+}
+
 /// `n` distinct keys with `prefix` that fall into `partition`.
 pub fn keys_in(partition: Partition, prefix: &str, n: usize) -> Vec<String> {
     (0..).map(|i| format!("{prefix}-{i}")).filter(|k| outbox_core::partition_of(k) == partition).take(n).collect()
