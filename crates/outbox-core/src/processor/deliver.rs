@@ -270,6 +270,7 @@ pub(crate) fn storable_error(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::handler::{fallback_fn, handler_fn};
 
     #[test]
     fn stored_errors_hold_no_control_characters_and_are_capped() {
@@ -282,23 +283,80 @@ mod tests {
         assert!(stored.starts_with("éé"));
     }
 
+    /// A record of event type "t" delivered `attempts` times before.
+    fn record(attempts: i32) -> Record {
+        Record {
+            id: uuid::Uuid::now_v7(),
+            partition: 3,
+            key: "k".into(),
+            seq: 1,
+            event_type: "t".into(),
+            payload: Default::default(),
+            headers: Default::default(),
+            attempts,
+            created_at: chrono::Utc::now(),
+            deliver_at: None,
+            epoch: crate::Epoch(1),
+        }
+    }
+
+    /// A handler's retry-after is the delay, in place of the policy's, up to the policy's cap.
+    #[tokio::test]
+    async fn a_handlers_retry_after_sets_the_delay_up_to_the_cap() {
+        let hour = Duration::from_secs(3600);
+        let policy = crate::RetryPolicy::fixed(hour, 3).with_max_delay(2 * hour);
+        let failing = |after: Option<Duration>| {
+            let handler = handler_fn(move |_| async move {
+                let failure = HandlerError::retryable("busy");
+                Err(match after {
+                    Some(delay) => failure.with_retry_after(delay),
+                    None => failure,
+                })
+            });
+            Handlers::new().route("t", Route::new(handler).retry(policy.clone()).unwrap())
+        };
+        let config = Config::default();
+        for (after, delay) in
+            [(None, hour), (Some(Duration::from_millis(250)), Duration::from_millis(250)), (Some(100 * hour), 2 * hour)]
+        {
+            let (verdict, attempts) = decide(&failing(after), &config, &record(1)).await;
+            let Verdict::Retry { delay: got, error } = verdict else { panic!("{after:?}: {verdict:?}") };
+            assert_eq!((got, attempts, error.as_str()), (delay, 2, "retryable: busy"), "retry-after {after:?}");
+        }
+    }
+
+    /// A fallback that fails, panics or outlasts `handler_timeout` leaves the record FAILED, with both
+    /// failures in its error; one that succeeds completes it.
+    #[tokio::test(start_paused = true)]
+    async fn a_fallback_that_fails_panics_or_hangs_leaves_the_record_failed() {
+        let config = Config { handler_timeout: Duration::from_secs(5), ..Config::default() };
+        type Answer = fn() -> BoxFuture<'static, Result<(), HandlerError>>;
+        let cases: [(Answer, Option<&str>); 4] = [
+            (|| Box::pin(async { Ok(()) }), None),
+            (|| Box::pin(async { Err(HandlerError::permanent("dead letters full")) }), Some("dead letters full")),
+            (|| Box::pin(async { panic!("fallback bug") }), Some("fallback panicked: fallback bug")),
+            (|| Box::pin(std::future::pending()), Some("fallback timed out after 5s")),
+        ];
+        for (answer, failed_with) in cases {
+            let rejected = handler_fn(|_| async { Err(HandlerError::permanent("malformed")) });
+            let handlers = Handlers::new().route("t", Route::new(rejected).fallback(fallback_fn(move |_, _| answer())));
+            let (verdict, attempts) = decide(&handlers, &config, &record(0)).await;
+            assert_eq!(attempts, 1);
+            match (verdict, failed_with) {
+                (Verdict::Fallback, None) => {}
+                (Verdict::Failed { error }, Some(text)) => {
+                    assert!(error.starts_with("permanent: malformed; fallback: ") && error.contains(text), "{error}");
+                }
+                (verdict, expected) => panic!("{verdict:?}, expected FAILED with {expected:?}"),
+            }
+        }
+    }
+
     /// Counts taken back leave each record as fetched: attempts and, for a suspect, its unfinished call.
     #[test]
     fn a_suspect_taken_back_stays_a_suspect() {
         let fetched = |unfinished| Fetched {
-            record: Record {
-                id: uuid::Uuid::now_v7(),
-                partition: 3,
-                key: "k".into(),
-                seq: 1,
-                event_type: "t".into(),
-                payload: Default::default(),
-                headers: Default::default(),
-                attempts: 2,
-                created_at: chrono::Utc::now(),
-                deliver_at: None,
-                epoch: crate::Epoch(1),
-            },
+            record: record(2),
             instance: crate::InstanceId::new(),
             requeues: 0,
             careful: true,
