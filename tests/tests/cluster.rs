@@ -555,16 +555,14 @@ async fn a_lease_renewed_after_it_lapsed_is_followed_by_a_round(db: TestDb) {
     let lock = db.holding("SELECT 1 FROM {s}instances WHERE id = $1 FOR UPDATE", &[leader.into()]).await;
     let assignment = a.assignment();
     wait_for("a's lease lapsed by its clock", LONG, || async { !assignment.borrow().is_live() }).await;
-    let targets_b = "SELECT count(*) FROM {s}partitions WHERE target_owner = $1";
-    wait_for("b, the leader, pointing every target at itself", LONG, || async {
-        db.scalar::<i64>(targets_b, &[b.id().into()]).await == 256
-    })
-    .await;
+    let targeted = async |id: InstanceId| {
+        db.scalar::<i64>("SELECT count(*) FROM {s}partitions WHERE target_owner = $1", &[id.into()]).await
+    };
+    wait_for("b, the leader, pointing every target at itself", LONG, || async { targeted(b.id()).await == 256 }).await;
     lock.rollback().await.unwrap();
     let settled = "SELECT count(*) FROM {s}partitions WHERE owner = target_owner AND owner = $1";
     wait_for("a targeted again, owning only what it is targeted", LONG, || async {
-        let a_targeted =
-            db.scalar::<i64>("SELECT count(*) FROM {s}partitions WHERE target_owner = $1", &[leader.into()]).await;
+        let a_targeted = targeted(leader).await;
         let a_owns = owners(&db).await.get(&leader).copied().unwrap_or(0);
         a_targeted > 0 && a_owns == db.scalar::<i64>(settled, &[leader.into()]).await
     })
