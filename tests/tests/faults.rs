@@ -353,9 +353,19 @@ async fn cluster_survives_scaling_crashes_pauses_and_killed_connections(db: Test
              WHERE r.failed_at IS NULL GROUP BY r.partition, p.owner, p.epoch ORDER BY r.partition"
         );
         let instances = rows!(db, (Uuid, String, bool), "SELECT id, name, expires_at > {now} FROM {s}instances");
+        // Whether a key waits for a retry's time (due false) or for nothing.
+        let heads = rows!(
+            db,
+            (i16, String, i64, i32, Option<bool>, Option<String>),
+            "SELECT r.partition, r.key, r.seq, r.attempts, (r.next_attempt_at IS NULL OR r.next_attempt_at <= {now}), r.last_error
+             FROM {s}records r WHERE r.failed_at IS NULL
+             AND r.seq = (SELECT min(h.seq) FROM {s}records h WHERE h.key = r.key AND h.failed_at IS NULL)
+             ORDER BY r.partition, r.key"
+        );
         panic!(
             "not drained within {DRAIN_BOUND:?} of the last crash (worker logs: outbox-fault-*.log in the temporary directory).\n\
-             pending by (partition, count, owner, epoch, owner live): {stuck:?}\ninstances: {instances:?}"
+             pending by (partition, count, owner, epoch, owner live): {stuck:?}\ninstances: {instances:?}\n\
+             heads pending (partition, key, seq, attempts, due, last error): {heads:?}"
         );
     }
     eprintln!("drained {:?} after the last crash", last_crash.elapsed());
