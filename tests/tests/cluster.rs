@@ -1197,16 +1197,38 @@ async fn an_acquisition_whose_host_vanished_kills_no_other_instance(db: TestDb) 
         name: name.into(),
         ..fast_cluster()
     };
-    let a = start_calls(&outbox, &db, config("a"), &sink, &exclusive, 3).await;
+    // a's calls wait at a gate, so a hands over none of its partitions with records: b's acquisitions
+    // keep finding a as their owner, and lock its row, until the gate opens. (Held back by nothing, a
+    // could hand them all over before b's first acquisition, which then waited for no row; the test
+    // then held a's row until a's lease ran out.)
+    let gate = Arc::new(tokio::sync::RwLock::new(()));
+    let closed = gate.clone().try_write_owned().unwrap();
+    let gated = {
+        let (sink, exclusive) = (sink.clone(), exclusive.clone());
+        Handlers::new().default_route(Route::new(handler_fn(move |r| {
+            let (sink, exclusive, gate) = (sink.clone(), exclusive.clone(), gate.clone());
+            async move {
+                let _inside = exclusive.enter("a", r.partition);
+                let _open = gate.read().await;
+                sink.record(&r);
+                Ok::<(), HandlerError>(())
+            }
+        })))
+    };
+    let a = Node::start(outbox.clone(), &db, gated, config("a")).await.unwrap();
     wait_for("a owns every partition", LONG, || async { owners(&db).await.values().sum::<i64>() == 256 }).await;
     let a_id = a.id();
-    // b's acquisition waits for a's row, locked here, inside the step that locks it.
+    commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("key-{k}"), "t", "")).collect()).await;
+    wait_for("a inside calls", LONG, || async { exclusive.calls_of("a") >= 32 }).await;
+    let b = start_calls(&outbox, &far, config("b"), &sink, &exclusive, 3).await;
+    wait_for("b acquiring", LONG, || async { owners(&db).await.get(&b.id()).is_some_and(|&n| n > 0) }).await;
+    // b's next acquisition waits for a's row, locked here, inside the step that locks it.
     // By its primary key: MySQL's REPEATABLE READ would lock every row and gap a scan passes.
     let blocker = db.holding("SELECT name FROM {s}instances WHERE id = $1 FOR UPDATE", &[a_id.into()]).await;
-    let b = start_calls(&outbox, &far, config("b"), &sink, &exclusive, 3).await;
     wait_for("b's acquisition waiting for a's row", LONG, || async { db.acquisitions_waiting().await >= 1 }).await;
     proxy.vanish();
     blocker.rollback().await.unwrap();
+    drop(closed);
     // Past a's lease: a's renewals got through, and a delivers on.
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(a.id(), a_id, "a was declared dead and registered again");
