@@ -8,6 +8,7 @@
 #[macro_use]
 mod common;
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,6 +26,7 @@ every_backend!(
     the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops,
     a_leader_whose_lease_runs_out_sets_the_backlog_back_to_zero,
     a_reading_that_fails_leaves_the_time_of_the_last_one,
+    live_instances_and_rebalances_follow_joins_and_departures,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -100,6 +102,31 @@ async fn only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over(
     b.shutdown().await.unwrap();
 
     assert_eq!(Recorded::take(&snapshotter).counter("outbox_partitions_taken_over_total", &[]), 256);
+}
+
+/// `outbox_live_instances` follows the cluster's size as instances join and leave, and
+/// `outbox_rebalances_total` counts each change of the partitions' targets: the first instance's
+/// first round, a second joining, and that one leaving.
+async fn live_instances_and_rebalances_follow_joins_and_departures(db: TestDb) {
+    let kept = Kept::new();
+    let _local = metrics::set_default_local_recorder(&kept);
+    let outbox = outbox(&db, |_| {}).await;
+    let ok = || Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok(()) })));
+    // Leases long enough that no stall of a loaded machine ends one and moves partitions once more.
+    let config = || ClusterConfig { stale_timeout: Duration::from_secs(10), ..fast_cluster() };
+    let live = || kept.gauge("outbox_live_instances");
+    let a = Node::start(outbox.clone(), &db, ok(), config()).await.unwrap();
+    wait_for("a owning every partition", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    wait_for("one live instance", LONG, || async { live() == Some(1.0) }).await;
+    let b = Node::start(outbox.clone(), &db, ok(), config()).await.unwrap();
+    let shared = BTreeMap::from([(a.id(), 128), (b.id(), 128)]);
+    wait_for("the partitions shared by both", LONG, || async { owners(&db).await == shared }).await;
+    wait_for("two live instances", LONG, || async { live() == Some(2.0) }).await;
+    b.shutdown().await.unwrap();
+    wait_for("a owning every partition again", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    wait_for("one live instance", LONG, || async { live() == Some(1.0) }).await;
+    a.shutdown().await.unwrap();
+    assert_eq!(kept.counter("outbox_rebalances_total"), 3, "a's first round, b joining, b leaving");
 }
 
 /// `outbox_owned_partitions` says what the instance delivers: every partition while it holds them, none
