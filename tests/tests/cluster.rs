@@ -25,22 +25,27 @@ every_backend!(
     a_partition_acquired_by_a_lost_reply_stays_quiet,
     a_partition_still_quiet_when_its_owner_stops_stays_quiet,
     a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop,
-    a_partition_still_quiet_stays_quiet_when_the_release_of_the_others_waits_out_the_stop,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
     a_stop_given_up_part_way_stops_every_task,
-    a_lease_renewed_after_it_lapsed_is_followed_by_a_round,
     a_stop_with_a_call_that_outlasts_it_ends_within_the_shutdown_timeout,
-    a_stop_while_the_database_answers_nobody_ends_in_bounded_time,
     a_node_declared_dead_while_leaving_still_leaves,
     a_failing_reap_holds_no_round_up,
-    an_acquisition_whose_host_vanished_kills_no_other_instance,
     calls_of_records_older_than_a_takeover_are_counted_before_they_are_made,
     counts_of_calls_a_failure_kept_from_being_made_are_taken_back,
     counts_of_calls_a_handover_kept_from_being_made_are_taken_back,
     counts_written_while_the_partition_was_handed_on_are_taken_back,
     records_whose_last_call_failed_are_no_suspects_after_a_takeover,
     without_stop_on_first_failure_every_call_older_than_a_takeover_is_counted,
+);
+
+// Row locks other sessions hold, or a network to cut: a server's (SQLite has one writer at a time).
+on_backends!(
+    [postgres, mysql]
+    a_lease_renewed_after_it_lapsed_is_followed_by_a_round,
+    a_partition_still_quiet_stays_quiet_when_the_release_of_the_others_waits_out_the_stop,
+    a_stop_while_the_database_answers_nobody_ends_in_bounded_time,
+    an_acquisition_whose_host_vanished_kills_no_other_instance,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -535,9 +540,6 @@ async fn a_stop_given_up_part_way_stops_every_task(db: TestDb) {
 /// The leader runs a round once renewed: with its rounds an hour apart, it went on holding partitions
 /// targeted at the other node for that hour (which, no longer leading, points no target back).
 async fn a_lease_renewed_after_it_lapsed_is_followed_by_a_round(db: TestDb) {
-    if db.is_sqlite() {
-        return; // one writer: the lock would hold everything up, not the leader's renewal alone
-    }
     let outbox = outbox(&db, |_| {}).await;
     let config = outbox_cluster::ClusterConfig {
         // A lease of 4 s. The renewal held up by the lock was sent up to 2 s into it, and a second one
@@ -869,9 +871,6 @@ async fn a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_o
 /// As above, the release waiting for a row lock past the stop's budget (`query_timeout`, 1 s) instead:
 /// the lease is ended before the release is sent. Before, the stop was given up inside the release.
 async fn a_partition_still_quiet_stays_quiet_when_the_release_of_the_others_waits_out_the_stop(db: TestDb) {
-    if db.is_sqlite() {
-        return; // no row locks: a transaction holding the file's write lock holds up everything
-    }
     let lock = async || db.holding("SELECT 1 FROM {s}partitions WHERE partition = 0 FOR UPDATE", &[]).await;
     quiet_through_a_failed_release_at_stop(&db, lock, async |lock| lock.rollback().await.unwrap()).await;
 }
@@ -1192,7 +1191,7 @@ async fn a_failing_reap_holds_no_round_up(db: TestDb) {
 /// keepalive gave up (two hours by default), every renewal waited on it, and the owner's lease ran out:
 /// it delivered nothing, silently, as nobody could declare it dead.
 async fn an_acquisition_whose_host_vanished_kills_no_other_instance(db: TestDb) {
-    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let (far, proxy) = db.through_proxy().await;
     // The default time limit (10 s), longer than the lease: the cluster's own transactions are limited
     // to half a lease, or b's, holding a's row, would outlast a's lease.
     let outbox = outbox(&db, |_| {}).await;
@@ -1259,7 +1258,7 @@ async fn an_acquisition_whose_host_vanished_kills_no_other_instance(db: TestDb) 
 /// theirs, and the stop outlasted a grace period set to `shutdown_timeout`, so the pod was killed in
 /// the middle of it. What is left moves on when the lease runs out, as after a crash.
 async fn a_stop_while_the_database_answers_nobody_ends_in_bounded_time(db: TestDb) {
-    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let (far, proxy) = db.through_proxy().await;
     let outbox = outbox(&far, |c| {
         c.shutdown_timeout = Duration::from_secs(1);
         c.query_timeout = Duration::from_secs(3);

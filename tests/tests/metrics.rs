@@ -21,12 +21,17 @@ use outbox_core::{HandlerError, Handlers, InstanceId, NewRecord, RetryPolicy, Ro
 every_backend!(
     each_record_is_counted_once_by_how_it_ended,
     only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over,
+    the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops,
+    live_instances_and_rebalances_follow_joins_and_departures,
+);
+
+// A network to cut, or a table lock: a server's.
+on_backends!(
+    [postgres, mysql]
     owned_partitions_fall_to_none_when_the_lease_runs_out_and_at_stop,
     the_ownership_task_waits_while_its_lease_has_run_out,
-    the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops,
     a_leader_whose_lease_runs_out_sets_the_backlog_back_to_zero,
     a_reading_that_fails_leaves_the_time_of_the_last_one,
-    live_instances_and_rebalances_follow_joins_and_departures,
 );
 
 const LONG: Duration = Duration::from_secs(60);
@@ -134,7 +139,7 @@ async fn live_instances_and_rebalances_follow_joins_and_departures(db: TestDb) {
 /// after it stopped; the instance declared dead meanwhile is counted. Before, the gauge kept the last
 /// round's count, so a dashboard showed 256 partitions held by an instance that delivered nothing.
 async fn owned_partitions_fall_to_none_when_the_lease_runs_out_and_at_stop(db: TestDb) {
-    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let (far, proxy) = db.through_proxy().await;
     let kept = Kept::new();
     let _local = metrics::set_default_local_recorder(&kept);
     let outbox = outbox(&db, |_| {}).await;
@@ -164,7 +169,7 @@ async fn owned_partitions_fall_to_none_when_the_lease_runs_out_and_at_stop(db: T
 /// every pass (only a successful round cleared it), and the task spun a core for as long as the
 /// database stayed out of reach, setting `outbox_owned_partitions` on each turn.
 async fn the_ownership_task_waits_while_its_lease_has_run_out(db: TestDb) {
-    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let (far, proxy) = db.through_proxy().await;
     let kept = Kept::new();
     let _local = metrics::set_default_local_recorder(&kept);
     let outbox = outbox(&db, |_| {}).await;
@@ -263,7 +268,7 @@ async fn a_reading_that_fails_leaves_the_time_of_the_last_one(db: TestDb) {
     let node = start(&outbox, &db, Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok(()) })))).await;
     let read_at = || kept.gauge_of("outbox_backlog_read_timestamp_seconds", &[]).unwrap_or_default();
     wait_for("a reading", LONG, || async { read_at() > 0.0 }).await;
-    let Some(lock) = db.lock_records_table().await else { return node.shutdown().await.unwrap() };
+    let lock = db.lock_records_table().await;
     // A reading under way when the lock was taken may still end well; after a time limit none can.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let last = read_at();
@@ -281,7 +286,7 @@ async fn a_reading_that_fails_leaves_the_time_of_the_last_one(db: TestDb) {
 /// failing) would otherwise keep an alert on the maximum over the instances firing after an operator
 /// resolved what it showed. Back in reach, it leads and reports again.
 async fn a_leader_whose_lease_runs_out_sets_the_backlog_back_to_zero(db: TestDb) {
-    let Some((far, proxy)) = db.through_proxy().await else { return };
+    let (far, proxy) = db.through_proxy().await;
     let kept = Kept::new();
     let _local = metrics::set_default_local_recorder(&kept);
     let outbox = outbox(&db, |c| c.backlog_gauges_interval = Duration::from_millis(50)).await;

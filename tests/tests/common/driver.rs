@@ -44,55 +44,48 @@ impl TestDb {
     }
 
     /// The same database reached through a proxy of its own on loopback (no delay), in a pool of its
-    /// own; `None` where the database is not reached over the network (SQLite).
-    pub async fn through_proxy(&self) -> Option<(TestDb, DelayProxy)> {
+    /// own. A server's only: SQLite is not reached over a network.
+    pub async fn through_proxy(&self) -> (TestDb, DelayProxy) {
         self.far_away(Duration::ZERO).await
     }
 
     /// [`TestDb::through_proxy`], its proxy delaying everything by `delay` each way.
-    pub async fn far_away(&self, delay: Duration) -> Option<(TestDb, DelayProxy)> {
+    pub async fn far_away(&self, delay: Duration) -> (TestDb, DelayProxy) {
         self.proxied(|port| DelayProxy::start(port, delay)).await
     }
 
     /// [`TestDb::through_proxy`], each connection carrying at most `bytes_per_second` each way.
-    pub async fn narrow_link(&self, bytes_per_second: u64) -> Option<(TestDb, DelayProxy)> {
+    pub async fn narrow_link(&self, bytes_per_second: u64) -> (TestDb, DelayProxy) {
         self.proxied(|port| DelayProxy::narrow(port, bytes_per_second)).await
     }
 
-    async fn proxied(&self, proxy: impl AsyncFnOnce(u16) -> DelayProxy) -> Option<(TestDb, DelayProxy)> {
-        if self.is_sqlite() {
-            return None;
-        }
+    async fn proxied(&self, proxy: impl AsyncFnOnce(u16) -> DelayProxy) -> (TestDb, DelayProxy) {
+        assert!(!self.is_sqlite(), "SQLite is not reached over a network");
         let url = self.url().await;
         let (server, database) = url.rsplit_once('/').unwrap();
         let (host, port) = server.rsplit_once(':').unwrap();
         let proxy = proxy(port.parse().unwrap()).await;
         let db = Db::connect(&format!("{host}:{}/{database}", proxy.port)).await.unwrap();
-        Some((TestDb { db, ..self.clone() }, proxy))
+        (TestDb { db, ..self.clone() }, proxy)
     }
 
     /// The same database through a proxy that passes on everything the server says but its notices
-    /// (see [`DelayProxy::without_notices`]): `LISTEN` answered, `NOTIFY` never heard. `None` where the
-    /// backend has no notices (SQLite, MySQL).
-    pub async fn deaf_to_notices(&self) -> Option<(TestDb, DelayProxy)> {
-        if self.db.backend() != "postgres" {
-            return None;
-        }
+    /// (see [`DelayProxy::without_notices`]): `LISTEN` answered, `NOTIFY` never heard. PostgreSQL's
+    /// only: the other backends have no notices.
+    pub async fn deaf_to_notices(&self) -> (TestDb, DelayProxy) {
+        assert_eq!(self.db.backend(), "postgres", "only PostgreSQL has notices");
         let url = self.url().await;
         let (server, database) = url.rsplit_once('/').unwrap();
         let (host, port) = server.rsplit_once(':').unwrap();
         let proxy = DelayProxy::without_notices(port.parse().unwrap()).await;
         let db = Db::connect(&format!("{host}:{}/{database}?sslmode=disable", proxy.port)).await.unwrap();
-        Some((TestDb { db, ..self.clone() }, proxy))
+        (TestDb { db, ..self.clone() }, proxy)
     }
 
     /// The same database in a pool of its own whose connections run `setting` (a MySQL `SET`) when they
-    /// open, as a server-wide setting or an application's connect hook leaves them; `None` on the other
-    /// backends.
-    pub async fn with_session_set(&self, setting: &'static str) -> Option<TestDb> {
-        if !self.is_mysql() {
-            return None;
-        }
+    /// open, as a server-wide setting or an application's connect hook leaves them. MySQL's only.
+    pub async fn with_session_set(&self, setting: &'static str) -> TestDb {
+        assert!(self.is_mysql(), "a MySQL setting");
         use sqlx::Executor;
         let options: sqlx::mysql::MySqlConnectOptions = self.url().await.parse().unwrap();
         let pool = sqlx::mysql::MySqlPoolOptions::new()
@@ -101,7 +94,7 @@ impl TestDb {
             .connect_with(options)
             .await
             .unwrap();
-        Some(TestDb { db: Db::from(pool), ..self.clone() })
+        TestDb { db: Db::from(pool), ..self.clone() }
     }
 
     /// Renders a statement written for every backend: `{s}` is the outbox's table qualifier (`outbox.` on
@@ -327,20 +320,18 @@ impl TestDb {
     }
 
     /// Locks the records table against every other session, as maintenance or a migration does, until
-    /// [`TableLock::release`]; `None` on SQLite.
-    pub async fn lock_records_table(&self) -> Option<TableLock> {
+    /// [`TableLock::release`]. A server's only: SQLite has no table locks.
+    pub async fn lock_records_table(&self) -> TableLock {
         use sqlx::{Connection, Executor};
-        if self.is_sqlite() {
-            return None;
-        }
+        assert!(!self.is_sqlite(), "SQLite has no table locks");
         if self.is_mysql() {
             let mut conn = sqlx::MySqlConnection::connect(&self.url().await).await.unwrap();
             conn.execute("LOCK TABLES outbox_records WRITE").await.unwrap();
-            return Some(TableLock::MySql(conn));
+            return TableLock::MySql(conn);
         }
         let mut tx = self.begin().await;
         tx.execute(AssertSqlSafe(self.sql("LOCK TABLE {s}records IN ACCESS EXCLUSIVE MODE")), &[]).await.unwrap();
-        Some(TableLock::Postgres(tx))
+        TableLock::Postgres(tx)
     }
 
     /// Makes every release of a partition (its owner cleared) fail, as a database that refuses it would
@@ -367,16 +358,15 @@ impl TestDb {
     }
 
     /// Makes every deletion of a record row take `millis` more (a slow disk, a trigger of the
-    /// application's); `false` where the backend cannot sleep in a statement (SQLite).
-    pub async fn slow_record_deletes(&self, millis: u32) -> bool {
+    /// application's). A server's only: SQLite cannot sleep in a statement.
+    pub async fn slow_record_deletes(&self, millis: u32) {
         let seconds = f64::from(millis) / 1000.0;
         if self.is_mysql() {
             let trigger =
                 format!("CREATE TRIGGER slow_delete BEFORE DELETE ON outbox_records FOR EACH ROW DO SLEEP({seconds})");
             self.db.execute_script(AssertSqlSafe(trigger)).await.unwrap();
-        } else if self.is_sqlite() {
-            return false;
         } else {
+            assert!(!self.is_sqlite(), "SQLite cannot sleep in a statement");
             self.db
                 .execute_script(AssertSqlSafe(format!(
                     "CREATE FUNCTION outbox.slow() RETURNS trigger LANGUAGE plpgsql AS
@@ -386,7 +376,6 @@ impl TestDb {
                 .await
                 .unwrap();
         }
-        true
     }
 
     /// Creates the trigger written for this backend; on PostgreSQL its function `outbox.refuse(message)`,
