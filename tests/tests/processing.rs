@@ -71,6 +71,8 @@ async fn a_wake_up_from_another_process_arrives_through_notify(pool: sqlx::PgPoo
 async fn losing_the_wake_up_connection_brings_the_poll_forward(pool: sqlx::PgPool) {
     logs();
     let db = TestDb::postgres(pool.clone());
+    let kept = common::recorded::Kept::new();
+    let _local = metrics::set_default_local_recorder(&kept);
     let consumer = outbox(&db, |c| {
         c.poll_interval = Duration::from_millis(200);
         c.active_poll_interval = Duration::from_millis(200);
@@ -81,9 +83,7 @@ async fn losing_the_wake_up_connection_brings_the_poll_forward(pool: sqlx::PgPoo
     let node = start_unlapsing(&consumer, &db, recording(&sink)).await;
     wait_for("the node owning every partition", LONG, || async { node.assignment().borrow().epochs.len() == 256 })
         .await;
-    let listening =
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'";
-    wait_for("the processor listening", LONG, || async { count(&db, listening).await == 1 }).await;
+    wait_for("the processor listening", LONG, || async { kept.gauge("outbox_wakeups_listening") == Some(1.0) }).await;
     // Past the last poll at the short interval: from here on only a wake-up or the hourly poll reads.
     tokio::time::sleep(Duration::from_millis(500)).await;
     commit(&consumer, &db, vec![NewRecord::new("k", "t", "1")]).await;
@@ -99,7 +99,10 @@ async fn losing_the_wake_up_connection_brings_the_poll_forward(pool: sqlx::PgPoo
                WHERE datname = current_database() AND query LIKE 'LISTEN %'";
     assert_eq!(count(&db, cut).await, 1);
     wait_for("the record delivered while the wake-up connection is down", LONG, || async { sink.len() == 1 }).await;
+    let listening =
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'";
     assert_eq!(count(&db, listening).await, 0, "delivered by a poll, not by a listener come back");
+    assert_eq!(kept.gauge("outbox_wakeups_listening"), Some(0.0), "the gauge says it does not listen");
     sqlx::raw_sql(connections(true)).execute(&mut elsewhere).await.unwrap();
     node.shutdown().await.unwrap();
 }
@@ -177,14 +180,19 @@ async fn a_wake_up_delivers_without_waiting_for_the_poll(db: TestDb) {
 /// `consumer` (polling once an hour) runs a node; `producer` schedules and wakes.
 async fn wakes_up(db: &TestDb, producer: &outbox_core::Outbox, consumer: &outbox_core::Outbox) {
     logs();
+    let kept = common::recorded::Kept::new();
+    let _local = metrics::set_default_local_recorder(&kept);
+    let listening = || kept.gauge("outbox_wakeups_listening");
     let sink = Sink::new();
     let node = start_unlapsing(consumer, db, recording(&sink)).await;
     let owns_all = || async { node.assignment().borrow().epochs.len() == 256 };
     wait_for("the node owning every partition", LONG, owns_all).await;
     if db.db.backend() == "postgres" {
-        let listening =
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'";
-        wait_for("the processor listening", LONG, || async { count(db, listening).await == 1 }).await;
+        // Once it listens, the processor looks at every partition for what it may have missed; only after
+        // that look does nothing but a wake-up or the hourly poll read. Its `LISTEN` statement comes
+        // before, and on a loaded run long enough before that a record committed after it was found by
+        // that look.
+        wait_for("the processor listening", LONG, || async { listening() == Some(1.0) }).await;
     }
     // Once this one is delivered and completed, the processor has nothing to look for for an hour.
     let first = commit(producer, db, vec![NewRecord::new("k-1", "t", "1")]).await;
@@ -203,6 +211,9 @@ async fn wakes_up(db: &TestDb, producer: &outbox_core::Outbox, consumer: &outbox
     producer.wake(db, &unwoken).await.unwrap();
     wait_for("the other record delivered once woken", LONG, || async { sink.len() == 3 }).await;
     node.shutdown().await.unwrap();
+    if db.db.backend() == "postgres" {
+        assert_eq!(listening(), Some(0.0), "listening after the stop");
+    }
 }
 
 /// A fetch of a few partitions (one that follows a completion there) is no poll of the others: while one

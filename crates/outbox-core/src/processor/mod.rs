@@ -129,7 +129,11 @@ impl Processor {
         let limit = self.outbox.config().query_timeout;
         let own = self.db.fetch_pool(limit);
         let fetches = own.clone().unwrap_or_else(|| self.db.clone());
+        let listens = self.db.can_listen();
         let stopped = self.deliver(shutdown, &fetches).await;
+        if listens {
+            metrics::gauge!("outbox_wakeups_listening").set(0.0);
+        }
         if let Some(own) = own {
             // Closing tells the server goodbye on each connection, and over TLS sqlx then waits for the
             // server to answer, which the host of a connection that vanished never does: the stop
@@ -847,6 +851,7 @@ impl State {
     fn on_listening(&mut self, listening: bool) {
         self.listening = listening;
         self.poll_due();
+        metrics::gauge!("outbox_wakeups_listening").set(f64::from(u8::from(listening)));
     }
 
     fn on_woken(&mut self, wakes: &[Wake]) {
