@@ -329,12 +329,7 @@ async fn a_partition_whose_release_went_unanswered_is_not_delivered_until_it_is_
     // a lease no stall of a loaded machine lets lapse: a lease renewed after it lapsed is followed by
     // a round, which released the partition before the test locked it (in a loaded run).
     let leader = register_instance(&db).await;
-    let config = outbox_cluster::ClusterConfig {
-        rebalance_interval: Duration::from_secs(3600),
-        heartbeat_interval: Duration::from_secs(1),
-        stale_timeout: Duration::from_secs(30),
-        ..fast_cluster()
-    };
+    let config = outbox_cluster::ClusterConfig { rebalance_interval: Duration::from_secs(3600), ..unlapsing_cluster() };
     let sink = Sink::new();
     let a = Node::start(outbox.clone(), &db, recording(&sink), config).await.unwrap();
     let nudge = async || outbox.nudge(&db, &[a.id()]).await.unwrap();

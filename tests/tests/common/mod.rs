@@ -163,12 +163,17 @@ pub async fn start(outbox: &Outbox, db: &TestDb, handlers: Handlers) -> Node {
 /// read before the next poll: a lease renewed after it lapsed makes the processor read every partition
 /// (a fetch that ran across the lapse was thrown away), which a 600 ms one did under a loaded CI run.
 pub async fn start_unlapsing(outbox: &Outbox, db: &TestDb, handlers: Handlers) -> Node {
-    let config = ClusterConfig {
+    Node::start(outbox.clone(), db, handlers, unlapsing_cluster()).await.unwrap()
+}
+
+/// [`fast_cluster`] on a lease of 30 s (renewed every second), which no stall of a busy machine lets
+/// lapse: see [`start_unlapsing`].
+pub fn unlapsing_cluster() -> ClusterConfig {
+    ClusterConfig {
         heartbeat_interval: Duration::from_secs(1),
         stale_timeout: Duration::from_secs(30),
         ..fast_cluster()
-    };
-    Node::start(outbox.clone(), db, handlers, config).await.unwrap()
+    }
 }
 
 /// `n` distinct keys with `prefix` that fall into `partition`.
