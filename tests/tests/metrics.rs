@@ -23,6 +23,7 @@ every_backend!(
     only_partitions_whose_owner_did_not_hand_them_over_count_as_taken_over,
     the_leader_reports_the_backlog_and_sets_it_back_to_zero_when_it_stops,
     live_instances_and_rebalances_follow_joins_and_departures,
+    two_outboxes_in_one_process_report_apart,
 );
 
 // A network to cut, or a table lock: a server's.
@@ -140,6 +141,50 @@ async fn live_instances_and_rebalances_follow_joins_and_departures(db: TestDb) {
     wait_for("one live instance", LONG, || async { live() == Some(1.0) }).await;
     assert!(rebalances() > joined, "b's leaving counted");
     a.shutdown().await.unwrap();
+}
+
+/// Two outboxes in one process (two schemas, each its own cluster) report apart, each series labelled
+/// with its schema: the records each delivered, the partitions each holds, and on PostgreSQL whether
+/// each hears wake-ups; one stopping leaves the other's gauges as they were. Before, the series carried
+/// no schema, so the last to write a gauge won: a stop set "none held" and "not listening" for both.
+async fn two_outboxes_in_one_process_report_apart(db: TestDb) {
+    let kept = Kept::new();
+    let _local = metrics::set_default_local_recorder(&kept);
+    let orders = outbox(&db, |_| {}).await;
+    let billing = outbox(&db, |c| c.schema = "billing".into()).await;
+    let ok = || Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok(()) })));
+    let config = || ClusterConfig { stale_timeout: Duration::from_secs(10), ..fast_cluster() };
+    let a = Node::start(orders.clone(), &db, ok(), config()).await.unwrap();
+    let b = Node::start(billing.clone(), &db, ok(), config()).await.unwrap();
+    commit(&orders, &db, (0..3).map(|i| NewRecord::new(format!("o-{i}"), "t", "")).collect()).await;
+    commit(&billing, &db, (0..2).map(|i| NewRecord::new(format!("b-{i}"), "t", "")).collect()).await;
+    let completed = |schema| kept.counter_of("outbox_records_completed_total", &[("schema", schema)]);
+    wait_for("each outbox's records delivered", LONG, || async {
+        completed("outbox") == 3 && completed("billing") == 2
+    })
+    .await;
+    let scheduled = |schema| kept.counter_of("outbox_records_scheduled_total", &[("schema", schema)]);
+    assert_eq!((scheduled("outbox"), scheduled("billing")), (3, 2));
+    let gauge = |name, schema| kept.gauge_of(name, &[("schema", schema)]);
+    let both = |name| (gauge(name, "outbox"), gauge(name, "billing"));
+    wait_for("each instance holding its outbox's every partition", LONG, || async {
+        both("outbox_owned_partitions") == (Some(256.0), Some(256.0))
+    })
+    .await;
+    let listens = !db.is_sqlite() && !db.is_mysql();
+    if listens {
+        wait_for("each processor listening", LONG, || async {
+            both("outbox_wakeups_listening") == (Some(1.0), Some(1.0))
+        })
+        .await;
+    }
+    b.shutdown().await.unwrap();
+    assert_eq!(both("outbox_owned_partitions"), (Some(256.0), Some(0.0)), "the stop of billing's instance");
+    if listens {
+        assert_eq!(both("outbox_wakeups_listening"), (Some(1.0), Some(0.0)), "the stop of billing's processor");
+    }
+    a.shutdown().await.unwrap();
+    assert_eq!(both("outbox_owned_partitions"), (Some(0.0), Some(0.0)));
 }
 
 /// `outbox_owned_partitions` says what the instance delivers: every partition while it holds them, none

@@ -50,6 +50,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 
 use futures::FutureExt;
+use metrics::SharedString;
 use outbox_core::{Assignment, Db, Handlers, InstanceId, Outbox, Processor};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -130,6 +131,7 @@ impl Node {
             stop: stop.clone(),
             failed: failed.clone(),
             fault: fault.clone(),
+            schema: outbox.schema_label(),
         };
 
         let processor = Processor::new(outbox.clone(), store.db().clone(), handlers, assignment.clone());
@@ -275,7 +277,7 @@ impl Node {
         let handed_over = tokio::time::timeout_at(released_by, release)
             .await
             .unwrap_or(Err(Error::Core(outbox_core::Error::QueryTimeout { work: "releasing at stop", after: last })));
-        metrics::gauge!("outbox_owned_partitions").set(0.0);
+        metrics::gauge!("outbox_owned_partitions", "schema" => self.outbox.schema_label()).set(0.0);
         let id = self.id();
         let handed_over = match handed_over {
             Ok(moved) => {
@@ -352,6 +354,8 @@ struct Watched {
     stop: CancellationToken,
     failed: CancellationToken,
     fault: Arc<OnceLock<String>>,
+    /// The `schema` label of the node's metrics.
+    schema: SharedString,
 }
 
 impl Watched {
@@ -371,7 +375,7 @@ impl Watched {
             error!(%instance, task = self.task, %error,
                 "a node task ended unasked: stopping the node, whose partitions go on once its lease runs out");
             self.fault.get_or_init(|| format!("instance {instance}: {error}"));
-            metrics::gauge!("outbox_owned_partitions").set(0.0);
+            metrics::gauge!("outbox_owned_partitions", "schema" => self.schema.clone()).set(0.0);
             self.failed.cancel();
         }
         ended

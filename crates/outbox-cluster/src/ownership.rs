@@ -141,7 +141,7 @@ impl Ownership {
             if !current.is_live() {
                 // The processor delivers nothing past the lease, and the others may have a leader by now:
                 // this instance's housekeeping stops (its gauges go back to 0) until a round says again.
-                metrics::gauge!("outbox_owned_partitions").set(0.0);
+                metrics::gauge!("outbox_owned_partitions", "schema" => self.outbox.schema_label()).set(0.0);
                 self.leads.send_replace(false);
                 continue;
             }
@@ -208,8 +208,9 @@ impl Ownership {
             .filter(|(p, _)| mine(p) && !rounds.quiet.contains_key(p) && !unanswered(p))
             .map(|(&p, &e)| (p, e))
             .collect();
-        metrics::gauge!("outbox_owned_partitions").set(keep.len() as f64);
-        metrics::gauge!("outbox_live_instances").set(live.len() as f64);
+        let schema = self.outbox.schema_label();
+        metrics::gauge!("outbox_owned_partitions", "schema" => schema.clone()).set(keep.len() as f64);
+        metrics::gauge!("outbox_live_instances", "schema" => schema).set(live.len() as f64);
         let taken_over: BTreeMap<Partition, DateTime<Utc>> =
             keep.keys().filter_map(|p| Some((*p, *taken_over_at.get(p)?))).collect();
         self.assign.send_if_modified(|current| {
@@ -237,7 +238,7 @@ impl Ownership {
         if leader && !self.leaving.is_cancelled() {
             self.reap(rounds).await;
         }
-        metrics::histogram!("outbox_ownership_round_seconds", "leader" => leader.to_string())
+        metrics::histogram!("outbox_ownership_round_seconds", "schema" => self.outbox.schema_label(), "leader" => leader.to_string())
             .record(began.elapsed().as_secs_f64());
         Ok(())
     }
@@ -324,7 +325,8 @@ impl Ownership {
                     let quiet = 2 * theirs.max(self.config.heartbeat_interval);
                     info!(partition, %epoch, instance = %me, %previous, reason = "owner lease expired", ?quiet,
                         "partition stolen; delivering it after the quiet period");
-                    metrics::counter!("outbox_partitions_taken_over_total").increment(1);
+                    metrics::counter!("outbox_partitions_taken_over_total", "schema" => self.outbox.schema_label())
+                        .increment(1);
                     quiet
                 });
                 if quiet.is_none() {
@@ -372,7 +374,7 @@ async fn rebalance_targets(
     }
     let changed = store.set_targets(&targets).await?;
     if !changed.is_empty() {
-        metrics::counter!("outbox_rebalances_total").increment(1);
+        metrics::counter!("outbox_rebalances_total", "schema" => outbox.schema_label()).increment(1);
         info!(instance = %me, live = live.len(), moved = changed.len(), "rebalanced: partition targets changed");
         let acts = changed.iter().filter_map(|&p| {
             let owner = rows.iter().find(|r| r.partition == p).and_then(|r| r.owner).filter(is_live);

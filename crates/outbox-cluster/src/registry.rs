@@ -80,7 +80,8 @@ impl Heartbeat {
             }
             match renewal {
                 Ok(Ok(Some(remaining))) => {
-                    metrics::histogram!("outbox_heartbeat_seconds").record(sent.instant().elapsed().as_secs_f64());
+                    metrics::histogram!("outbox_heartbeat_seconds", "schema" => self.store.schema_label())
+                        .record(sent.instant().elapsed().as_secs_f64());
                     self.extend_lease(id, sent.after(remaining));
                 }
                 Ok(Ok(None)) => {
@@ -89,12 +90,14 @@ impl Heartbeat {
                     }
                 }
                 Ok(Err(e)) => {
-                    metrics::counter!("outbox_heartbeat_failures_total").increment(1);
+                    metrics::counter!("outbox_heartbeat_failures_total", "schema" => self.store.schema_label())
+                        .increment(1);
                     warn!(instance = %id, error = %e, "heartbeat failed; reconnecting");
                     conn = HeartbeatConnection::default();
                 }
                 Err(_) => {
-                    metrics::counter!("outbox_heartbeat_failures_total").increment(1);
+                    metrics::counter!("outbox_heartbeat_failures_total", "schema" => self.store.schema_label())
+                        .increment(1);
                     warn!(instance = %id, "heartbeat timed out; reconnecting");
                     conn = HeartbeatConnection::default();
                 }
@@ -117,7 +120,8 @@ impl Heartbeat {
         loop {
             match self.renew_once(conn, id, delivered).await {
                 Err(e) if self.lease_left() > pause && !shutdown.is_cancelled() => {
-                    metrics::counter!("outbox_heartbeat_failures_total").increment(1);
+                    metrics::counter!("outbox_heartbeat_failures_total", "schema" => self.store.schema_label())
+                        .increment(1);
                     warn!(instance = %id, error = %e, ?pause, "heartbeat failed; renewing again on a new connection");
                     *conn = HeartbeatConnection::default();
                     tokio::select! {
@@ -218,7 +222,7 @@ impl Heartbeat {
             true
         });
         if fenced && found_now {
-            metrics::counter!("outbox_leases_expired_total").increment(1);
+            metrics::counter!("outbox_leases_expired_total", "schema" => self.store.schema_label()).increment(1);
             warn!(instance = %id, "lease expired: the instance was declared dead; processing stopped, running handler calls cancelled");
         }
         let next = *next_id.get_or_insert_with(InstanceId::new);

@@ -84,6 +84,8 @@ struct Inner {
     config: Config,
     statements: driver::Statements,
     wakeups: notice::Wakeups,
+    /// The schema's name, shared by every metric's `schema` label.
+    schema_label: Arc<str>,
 }
 
 impl Outbox {
@@ -93,7 +95,8 @@ impl Outbox {
         let keep = config.completion == Completion::Keep;
         let statements =
             driver::Statements::new(&config.schema, config.stop_on_first_failure, keep, config.query_timeout);
-        Ok(Self { inner: Arc::new(Inner { config, statements, wakeups: notice::Wakeups::default() }) })
+        let schema_label = Arc::from(config.schema.as_str());
+        Ok(Self { inner: Arc::new(Inner { config, statements, wakeups: notice::Wakeups::default(), schema_label }) })
     }
 
     /// The configuration.
@@ -110,6 +113,12 @@ impl Outbox {
     /// SQLite), for statements of one's own over the outbox tables.
     pub fn table(&self, db: &Db, table: &str) -> String {
         db.table(&self.config().schema, table)
+    }
+
+    /// The value of the `schema` label every metric of this outbox carries, so that two outboxes in one
+    /// process (two schemas) report apart.
+    pub fn schema_label(&self) -> metrics::SharedString {
+        metrics::SharedString::from(Arc::clone(&self.inner.schema_label))
     }
 
     pub(crate) fn statements(&self) -> &driver::Statements {

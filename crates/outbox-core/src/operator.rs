@@ -3,6 +3,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, UNIX_EPOCH};
 
+use metrics::SharedString;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, instrument, warn};
@@ -125,7 +126,7 @@ impl Outbox {
         if interval.is_zero() {
             return shutdown.cancelled().await;
         }
-        let mut gauges = BacklogGauges::default();
+        let mut gauges = BacklogGauges { schema: self.schema_label(), set: false, partitions: BTreeSet::new() };
         let mut ticker = tokio::time::interval(interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -156,8 +157,9 @@ impl Outbox {
 }
 
 /// The backlog gauges one instance has set, so that it can set them back to 0.
-#[derive(Default)]
 struct BacklogGauges {
+    /// Their `schema` label.
+    schema: SharedString,
     /// Whether the totals were set.
     set: bool,
     /// The partitions whose gauges were set (those holding records at the last reading).
@@ -169,22 +171,26 @@ impl BacklogGauges {
     fn set(&mut self, stats: &[PartitionStats], read_at: Duration) {
         let now: BTreeSet<Partition> = stats.iter().map(|s| s.partition).collect();
         for &gone in self.partitions.difference(&now) {
-            Self::set_partition(gone, 0, 0);
+            self.set_partition(gone, 0, 0);
         }
         for s in stats {
-            Self::set_partition(s.partition, s.pending, s.scheduled);
+            self.set_partition(s.partition, s.pending, s.scheduled);
         }
         let totals = BacklogTotals::of(stats);
-        metrics::gauge!("outbox_failed_records").set(totals.failed as f64);
-        metrics::gauge!("outbox_oldest_pending_seconds").set(totals.oldest_pending.unwrap_or_default().as_secs_f64());
-        metrics::gauge!("outbox_backlog_read_timestamp_seconds").set(read_at.as_secs_f64());
+        let schema = &self.schema;
+        metrics::gauge!("outbox_failed_records", "schema" => schema.clone()).set(totals.failed as f64);
+        metrics::gauge!("outbox_oldest_pending_seconds", "schema" => schema.clone())
+            .set(totals.oldest_pending.unwrap_or_default().as_secs_f64());
+        metrics::gauge!("outbox_backlog_read_timestamp_seconds", "schema" => schema.clone()).set(read_at.as_secs_f64());
         (self.set, self.partitions) = (true, now);
     }
 
-    fn set_partition(partition: Partition, pending: i64, scheduled: i64) {
-        let label = partition.to_string();
-        metrics::gauge!("outbox_pending_records", "partition" => label.clone()).set(pending as f64);
-        metrics::gauge!("outbox_scheduled_records", "partition" => label).set(scheduled as f64);
+    fn set_partition(&self, partition: Partition, pending: i64, scheduled: i64) {
+        let (schema, label) = (&self.schema, partition.to_string());
+        metrics::gauge!("outbox_pending_records", "schema" => schema.clone(), "partition" => label.clone())
+            .set(pending as f64);
+        metrics::gauge!("outbox_scheduled_records", "schema" => schema.clone(), "partition" => label)
+            .set(scheduled as f64);
     }
 
     /// Sets what was set back to 0 (and leaves alone the gauges of an instance that never reported).

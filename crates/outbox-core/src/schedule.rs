@@ -75,7 +75,8 @@ impl Outbox {
         }
         let written = conn.into().schedule(self.statements(), &rows).await.map_err(|e| self.not_migrated(e))?;
         // Counted when written; a transaction rolled back later still counts here.
-        metrics::counter!("outbox_records_scheduled_total").increment(written.len() as u64);
+        metrics::counter!("outbox_records_scheduled_total", "schema" => self.schema_label())
+            .increment(written.len() as u64);
         let seq_of: HashMap<Uuid, i64> = written.into_iter().collect();
         rows.iter()
             .zip(records)

@@ -180,7 +180,7 @@ async fn migrate_two_workers_produce_verify_and_status(pool: PgPool) {
         "outbox_delivery_latency_seconds",
         "outbox_owned_partitions",
         "outbox_live_instances",
-        "outbox_wakeups_listening 1",
+        "outbox_wakeups_listening{schema=\"outbox\"} 1",
     ] {
         assert!(metrics.contains(name), "{name} missing from metrics:\n{metrics}");
     }

@@ -19,10 +19,7 @@ impl Recorded {
 
     /// The values of the metrics named `name` with every label of `labels`.
     fn of<'a>(&'a self, name: &'a str, labels: &'a [(&str, &str)]) -> impl Iterator<Item = &'a DebugValue> {
-        let matches = move |key: &metrics::Key| {
-            key.name() == name && labels.iter().all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
-        };
-        self.0.iter().filter(move |(key, _)| matches(key)).map(|(_, value)| value)
+        self.0.iter().filter(move |(key, _)| named(key, name, labels)).map(|(_, value)| value)
     }
 
     /// A counter's value (0 if never incremented).
@@ -74,17 +71,24 @@ impl Kept {
     /// The value of the gauge `name` with every label of `labels` (`None` if never set).
     pub fn gauge_of(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         let gauges = self.0.get_gauge_handles();
-        let matches = |key: &Key| {
-            key.name() == name && labels.iter().all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
-        };
-        gauges.iter().find(|(key, _)| matches(key)).map(|(_, g)| f64::from_bits(g.load(Ordering::SeqCst)))
+        gauges.iter().find(|(key, _)| named(key, name, labels)).map(|(_, g)| f64::from_bits(g.load(Ordering::SeqCst)))
     }
 
     /// A counter's total over all its labels (0 if never incremented).
     pub fn counter(&self, name: &str) -> u64 {
-        let counters = self.0.get_counter_handles();
-        counters.iter().filter(|(key, _)| key.name() == name).map(|(_, c)| c.load(Ordering::SeqCst)).sum()
+        self.counter_of(name, &[])
     }
+
+    /// The total of the counters named `name` with every label of `labels` (0 if never incremented).
+    pub fn counter_of(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        let counters = self.0.get_counter_handles();
+        counters.iter().filter(|(key, _)| named(key, name, labels)).map(|(_, c)| c.load(Ordering::SeqCst)).sum()
+    }
+}
+
+/// Whether `key` is named `name` and carries every label of `labels`.
+fn named(key: &Key, name: &str, labels: &[(&str, &str)]) -> bool {
+    key.name() == name && labels.iter().all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
 }
 
 impl metrics::Recorder for Kept {

@@ -15,6 +15,7 @@ pub(crate) mod tests;
 use std::sync::Arc;
 use std::time::Duration;
 
+use metrics::SharedString;
 use outbox_core::driver::answered_within;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use outbox_core::driver::finishing;
@@ -62,6 +63,8 @@ pub(crate) struct Store {
     statements: Arc<Statements>,
     /// The outbox's `query_timeout`.
     limit: Duration,
+    /// The `schema` label of the cluster's metrics.
+    schema: SharedString,
 }
 
 #[derive(Debug)]
@@ -90,11 +93,21 @@ impl Store {
             #[cfg(feature = "mysql")]
             mysql: mysql::MySqlStatements::new(schema, hold),
         };
-        Self { db, statements: Arc::new(statements), limit: outbox.config().query_timeout }
+        Self {
+            db,
+            statements: Arc::new(statements),
+            limit: outbox.config().query_timeout,
+            schema: outbox.schema_label(),
+        }
     }
 
     pub(crate) fn db(&self) -> &Db {
         &self.db
+    }
+
+    /// The `schema` label of the cluster's metrics ([`Outbox::schema_label`]).
+    pub(crate) fn schema_label(&self) -> SharedString {
+        self.schema.clone()
     }
 
     /// The shortest lease this database keeps safe from an instance whose host vanishes mid-round:

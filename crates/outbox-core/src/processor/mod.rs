@@ -49,6 +49,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use metrics::SharedString;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::{Id as TaskId, JoinSet};
 use tokio::time::Instant;
@@ -129,11 +130,7 @@ impl Processor {
         let limit = self.outbox.config().query_timeout;
         let own = self.db.fetch_pool(limit);
         let fetches = own.clone().unwrap_or_else(|| self.db.clone());
-        let listens = self.db.can_listen();
         let stopped = self.deliver(shutdown, &fetches).await;
-        if listens {
-            metrics::gauge!("outbox_wakeups_listening").set(0.0);
-        }
         if let Some(own) = own {
             // Closing tells the server goodbye on each connection, and over TLS sqlx then waits for the
             // server to answer, which the host of a connection that vanished never does: the stop
@@ -153,7 +150,7 @@ impl Processor {
             assignment: self.assignment.clone(),
             shutdown: shutdown.clone(),
         });
-        let mut state = State::new(config, self.delivered.clone());
+        let mut state = State::new(config, self.outbox.schema_label(), self.delivered.clone());
         state.held = self.assignment.borrow().epochs.keys().copied().collect();
         let mut woken = self.outbox.wakeups().subscribe();
         let (listening, mut listening_rx) = watch::channel(false);
@@ -272,6 +269,8 @@ type Pending<T> = Option<Pin<Box<dyn Future<Output = T> + Send>>>;
 /// The processor loop's state; each `on_*` method handles one kind of event.
 struct State {
     config: Config,
+    /// The `schema` label of the processor's metrics.
+    schema: SharedString,
     /// See [`Processor::delivered`].
     delivered: Arc<AtomicU64>,
     /// Keys dispatched and not yet completed in the database, with their partition.
@@ -347,9 +346,10 @@ struct State {
 }
 
 impl State {
-    fn new(config: Config, delivered: Arc<AtomicU64>) -> Self {
+    fn new(config: Config, schema: SharedString, delivered: Arc<AtomicU64>) -> Self {
         let fetch_limit = config.batch_size;
         Self {
+            schema,
             delivered,
             next_poll: Instant::now() + config.poll_interval,
             in_flight: HashMap::new(),
@@ -572,7 +572,7 @@ impl State {
             }
         }
         // Changed by this processor's share: other processors of the process count theirs.
-        overdue_calls(self.overdue as f64 - before as f64);
+        overdue_calls(&self.schema, self.overdue as f64 - before as f64);
         self.next_overdue_check = Instant::now() + OVERDUE_CHECK;
     }
 
@@ -773,7 +773,7 @@ impl State {
     /// settled, or fenced out (its partition stops being processed under that grant).
     fn settle(&mut self, outcome: &Outcome, written: &Written) {
         if written.ids.contains(&outcome.id) {
-            record_metrics(outcome);
+            record_metrics(&self.schema, outcome);
             if matches!(outcome.verdict, Verdict::Delivered | Verdict::Fallback) {
                 self.delivered.fetch_add(1, Ordering::Relaxed);
             }
@@ -851,7 +851,7 @@ impl State {
     fn on_listening(&mut self, listening: bool) {
         self.listening = listening;
         self.poll_due();
-        metrics::gauge!("outbox_wakeups_listening").set(f64::from(u8::from(listening)));
+        listening_gauge(&self.schema, listening);
     }
 
     fn on_woken(&mut self, wakes: &[Wake]) {
@@ -906,10 +906,14 @@ impl State {
     }
 }
 
-/// However the processor ends (a stop, its future dropped), the calls it counted overdue leave the gauge.
+/// However the processor ends (a stop, its future dropped), the calls it counted overdue leave the gauge,
+/// and it no longer hears wake-ups.
 impl Drop for State {
     fn drop(&mut self) {
-        overdue_calls(-(self.overdue as f64));
+        overdue_calls(&self.schema, -(self.overdue as f64));
+        if self.listening {
+            listening_gauge(&self.schema, false);
+        }
     }
 }
 
@@ -1009,20 +1013,27 @@ impl Cancels {
 }
 
 /// Emits the outcome's metrics once it is written (see the README's metrics table).
-fn record_metrics(outcome: &Outcome) {
+fn record_metrics(schema: &SharedString, outcome: &Outcome) {
+    let schema = schema.clone();
     match outcome.verdict {
         Verdict::Delivered | Verdict::Fallback => {
             let how = outcome.verdict.completed_as();
-            metrics::counter!("outbox_records_completed_total", "outcome" => how).increment(1);
+            metrics::counter!("outbox_records_completed_total", "schema" => schema.clone(), "outcome" => how)
+                .increment(1);
             // Due (the scheduling transaction's start or the delivery time asked for, database clock) to
             // completion (host clock).
             let latency = (chrono::Utc::now() - outcome.due_since).to_std().unwrap_or_default();
-            metrics::histogram!("outbox_delivery_latency_seconds").record(latency.as_secs_f64());
+            metrics::histogram!("outbox_delivery_latency_seconds", "schema" => schema).record(latency.as_secs_f64());
         }
-        Verdict::Retry { .. } => metrics::counter!("outbox_records_retried_total").increment(1),
-        Verdict::Failed { .. } => metrics::counter!("outbox_records_failed_total").increment(1),
+        Verdict::Retry { .. } => metrics::counter!("outbox_records_retried_total", "schema" => schema).increment(1),
+        Verdict::Failed { .. } => metrics::counter!("outbox_records_failed_total", "schema" => schema).increment(1),
         Verdict::NotCalled { .. } => {}
     }
+}
+
+/// Sets `outbox_wakeups_listening`.
+fn listening_gauge(schema: &SharedString, listening: bool) {
+    metrics::gauge!("outbox_wakeups_listening", "schema" => schema.clone()).set(f64::from(u8::from(listening)));
 }
 
 /// How long after the last fetch that found records the processor keeps polling at the active rate.
@@ -1052,9 +1063,9 @@ const MAX_TIMERS: usize = 4096;
 const LISTEN_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(600));
 
 /// Moves `outbox_handler_calls_overdue` by `change`.
-fn overdue_calls(change: f64) {
+fn overdue_calls(schema: &SharedString, change: f64) {
     if change != 0.0 {
-        metrics::gauge!("outbox_handler_calls_overdue").increment(change);
+        metrics::gauge!("outbox_handler_calls_overdue", "schema" => schema.clone()).increment(change);
     }
 }
 
