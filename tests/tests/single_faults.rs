@@ -50,6 +50,7 @@ on_backends!(
 on_backends!(
     [postgres]
     statements_given_up_on_a_table_lock_end_on_the_server_too,
+    renewals_and_rounds_given_up_on_a_table_lock_end_on_the_server_too,
 );
 
 // MySQL session settings.
@@ -132,6 +133,33 @@ async fn statements_given_up_on_a_table_lock_end_on_the_server_too(db: TestDb) {
     maintenance.rollback().await.unwrap();
     commit(&outbox, &db, vec![NewRecord::new("k", "t", "")]).await;
     wait_for("the record delivered", LONG, || async { sink.len() == 1 }).await;
+    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
+}
+
+/// A lock held long on the instances table (an operator's `LOCK TABLE`, DDL queued behind a long
+/// reader) holds up every lease renewal and ownership round: each is given up at its time limit, and
+/// the database ends its wait then too. Before, each one given up went on waiting on the server with a
+/// connection of its own: two renewals a lease and a round per `query_timeout` more, without end.
+async fn renewals_and_rounds_given_up_on_a_table_lock_end_on_the_server_too(db: TestDb) {
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_millis(300)).await;
+    let node = start(&outbox, &db, Handlers::new()).await;
+    wait_for("every partition held", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
+    let mut maintenance = db.begin().await;
+    let lock = db.sql("LOCK TABLE {s}instances IN ACCESS EXCLUSIVE MODE");
+    maintenance.execute(sqlx::AssertSqlSafe(lock), &[]).await.unwrap();
+    wait_for("a renewal waiting for the table", LONG, || async { db.lock_waiters().await >= 1 }).await;
+    // Eight leases (400 ms) and ten time limits.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let waiting = db.lock_waiters().await;
+    let what = rows!(
+        db,
+        (String,),
+        "SELECT left(query, 60) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    );
+    // A renewal and its spare, a round, a fetch, each overlapping its next try for a moment.
+    assert!(waiting <= 8, "{waiting} statements wait for the table: {what:?}");
+    maintenance.rollback().await.unwrap();
+    wait_for("every partition held again", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
 }
 

@@ -37,7 +37,7 @@ macro_rules! dispatch {
                 #[cfg(feature = "postgres")]
                 Db::Postgres(pool) => {
                     let $s = &$store.statements.postgres;
-                    finishing(pool, async |$conn| $body).await
+                    finishing(pool, async |conn| $s.limited(conn, async |$conn| $body).await).await
                 }
                 #[cfg(feature = "sqlite")]
                 Db::Sqlite($conn) => {
@@ -78,16 +78,19 @@ struct Statements {
 }
 
 impl Store {
-    /// A store whose transactions hold rows for at most `hold` once their client is gone (MySQL's
-    /// `wait_timeout` and lock waits; PostgreSQL's statements hold nothing between round trips). A
-    /// node's is under half its lease, since its transactions lock other instances' rows: an acquirer
-    /// whose host vanished must not hold back their renewals past their leases.
-    #[cfg_attr(not(feature = "mysql"), expect(unused_variables, reason = "only MySQL's transactions take it"))]
+    /// A store whose transactions hold rows, or wait for them, for at most `hold` once their client is
+    /// gone (MySQL's `wait_timeout` and lock waits; PostgreSQL's statement, lock and idle-in-transaction
+    /// time limits). A node's is under half its lease, since its transactions lock other instances'
+    /// rows: an acquirer whose host vanished must not hold back their renewals past their leases.
+    #[cfg_attr(
+        not(any(feature = "mysql", feature = "postgres")),
+        expect(unused_variables, reason = "only the servers' transactions take it")
+    )]
     pub(crate) fn new(db: Db, outbox: &Outbox, hold: Duration) -> Self {
         let schema = outbox.config().schema.as_str();
         let statements = Statements {
             #[cfg(feature = "postgres")]
-            postgres: postgres::PgStatements::new(schema),
+            postgres: postgres::PgStatements::new(schema, hold, outbox.config().query_timeout),
             #[cfg(feature = "sqlite")]
             sqlite: sqlite::SqliteStatements::new(schema),
             #[cfg(feature = "mysql")]

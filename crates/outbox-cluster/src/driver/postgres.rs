@@ -128,11 +128,17 @@ pub(super) struct PgStatements {
     view: Arc<str>,
     set_targets: Arc<str>,
     drain: Arc<str>,
+    /// Begins the transaction each statement runs in (see [`PgStatements::limited`]).
+    begin: Arc<str>,
+    /// When the heartbeat connection's statements end on the server.
+    heartbeat_limit: Duration,
 }
 
 impl PgStatements {
     /// `schema` is validated by the outbox's config; quoted, a reserved word such as `user` names it too.
-    pub(super) fn new(schema: &str) -> Self {
+    /// The store's transactions wait for locks or sit idle for at most `hold` (see
+    /// [`PgStatements::limited`]); every statement ends on the server after `limit`.
+    pub(super) fn new(schema: &str, hold: Duration, limit: Duration) -> Self {
         let schema = quoted(schema);
         let build = |text: &str| -> Arc<str> { text.replace("{remaining}", REMAINING).replace("{s}", &schema).into() };
         Self {
@@ -148,7 +154,34 @@ impl PgStatements {
             view: build(VIEW),
             set_targets: build(SET_TARGETS),
             drain: build(DRAIN),
+            begin: {
+                let (hold, limit) = (hold.as_millis().max(1), limit.as_millis().max(1));
+                format!(
+                    "BEGIN; SET LOCAL statement_timeout = {limit}; SET LOCAL lock_timeout = {hold};
+                     SET LOCAL idle_in_transaction_session_timeout = {hold}"
+                )
+                .into()
+            },
+            heartbeat_limit: limit,
         }
+    }
+
+    /// Runs `work` on `conn` in a transaction that ends on the server once the client has given it up:
+    /// a statement running past `query_timeout`, a lock waited for or the transaction left idle (its
+    /// host vanished before the `COMMIT`) past the store's `hold`, as MySQL's do. PostgreSQL does not
+    /// notice a closed client while a statement waits for a lock, so behind a lock held long (an
+    /// operator's open transaction on an instance row, a `LOCK TABLE`, DDL) every round given up went
+    /// on waiting, one more connection each time, until the server refused the application's
+    /// connections too.
+    pub(super) async fn limited<T>(
+        &self,
+        conn: &mut PgConnection,
+        work: impl AsyncFnOnce(&mut PgConnection) -> Result<T>,
+    ) -> Result<T> {
+        let mut tx = conn.begin_with(statement(&self.begin)).await?;
+        let done = work(&mut tx).await?;
+        tx.commit().await?;
+        Ok(done)
     }
 
     pub(super) async fn register(
@@ -179,7 +212,12 @@ impl PgStatements {
     ) -> Result<Option<Duration>> {
         let conn = match own {
             Some(conn) => conn,
-            None => own.insert(PgConnection::connect_with(&pool.connect_options()).await?),
+            // Its statements end on the server after `query_timeout` (see `limited`).
+            None => {
+                let limit = format!("{}ms", self.heartbeat_limit.as_millis().max(1));
+                let session = [("statement_timeout", limit.as_str()), ("lock_timeout", limit.as_str())];
+                own.insert(PgConnection::connect_with(&(*pool.connect_options()).clone().options(session)).await?)
+            }
         };
         let ms: Option<i64> = sqlx::query_scalar(statement(&self.heartbeat))
             .bind(id)
