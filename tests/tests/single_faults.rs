@@ -50,6 +50,11 @@ on_backends!(
 on_backends!(
     [postgres]
     statements_given_up_on_a_table_lock_end_on_the_server_too,
+);
+
+// A table lock: a server's.
+on_backends!(
+    [postgres, mysql]
     renewals_and_rounds_given_up_on_a_table_lock_end_on_the_server_too,
 );
 
@@ -144,21 +149,15 @@ async fn renewals_and_rounds_given_up_on_a_table_lock_end_on_the_server_too(db: 
     let outbox = outbox(&db, |c| c.query_timeout = Duration::from_millis(300)).await;
     let node = start(&outbox, &db, Handlers::new()).await;
     wait_for("every partition held", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
-    let mut maintenance = db.begin().await;
-    let lock = db.sql("LOCK TABLE {s}instances IN ACCESS EXCLUSIVE MODE");
-    maintenance.execute(sqlx::AssertSqlSafe(lock), &[]).await.unwrap();
-    wait_for("a renewal waiting for the table", LONG, || async { db.lock_waiters().await >= 1 }).await;
+    let maintenance = db.lock_table("instances").await;
+    wait_for("a renewal waiting for the table", LONG, || async { db.table_lock_waiters().await >= 1 }).await;
     // Eight leases (400 ms) and ten time limits.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let waiting = db.lock_waiters().await;
-    let what = rows!(
-        db,
-        (String,),
-        "SELECT left(query, 60) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-    );
-    // A renewal and its spare, a round, a fetch, each overlapping its next try for a moment.
-    assert!(waiting <= 8, "{waiting} statements wait for the table: {what:?}");
-    maintenance.rollback().await.unwrap();
+    let waiting = db.table_lock_waiters().await;
+    // A renewal and its spare, a round, a fetch, each overlapping its next try for a moment (on MySQL,
+    // whose limits are whole seconds, for longer: 4-8 seen). Without the limits: 17 in 3 s and growing.
+    assert!(waiting <= 10, "{waiting} statements wait for the table");
+    maintenance.release().await;
     wait_for("every partition held again", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
 }

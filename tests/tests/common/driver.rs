@@ -322,15 +322,21 @@ impl TestDb {
     /// Locks the records table against every other session, as maintenance or a migration does, until
     /// [`TableLock::release`]. A server's only: SQLite has no table locks.
     pub async fn lock_records_table(&self) -> TableLock {
+        self.lock_table("records").await
+    }
+
+    /// Locks outbox table `table` (`records`, `instances`, ...) as [`TestDb::lock_records_table`] does.
+    pub async fn lock_table(&self, table: &str) -> TableLock {
         use sqlx::{Connection, Executor};
         assert!(!self.is_sqlite(), "SQLite has no table locks");
         if self.is_mysql() {
             let mut conn = sqlx::MySqlConnection::connect(&self.url().await).await.unwrap();
-            conn.execute("LOCK TABLES outbox_records WRITE").await.unwrap();
+            conn.execute(AssertSqlSafe(format!("LOCK TABLES outbox_{table} WRITE"))).await.unwrap();
             return TableLock::MySql(conn);
         }
         let mut tx = self.begin().await;
-        tx.execute(AssertSqlSafe(self.sql("LOCK TABLE {s}records IN ACCESS EXCLUSIVE MODE")), &[]).await.unwrap();
+        let lock = self.sql(&format!("LOCK TABLE {{s}}{table} IN ACCESS EXCLUSIVE MODE"));
+        tx.execute(AssertSqlSafe(lock), &[]).await.unwrap();
         TableLock::Postgres(tx)
     }
 
