@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 every_backend!(
     graceful_scale_up_and_down_delivers_every_record_once_in_order,
+    a_release_that_fails_names_its_partitions,
     a_crashed_instances_partitions_move_on_after_its_lease,
     a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition,
     a_partition_handed_on_during_its_quiet_period_stays_quiet,
@@ -848,6 +849,29 @@ async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
         first - before_the_takeover
     );
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
+}
+
+/// A release the database refuses leaves its partitions delivered by nobody until one is answered; the
+/// warning names them and the instance. Before, only "ownership round failed" was logged, with the
+/// instance and the database's error: which partitions stood still was nowhere.
+async fn a_release_that_fails_names_its_partitions(db: TestDb) {
+    let logs = Captured::start("outbox_cluster=warn");
+    let outbox = outbox(&db, |_| {}).await;
+    let a = start(&outbox, &db, Handlers::new()).await;
+    wait_for("a owning every partition", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    db.refuse_releases().await;
+    let b = start(&outbox, &db, Handlers::new()).await;
+    let warned =
+        || logs.text().lines().any(|l| l.contains("releasing partitions failed") && l.contains(&a.id().to_string()));
+    wait_for("a's failed release warned of", LONG, || async { warned() }).await;
+    let line = logs.text().lines().find(|l| l.contains("releasing partitions failed")).unwrap().to_string();
+    // b's half: the partitions a gives up, named.
+    let named = (0..=255).filter(|p| line.contains(&format!(" {p},")) || line.contains(&format!("[{p},"))).count();
+    assert!(named >= 64, "the partitions are named: {line}");
+    db.allow_releases().await;
+    wait_for("the partitions shared", LONG, || async { owners(&db).await.get(&b.id()) == Some(&128) }).await;
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
 }
 
 /// As above, with one more partition, taken free (no quiet period), whose release the database refuses

@@ -402,7 +402,11 @@ async fn release_partitions(
     partitions: &Epochs,
     reason: &'static str,
 ) -> Result<Vec<Partition>> {
-    let freed = store.release(me, partitions).await?;
+    let freed = store.release(me, partitions).await.inspect_err(|e| {
+        let partitions: Vec<Partition> = partitions.keys().copied().collect();
+        warn!(instance = %me, reason, ?partitions, error = %e,
+            "releasing partitions failed or went unanswered; nobody delivers them until a release is answered or this instance's lease ends");
+    })?;
     for partition in &freed {
         info!(partition, instance = %me, reason, "partition released");
     }
