@@ -217,7 +217,7 @@ async fn a_handover_between_processes_does_not_wait_for_the_rounds(pool: sqlx::P
 }
 
 /// A node declared dead registers again, and that registration is written but its answer lost (a
-/// trigger holds it past the query timeout, which gives it up): the retry goes under the same id, so
+/// trigger holds its commit past the query timeout, which gives it up): the retry goes under the same id, so
 /// the node is the one live instance and takes every partition. A new id per retry left the first
 /// counted as live, never heartbeating, for its whole lease: the rebalancer targeted half the
 /// partitions at it, and their records waited for that lease to end.
@@ -305,14 +305,19 @@ async fn a_registration_landing_after_a_stop_leaves_no_live_instance(pool: sqlx:
     assert_eq!(rows!(db, (InstanceId,), live), [], "no live instance left behind by the stop");
 }
 
-/// Makes every registration of an instance (PostgreSQL) take `seconds` more, until its trigger
-/// `slowly` on `instances` is dropped.
+/// Makes every registration of an instance (PostgreSQL) take `seconds` more at its commit, until its
+/// trigger `slowly` on `instances` is dropped: a registration given up meanwhile is written all the
+/// same, as one whose answer was lost (its transaction, left unfinished, would be rolled back).
 async fn slow_registrations(db: &TestDb, seconds: &str) {
     let slowly = format!(
-        "CREATE FUNCTION {{s}}slowly() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep({seconds}); RETURN NEW; END $$ LANGUAGE plpgsql"
+        "CREATE FUNCTION {{s}}slowly() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep({seconds}); RETURN NULL; END $$ LANGUAGE plpgsql"
     );
     db.exec(&slowly, &[]).await;
-    exec!(db, "CREATE TRIGGER slowly BEFORE INSERT ON {s}instances FOR EACH ROW EXECUTE FUNCTION {s}slowly()");
+    exec!(
+        db,
+        "CREATE CONSTRAINT TRIGGER slowly AFTER INSERT ON {s}instances DEFERRABLE INITIALLY DEFERRED
+         FOR EACH ROW EXECUTE FUNCTION {s}slowly()"
+    );
 }
 
 /// A release that goes unanswered (given up at its time limit) may still commit: until a release of its
@@ -320,7 +325,8 @@ async fn slow_registrations(db: &TestDb, seconds: &str) {
 /// meanwhile. Before, such a partition was delivered again under the epoch of the pending release; once
 /// that committed, the partition was free for any instance to take with no quiet period while those
 /// calls ran, and their outcomes were fenced out: the record was delivered twice. Here the release waits
-/// for a lock past its time limit, the target comes back while it waits, and it then takes 3 s to commit.
+/// for a lock past its time limit (the database ends its wait then too), the target comes back
+/// meanwhile, and the release sent again takes 3 s to commit, past its time limit.
 #[sqlx::test(migrations = false)]
 async fn a_partition_whose_release_went_unanswered_is_not_delivered_until_it_is_answered(pool: sqlx::PgPool) {
     logs();
@@ -337,14 +343,17 @@ async fn a_partition_whose_release_went_unanswered_is_not_delivered_until_it_is_
     exec!(db, "UPDATE {s}partitions SET target_owner = $1", a.id());
     nudge().await;
     wait_for("a owns everything", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    // At the release's commit, once a transaction: given up meanwhile, it commits all the same, as one
+    // whose answer was lost.
     let slowly = "CREATE FUNCTION {s}slow_releases() RETURNS trigger AS $$ BEGIN
-        IF EXISTS (SELECT 1 FROM was JOIN now USING (partition) WHERE was.owner IS NOT NULL AND now.owner IS NULL)
-        THEN PERFORM pg_sleep(3); END IF; RETURN NULL; END $$ LANGUAGE plpgsql";
+        IF current_setting('test.slept', true) IS DISTINCT FROM 'yes' THEN
+            PERFORM set_config('test.slept', 'yes', true); PERFORM pg_sleep(3);
+        END IF; RETURN NULL; END $$ LANGUAGE plpgsql";
     db.exec(slowly, &[]).await;
     exec!(
         db,
-        "CREATE TRIGGER slow_releases AFTER UPDATE ON {s}partitions REFERENCING OLD TABLE AS was NEW TABLE AS now
-        FOR EACH STATEMENT EXECUTE FUNCTION {s}slow_releases()"
+        "CREATE CONSTRAINT TRIGGER slow_releases AFTER UPDATE ON {s}partitions DEFERRABLE INITIALLY DEFERRED
+        FOR EACH ROW WHEN (OLD.owner IS NOT NULL AND NEW.owner IS NULL) EXECUTE FUNCTION {s}slow_releases()"
     );
     let partition: outbox_core::Partition = 7;
     let epoch = || async { db.scalar::<i64>("SELECT epoch FROM {s}partitions WHERE partition = 7", &[]).await };

@@ -79,8 +79,8 @@ struct Statements {
 
 impl Store {
     /// A store whose transactions hold rows, or wait for them, for at most `hold` once their client is
-    /// gone (MySQL's `wait_timeout` and lock waits; PostgreSQL's statement, lock and idle-in-transaction
-    /// time limits). A node's is under half its lease, since its transactions lock other instances'
+    /// gone (MySQL's `wait_timeout` and lock waits; PostgreSQL's lock and idle-in-transaction time
+    /// limits). A node's is under half its lease, since its transactions lock other instances'
     /// rows: an acquirer whose host vanished must not hold back their renewals past their leases.
     #[cfg_attr(
         not(any(feature = "mysql", feature = "postgres")),

@@ -130,14 +130,14 @@ pub(super) struct PgStatements {
     drain: Arc<str>,
     /// Begins the transaction each statement runs in (see [`PgStatements::limited`]).
     begin: Arc<str>,
-    /// When the heartbeat connection's statements end on the server.
-    heartbeat_limit: Duration,
+    /// How long the heartbeat connection's statements wait for a lock.
+    heartbeat_lock_limit: Duration,
 }
 
 impl PgStatements {
     /// `schema` is validated by the outbox's config; quoted, a reserved word such as `user` names it too.
     /// The store's transactions wait for locks or sit idle for at most `hold` (see
-    /// [`PgStatements::limited`]); every statement ends on the server after `limit`.
+    /// [`PgStatements::limited`]), the heartbeat's statements wait for locks for at most `limit`.
     pub(super) fn new(schema: &str, hold: Duration, limit: Duration) -> Self {
         let schema = quoted(schema);
         let build = |text: &str| -> Arc<str> { text.replace("{remaining}", REMAINING).replace("{s}", &schema).into() };
@@ -155,24 +155,21 @@ impl PgStatements {
             set_targets: build(SET_TARGETS),
             drain: build(DRAIN),
             begin: {
-                let (hold, limit) = (hold.as_millis().max(1), limit.as_millis().max(1));
-                format!(
-                    "BEGIN; SET LOCAL statement_timeout = {limit}; SET LOCAL lock_timeout = {hold};
-                     SET LOCAL idle_in_transaction_session_timeout = {hold}"
-                )
-                .into()
+                let ms = hold.as_millis().max(1);
+                format!("BEGIN; SET LOCAL lock_timeout = {ms}; SET LOCAL idle_in_transaction_session_timeout = {ms}")
+                    .into()
             },
-            heartbeat_limit: limit,
+            heartbeat_lock_limit: limit,
         }
     }
 
-    /// Runs `work` on `conn` in a transaction that ends on the server once the client has given it up:
-    /// a statement running past `query_timeout`, a lock waited for or the transaction left idle (its
-    /// host vanished before the `COMMIT`) past the store's `hold`, as MySQL's do. PostgreSQL does not
-    /// notice a closed client while a statement waits for a lock, so behind a lock held long (an
-    /// operator's open transaction on an instance row, a `LOCK TABLE`, DDL) every round given up went
-    /// on waiting, one more connection each time, until the server refused the application's
-    /// connections too.
+    /// Runs `work` on `conn` in a transaction that waits for a lock, or sits idle (its host vanished
+    /// before the `COMMIT`), for at most the store's `hold`, as MySQL's do. PostgreSQL does not notice
+    /// a closed client while a statement waits for a lock, so behind a lock held long (an operator's
+    /// open transaction on an instance row, a `LOCK TABLE`, DDL) every round given up went on waiting,
+    /// one more connection each time, until the server refused the application's connections too. A
+    /// statement that is merely slow is let finish: one given up may still commit, as one whose answer
+    /// was lost does, and the rounds allow for both.
     pub(super) async fn limited<T>(
         &self,
         conn: &mut PgConnection,
@@ -212,10 +209,10 @@ impl PgStatements {
     ) -> Result<Option<Duration>> {
         let conn = match own {
             Some(conn) => conn,
-            // Its statements end on the server after `query_timeout` (see `limited`).
+            // Its statements wait for a lock for at most `query_timeout` (see `limited`).
             None => {
-                let limit = format!("{}ms", self.heartbeat_limit.as_millis().max(1));
-                let session = [("statement_timeout", limit.as_str()), ("lock_timeout", limit.as_str())];
+                let limit = format!("{}ms", self.heartbeat_lock_limit.as_millis().max(1));
+                let session = [("lock_timeout", limit.as_str())];
                 own.insert(PgConnection::connect_with(&(*pool.connect_options()).clone().options(session)).await?)
             }
         };
