@@ -168,8 +168,9 @@ impl PgStatements {
     /// a closed client while a statement waits for a lock, so behind a lock held long (an operator's
     /// open transaction on an instance row, a `LOCK TABLE`, DDL) every round given up went on waiting,
     /// one more connection each time, until the server refused the application's connections too. A
-    /// statement that is merely slow is let finish: one given up may still commit, as one whose answer
-    /// was lost does, and the rounds allow for both.
+    /// step merely slow is not cut short on the server: given up before its `COMMIT`, it is rolled back
+    /// with its connection; given up in its `COMMIT`, it may still commit, as one whose answer was lost
+    /// does, which the rounds allow for.
     pub(super) async fn limited<T>(
         &self,
         conn: &mut PgConnection,
