@@ -153,9 +153,8 @@ async fn two_outboxes_in_one_process_report_apart(db: TestDb) {
     let orders = outbox(&db, |_| {}).await;
     let billing = outbox(&db, |c| c.schema = "billing".into()).await;
     let ok = || Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok(()) })));
-    let config = || ClusterConfig { stale_timeout: Duration::from_secs(10), ..fast_cluster() };
-    let a = Node::start(orders.clone(), &db, ok(), config()).await.unwrap();
-    let b = Node::start(billing.clone(), &db, ok(), config()).await.unwrap();
+    let a = Node::start(orders.clone(), &db, ok(), unlapsing_cluster()).await.unwrap();
+    let b = Node::start(billing.clone(), &db, ok(), unlapsing_cluster()).await.unwrap();
     commit(&orders, &db, (0..3).map(|i| NewRecord::new(format!("o-{i}"), "t", "")).collect()).await;
     commit(&billing, &db, (0..2).map(|i| NewRecord::new(format!("b-{i}"), "t", "")).collect()).await;
     let completed = |schema| kept.counter_of("outbox_records_completed_total", &[("schema", schema)]);
@@ -321,7 +320,7 @@ async fn a_reading_that_fails_leaves_the_time_of_the_last_one(db: TestDb) {
     let node = start(&outbox, &db, Handlers::new().default_route(Route::new(handler_fn(|_| async { Ok(()) })))).await;
     let read_at = || kept.gauge_of("outbox_backlog_read_timestamp_seconds", &[]).unwrap_or_default();
     wait_for("a reading", LONG, || async { read_at() > 0.0 }).await;
-    let lock = db.lock_records_table().await;
+    let lock = db.lock_table("records").await;
     // A reading under way when the lock was taken may still end well; after a time limit none can.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let last = read_at();

@@ -192,7 +192,7 @@ async fn operator_calls_given_up_by_their_caller_give_their_connection_up(db: Te
     let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
     let options = outbox_core::ConnectOptions { max_connections: 2, acquire_timeout: Duration::from_secs(5) };
     let small = db.db.new_pool(&options).await.unwrap();
-    let maintenance = db.lock_records_table().await;
+    let maintenance = db.lock_table("records").await;
     let id = uuid::Uuid::now_v7();
     let limit = Duration::from_millis(300);
     for _ in 0..2 {

@@ -319,13 +319,9 @@ impl TestDb {
         .await;
     }
 
-    /// Locks the records table against every other session, as maintenance or a migration does, until
-    /// [`TableLock::release`]. A server's only: SQLite has no table locks.
-    pub async fn lock_records_table(&self) -> TableLock {
-        self.lock_table("records").await
-    }
-
-    /// Locks outbox table `table` (`records`, `instances`, ...) as [`TestDb::lock_records_table`] does.
+    /// Locks outbox table `table` (`records`, `instances`, ...) against every other session, as
+    /// maintenance or a migration does, until [`TableLock::release`]. A server's only: SQLite has no
+    /// table locks.
     pub async fn lock_table(&self, table: &str) -> TableLock {
         use sqlx::{Connection, Executor};
         assert!(!self.is_sqlite(), "SQLite has no table locks");
@@ -516,7 +512,7 @@ fn client_ports(pid: u32, server_port: u16) -> Vec<u16> {
     ports
 }
 
-/// A lock on the records table ([`TestDb::lock_records_table`]).
+/// A lock on an outbox table ([`TestDb::lock_table`]).
 pub enum TableLock {
     Postgres(outbox_core::Tx),
     MySql(sqlx::MySqlConnection),
