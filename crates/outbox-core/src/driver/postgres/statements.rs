@@ -84,12 +84,24 @@ const PRUNE_KEYS: &str = "DELETE FROM {s}.keys WHERE key = ANY(ARRAY(
 
 const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at, r.deliver_at, {unfinished} AS unfinished, r.failed_at, r.next_attempt_at";
 
-const DUE: &str = "r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= now())";
+/// A record is its key's next to deliver: with stop-on-first-failure no record of the key comes before
+/// it; without, no due one does (`{earlier}`). `{t}` names the record.
+const FIRST: &str = "NOT EXISTS (SELECT 1 FROM {s}.records x
+    WHERE x.partition = {t}.partition AND x.key = {t}.key AND x.seq < {t}.seq {earlier})";
+
+/// A record that waited for a time (a retry's, or its delivery time) and is now due.
+const CAME_DUE: &str = "r.failed_at IS NULL AND r.next_attempt_at IS NOT NULL AND r.next_attempt_at <= now()";
+
+/// A record due at once: in the `records_ready` index.
+const READY: &str = "r.failed_at IS NULL AND r.next_attempt_at IS NULL";
 
 /// The fetch (see `Db::fetch`): `$1` partitions, `$2` epochs, `$3` start keys, `$4` instance, `$5` keys
-/// in flight, `$6` heads at most, `$7` followers per head, `$8` bytes per run. Heads come from a loose
-/// index scan (one probe per key, so the cost grows with keys, not records; it stops when the batch is
-/// full), walking each partition from its start key and then wrapping around.
+/// in flight, `$6` heads at most, `$7` followers per head, `$8` bytes per run. Per partition, first the
+/// records that waited for a time and came due (in that order, taking up to half the batch so a storm
+/// of retries leaves room for the rest), then a loose index scan of the keys with a record due at once
+/// (one probe per key, so the cost grows with those keys, not records, and not at all with keys whose
+/// records all wait; it stops when the batch is full), from the partition's start key and wrapping
+/// around; each only where it is its key's next record (`FIRST`).
 const FETCH: &str = "WITH served AS MATERIALIZED (
     SELECT a.partition, coalesce(a.after, '') AS after, a.after IS NOT NULL AS wraps
     FROM unnest($1::smallint[], $2::bigint[], $3::text[]) WITH ORDINALITY AS a(partition, epoch, after, ord)
@@ -101,32 +113,40 @@ const FETCH: &str = "WITH served AS MATERIALIZED (
            h.deliver_at, h.unfinished
     FROM served s CROSS JOIN LATERAL (
         SELECT * FROM (
+            SELECT {cols} FROM {s}.records r
+            WHERE r.partition = s.partition AND {came_due} AND {first_r}
+            ORDER BY r.next_attempt_at LIMIT ($6 + 1) / 2
+        ) came_due
+        UNION ALL
+        SELECT * FROM (
             WITH RECURSIVE walk AS (
-                (SELECT {cols} FROM {s}.records r WHERE r.partition = s.partition AND r.key > s.after {step_due}
+                (SELECT {cols} FROM {s}.records r WHERE r.partition = s.partition AND r.key > s.after AND {ready}
                  ORDER BY r.key, r.seq LIMIT 1)
                 UNION ALL
                 SELECT n.* FROM walk w CROSS JOIN LATERAL (
-                    SELECT {cols} FROM {s}.records r WHERE r.partition = w.partition AND r.key > w.key {step_due}
+                    SELECT {cols} FROM {s}.records r WHERE r.partition = w.partition AND r.key > w.key AND {ready}
                     ORDER BY r.key, r.seq LIMIT 1) n
             )
             SELECT * FROM walk
         ) tail
+        WHERE {first_tail}
         UNION ALL
         SELECT * FROM (
             WITH RECURSIVE walk AS (
                 (SELECT {cols} FROM {s}.records r
-                 WHERE s.wraps AND r.partition = s.partition AND r.key <= s.after {step_due}
+                 WHERE s.wraps AND r.partition = s.partition AND r.key <= s.after AND {ready}
                  ORDER BY r.key, r.seq LIMIT 1)
                 UNION ALL
                 SELECT n.* FROM walk w CROSS JOIN LATERAL (
                     SELECT {cols} FROM {s}.records r
-                    WHERE r.partition = w.partition AND r.key > w.key AND r.key <= s.after {step_due}
+                    WHERE r.partition = w.partition AND r.key > w.key AND r.key <= s.after AND {ready}
                     ORDER BY r.key, r.seq LIMIT 1) n
             )
             SELECT * FROM walk
         ) wrapped
+        WHERE {first_wrapped}
     ) h
-    WHERE {head_due} AND h.key <> ALL($5::text[])
+    WHERE h.key <> ALL($5::text[])
     LIMIT $6
 ), numbered AS (
     SELECT heads.*, row_number() OVER () AS walk FROM heads
@@ -323,12 +343,18 @@ impl PgStatements {
                 .replace("{s}", &quoted)
                 .into()
         };
-        let (step_due, head_due) = if stop_on_first_failure {
-            (String::new(), DUE.replace("r.", "h."))
+        let earlier = if stop_on_first_failure {
+            ""
         } else {
-            (format!("AND {DUE}"), "true".to_string())
+            "AND x.failed_at IS NULL AND (x.next_attempt_at IS NULL OR x.next_attempt_at <= now())"
         };
-        let fetch = FETCH.replace("{step_due}", &step_due).replace("{head_due}", &head_due);
+        let first = |t: &str| FIRST.replace("{t}", t).replace("{earlier}", earlier);
+        let fetch = FETCH
+            .replace("{came_due}", CAME_DUE)
+            .replace("{ready}", READY)
+            .replace("{first_r}", &first("r"))
+            .replace("{first_tail}", &first("tail"))
+            .replace("{first_wrapped}", &first("wrapped"));
         Self {
             schema: schema.to_string(),
             wake_channel: format!("{schema}.wake"),
@@ -435,10 +461,67 @@ mod tests {
         assert!(large * 2 <= small * 3, "buffers read: {small} with 10 records per key, {large} with 100");
     }
 
+    /// Keys whose every record waits (here one each, scheduled an hour from now or FAILED: reminders, or
+    /// what a broker's outage left) cost the fetch nothing: beside 20,000 of them it reads about as many
+    /// buffers as without, and serves the same heads. Walking every key, it read each of them on every
+    /// poll (5 s a poll beside a million).
+    #[sqlx::test(migrations = false)]
+    async fn keys_whose_records_all_wait_cost_the_fetch_nothing(pool: PgPool) {
+        let instance = fill(&pool, 10, 0).await;
+        let (alone_rows, alone, alone_keys) = fetch_once(&pool, instance).await;
+        insert_waiting_keys(&pool, 20_000).await;
+        let (beside_rows, beside, beside_keys) = fetch_once(&pool, instance).await;
+        assert_eq!((alone_rows, beside_rows), (800, 800), "100 heads and 7 records after each");
+        assert_eq!(alone_keys, beside_keys);
+        assert!(beside * 2 <= alone * 3, "buffers read: {alone} alone, {beside} beside 20,000 waiting keys");
+    }
+
+    /// Records whose retry came due take at most half a fetch's batch in a partition: 200 keys retrying
+    /// beside 200 keys due at once, in one partition, fill a batch of 100 half and half. Taken first
+    /// and without a bound, a storm of retries held back the partition's other keys for as long as it
+    /// lasted.
+    #[sqlx::test(migrations = false)]
+    async fn retries_that_came_due_leave_half_the_batch_to_the_rest(pool: PgPool) {
+        let instance = fill(&pool, 0, 0).await;
+        sqlx::query(
+            "INSERT INTO outbox.records (id, partition, key, seq, event_type, payload, attempts, next_attempt_at)
+             SELECT gen_random_uuid(), 0, 'key-' || k, 1, 't', '\\x00', 1,
+                    CASE WHEN k % 2 = 0 THEN now() - interval '1 minute' END
+             FROM generate_series(1, 400) k",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let sql = super::PgStatements::new("outbox", true, true, Duration::from_secs(10));
+        let retried: Vec<(bool,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT r.next_attempt_at IS NOT NULL FROM ({}) f JOIN outbox.records r USING (id) WHERE f.walk IS NOT NULL",
+            sql.fetch
+        )))
+        .bind(vec![0_i16])
+        .bind(vec![1_i64])
+        .bind(vec![None::<&str>])
+        .bind(instance)
+        .bind(Vec::<String>::new())
+        .bind(100_i64)
+        .bind(7_i64)
+        .bind(65_536_i64)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        let came_due = retried.iter().filter(|(r,)| *r).count();
+        assert_eq!((came_due, retried.len()), (50, 100), "heads that came due, heads");
+    }
+
     /// Fills the table with `per_key` records for each of 2,000 keys, of which keys 1..=`later` have
     /// their head scheduled an hour from now, and runs one fetch (stop-on-first-failure) of every
     /// partition under `EXPLAIN (ANALYZE, BUFFERS)`: rows returned, buffers read, the keys fetched.
     async fn fetch_read(pool: &PgPool, per_key: i32, later: i32) -> (i64, i64, Vec<i32>) {
+        let instance = fill(pool, per_key, later).await;
+        fetch_once(pool, instance).await
+    }
+
+    /// The table as `fetch_read` reads it, every partition owned by the instance returned.
+    async fn fill(pool: &PgPool, per_key: i32, later: i32) -> uuid::Uuid {
         let outbox = Outbox::new(Config::default()).unwrap();
         outbox.migrate(pool).await.unwrap();
         let instance = uuid::Uuid::now_v7();
@@ -450,8 +533,6 @@ mod tests {
         .await
         .unwrap();
         sqlx::query("UPDATE outbox.partitions SET owner = $1, epoch = 1").bind(instance).execute(pool).await.unwrap();
-        let sql = super::PgStatements::new("outbox", true, true, Duration::from_secs(10));
-        let partitions: Vec<i16> = (0..256).collect();
         sqlx::query("TRUNCATE outbox.records").execute(pool).await.unwrap();
         sqlx::query(
             "INSERT INTO outbox.records (id, partition, key, seq, event_type, payload, deliver_at, next_attempt_at)
@@ -465,6 +546,29 @@ mod tests {
         .await
         .unwrap();
         sqlx::query("ANALYZE outbox.records").execute(pool).await.unwrap();
+        instance
+    }
+
+    /// Adds `n` keys of one record each, every other one scheduled an hour from now, the rest FAILED.
+    async fn insert_waiting_keys(pool: &PgPool, n: i32) {
+        sqlx::query(
+            "INSERT INTO outbox.records (id, partition, key, seq, event_type, payload, deliver_at, next_attempt_at, failed_at)
+             SELECT gen_random_uuid(), k % 256, 'held-' || k, 1, 't', '\\x00', d.at, d.at,
+                    CASE WHEN d.at IS NULL THEN now() END
+             FROM generate_series(1, $1) k,
+                  LATERAL (SELECT CASE WHEN k % 2 = 0 THEN now() + interval '1 hour' END AS at) d",
+        )
+        .bind(n)
+        .execute(pool)
+        .await
+        .unwrap();
+        sqlx::query("ANALYZE outbox.records").execute(pool).await.unwrap();
+    }
+
+    /// One fetch as `fetch_read` describes it, of the table as it is.
+    async fn fetch_once(pool: &PgPool, instance: uuid::Uuid) -> (i64, i64, Vec<i32>) {
+        let sql = super::PgStatements::new("outbox", true, true, Duration::from_secs(10));
+        let partitions: Vec<i16> = (0..256).collect();
         macro_rules! bound {
             ($text:expr) => {
                 sqlx::query_as(sqlx::AssertSqlSafe($text))
@@ -482,7 +586,11 @@ mod tests {
             bound!(format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", sql.fetch)).fetch_one(pool).await.unwrap();
         let keys: Vec<(String,)> =
             bound!(format!("SELECT DISTINCT key FROM ({}) f", sql.fetch)).fetch_all(pool).await.unwrap();
-        let keys = keys.iter().map(|(k,)| k.trim_start_matches("key-").parse().unwrap()).collect();
+        let mut keys: Vec<i32> = keys
+            .iter()
+            .map(|(k,)| k.strip_prefix("key-").unwrap_or_else(|| panic!("{k} fetched")).parse().unwrap())
+            .collect();
+        keys.sort_unstable();
         let top = &plan[0]["Plan"];
         let blocks = |name: &str| top[name].as_i64().unwrap();
         (top["Actual Rows"].as_i64().unwrap(), blocks("Shared Hit Blocks") + blocks("Shared Read Blocks"), keys)
@@ -508,7 +616,7 @@ mod tests {
         for stop_on_first_failure in [true, false] {
             let sql = super::PgStatements::new("outbox", stop_on_first_failure, true, Duration::from_secs(10));
             let plan = plan(&pool, &sql.fetch, &[0, 1, 2]).await;
-            assert!(plan.contains("Index Scan using records_partition_key_seq"), "{plan}");
+            assert!(plan.contains("Index Scan using records_ready"), "{plan}");
             assert!(!plan.contains("Seq Scan on records"), "{plan}");
             assert!(plan.contains("Recursive Union"), "{plan}");
         }
