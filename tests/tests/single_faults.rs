@@ -56,6 +56,7 @@ on_backends!(
 on_backends!(
     [postgres, mysql]
     renewals_and_rounds_given_up_on_a_table_lock_end_on_the_server_too,
+    renewals_and_rounds_given_up_on_a_locked_instance_row_end_on_the_server_too,
 );
 
 // MySQL session settings.
@@ -158,6 +159,28 @@ async fn renewals_and_rounds_given_up_on_a_table_lock_end_on_the_server_too(db: 
     // whose limits are whole seconds, for longer: 4-8 seen). Without the limits: 17 in 3 s and growing.
     assert!(waiting <= 10, "{waiting} statements wait for the table");
     maintenance.release().await;
+    wait_for("every partition held again", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
+    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
+}
+
+/// The same behind a lock on the node's own instance row (an operator's transaction left open after
+/// an edit of it): a row lock, whose waits MySQL does not end when their client goes, as it ends those
+/// for a table's metadata lock. Before, each renewal and single-statement step there waited on the
+/// server for `innodb_lock_wait_timeout` (50 s by default): 2 more a lease, and once the lock went
+/// each renewal that had waited applied, renewing a lease its node had given up.
+async fn renewals_and_rounds_given_up_on_a_locked_instance_row_end_on_the_server_too(db: TestDb) {
+    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_millis(300)).await;
+    let node = start(&outbox, &db, Handlers::new()).await;
+    wait_for("every partition held", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
+    let console = db.holding("SELECT 1 FROM {s}instances WHERE id = $1 FOR UPDATE", &[node.id().into()]).await;
+    wait_for("a renewal waiting for the row", LONG, || async { db.lock_waiters().await >= 1 }).await;
+    // Eight leases (400 ms) and ten time limits.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let waiting = db.lock_waiters().await;
+    // As behind the table lock above (1 seen on PostgreSQL, 6 on MySQL); without the limits on MySQL,
+    // 18 in 3 s and growing.
+    assert!(waiting <= 10, "{waiting} statements wait for the row");
+    console.rollback().await.unwrap();
     wait_for("every partition held again", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
 }

@@ -47,7 +47,7 @@ macro_rules! dispatch {
                 #[cfg(feature = "mysql")]
                 Db::MySql(pool) => {
                     let $s = &$store.statements.mysql;
-                    finishing(pool, async |$conn| $body).await
+                    finishing(pool, async |conn| $s.limited(conn, async |$conn| $body).await).await
                 }
                 other => Err(Error::BackendNotBuilt { backend: other.backend() }),
             }
@@ -94,7 +94,7 @@ impl Store {
             #[cfg(feature = "sqlite")]
             sqlite: sqlite::SqliteStatements::new(schema),
             #[cfg(feature = "mysql")]
-            mysql: mysql::MySqlStatements::new(schema, hold),
+            mysql: mysql::MySqlStatements::new(schema, hold, outbox.config().query_timeout),
         };
         Self {
             db,

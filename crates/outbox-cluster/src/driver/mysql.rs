@@ -141,6 +141,8 @@ FROM {s}_instances i ORDER BY i.started_at";
 /// The statements, built for one table prefix.
 #[derive(Debug)]
 pub(super) struct MySqlStatements {
+    /// Sets up the heartbeat's own connection.
+    heartbeat_session: Arc<str>,
     begin: Arc<str>,
     register: Arc<str>,
     heartbeat: Arc<str>,
@@ -164,10 +166,17 @@ pub(super) struct MySqlStatements {
 }
 
 impl MySqlStatements {
-    /// `schema` is validated by the outbox's config.
-    pub(super) fn new(schema: &str, hold: Duration) -> Self {
+    /// `schema` is validated by the outbox's config; the store's transactions hold or wait for rows for
+    /// at most `hold`, the heartbeat's statements wait for a row for at most `limit` (whole seconds).
+    pub(super) fn new(schema: &str, hold: Duration, limit: Duration) -> Self {
         let build = |text: &str| -> Arc<str> { render(text, schema).into() };
+        let secs = limit.as_secs() + u64::from(limit.subsec_nanos() > 0);
         Self {
+            heartbeat_session: format!(
+                "SET autocommit = 1, SESSION innodb_lock_wait_timeout = {}",
+                secs.clamp(1, 3600)
+            )
+            .into(),
             begin: begin_statement(hold),
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),
@@ -189,6 +198,20 @@ impl MySqlStatements {
             release: build(RELEASE),
             instances: build(INSTANCES),
         }
+    }
+
+    /// Runs `work` on `conn` in a transaction that waits for a row, or sits idle (its host vanished
+    /// before the `COMMIT`), for at most the store's `hold`. A statement on its own waited for a row at
+    /// the server's `innodb_lock_wait_timeout` (50 s by default), and MySQL does not end a row lock's
+    /// wait when its client goes: behind an instance row held long (an operator's open transaction)
+    /// each step given up went on waiting with a connection of its own, and applied once the row was
+    /// free.
+    pub(super) async fn limited<T>(
+        &self,
+        conn: &mut MySqlConnection,
+        work: impl AsyncFnOnce(&mut MySqlConnection) -> Result<T>,
+    ) -> Result<T> {
+        transaction(conn, &self.begin, work).await
     }
 
     /// The lease runs from the insert's database time, so it has all of `lease.live` left.
@@ -224,9 +247,10 @@ impl MySqlStatements {
             None => {
                 // The pool's options carry none of its connect hooks: on a server whose default is
                 // `autocommit = 0` (the workers' pool turning it on in a hook), each renewal would stay
-                // uncommitted, seen by this node alone, and hold its instance row locked.
+                // uncommitted, seen by this node alone, and hold its instance row locked. Its renewals
+                // wait for the row for `query_timeout` at most (see `limited`).
                 let mut conn = MySqlConnection::connect_with(&pool.connect_options()).await?;
-                sqlx::raw_sql("SET autocommit = 1").execute(&mut conn).await?;
+                sqlx::raw_sql(statement(&self.heartbeat_session)).execute(&mut conn).await?;
                 own.insert(conn)
             }
         };
@@ -266,30 +290,27 @@ impl MySqlStatements {
     }
 
     pub(super) async fn acquire(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<Vec<Taken>> {
-        transaction(conn, &self.begin, async |tx| {
-            let owners: Vec<String> =
-                sqlx::query_scalar(statement(&self.owners)).bind(me).bind(me).fetch_all(&mut *tx).await?;
+        let owners: Vec<String> =
+            sqlx::query_scalar(statement(&self.owners)).bind(me).bind(me).fetch_all(&mut *conn).await?;
+        if !owners.is_empty() {
+            sqlx::query(statement(&self.lock_owners)).bind(json(&owners)?).execute(&mut *conn).await?;
+        }
+        let taken: Vec<Taken> =
+            sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).bind(me).fetch_all(&mut *conn).await?;
+        if !taken.is_empty() {
+            let partitions: Vec<(i16, u8)> =
+                taken.iter().map(|t| (i16::from(t.partition), u8::from(t.previous.is_some()))).collect();
+            let at = taken.iter().find(|t| t.previous.is_some()).and_then(|t| t.taken_over_at);
+            let take = sqlx::query(statement(&self.take)).bind(json(&partitions)?).bind(me).bind(at);
+            take.execute(&mut *conn).await?;
+            let owners: BTreeSet<String> =
+                taken.iter().filter_map(|t| Some(t.previous?.0.simple().to_string())).collect();
             if !owners.is_empty() {
-                sqlx::query(statement(&self.lock_owners)).bind(json(&owners)?).execute(&mut *tx).await?;
+                let mark = sqlx::query(statement(&self.mark_taken_over)).bind(json(&owners)?).bind(at);
+                mark.execute(&mut *conn).await?;
             }
-            let taken: Vec<Taken> =
-                sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).bind(me).fetch_all(&mut *tx).await?;
-            if !taken.is_empty() {
-                let partitions: Vec<(i16, u8)> =
-                    taken.iter().map(|t| (i16::from(t.partition), u8::from(t.previous.is_some()))).collect();
-                let at = taken.iter().find(|t| t.previous.is_some()).and_then(|t| t.taken_over_at);
-                let take = sqlx::query(statement(&self.take)).bind(json(&partitions)?).bind(me).bind(at);
-                take.execute(&mut *tx).await?;
-                let owners: BTreeSet<String> =
-                    taken.iter().filter_map(|t| Some(t.previous?.0.simple().to_string())).collect();
-                if !owners.is_empty() {
-                    let mark = sqlx::query(statement(&self.mark_taken_over)).bind(json(&owners)?).bind(at);
-                    mark.execute(&mut *tx).await?;
-                }
-            }
-            Ok(taken)
-        })
-        .await
+        }
+        Ok(taken)
     }
 
     pub(super) async fn owned(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<Epochs> {
@@ -304,17 +325,14 @@ impl MySqlStatements {
         held: &Epochs,
     ) -> Result<Vec<Partition>> {
         let held: Vec<(i16, i64)> = held.iter().map(|(&p, e)| (i16::from(p), e.0)).collect();
-        transaction(conn, &self.begin, async |tx| {
-            let rows: Vec<PartitionOnly> =
-                sqlx::query_as(statement(&self.releasable)).bind(json(&held)?).bind(me).fetch_all(&mut *tx).await?;
-            let released: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
-            if !released.is_empty() {
-                let partitions: Vec<i16> = released.iter().map(|&p| i16::from(p)).collect();
-                sqlx::query(statement(&self.release)).bind(json(&partitions)?).execute(&mut *tx).await?;
-            }
-            Ok(released)
-        })
-        .await
+        let rows: Vec<PartitionOnly> =
+            sqlx::query_as(statement(&self.releasable)).bind(json(&held)?).bind(me).fetch_all(&mut *conn).await?;
+        let released: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
+        if !released.is_empty() {
+            let partitions: Vec<i16> = released.iter().map(|&p| i16::from(p)).collect();
+            sqlx::query(statement(&self.release)).bind(json(&partitions)?).execute(&mut *conn).await?;
+        }
+        Ok(released)
     }
 
     pub(super) async fn view(&self, conn: &mut MySqlConnection) -> Result<View> {
@@ -330,18 +348,15 @@ impl MySqlStatements {
                 .collect();
             Ok(json(&list)?)
         };
-        transaction(conn, &self.begin, async |tx| {
-            let rows: Vec<PartitionOnly> = sqlx::query_as(statement(&self.changed_targets))
-                .bind(listed(&mut targets.keys())?)
-                .fetch_all(&mut *tx)
-                .await?;
-            let changed: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
-            if !changed.is_empty() {
-                sqlx::query(statement(&self.set_targets)).bind(listed(&mut changed.iter())?).execute(&mut *tx).await?;
-            }
-            Ok(changed)
-        })
-        .await
+        let rows: Vec<PartitionOnly> = sqlx::query_as(statement(&self.changed_targets))
+            .bind(listed(&mut targets.keys())?)
+            .fetch_all(&mut *conn)
+            .await?;
+        let changed: Vec<Partition> = rows.into_iter().map(|r| r.partition).collect();
+        if !changed.is_empty() {
+            sqlx::query(statement(&self.set_targets)).bind(listed(&mut changed.iter())?).execute(&mut *conn).await?;
+        }
+        Ok(changed)
     }
 
     pub(super) async fn drain(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<()> {
@@ -385,7 +400,8 @@ mod tests {
             .execute(&pool)
             .await
             .unwrap();
-        let statements = MySqlStatements::new("outbox", std::time::Duration::from_secs(10));
+        let statements =
+            MySqlStatements::new("outbox", std::time::Duration::from_secs(10), std::time::Duration::from_secs(10));
         let mut own = pool.acquire().await.unwrap();
         let mut other = pool.acquire().await.unwrap();
         transaction(&mut own, &statements.begin, async |round| {
