@@ -148,11 +148,18 @@ pub async fn transaction<T, E: From<sqlx::Error>>(
     begin: &Arc<str>,
     work: impl AsyncFnOnce(&mut MySqlConnection) -> std::result::Result<T, E>,
 ) -> std::result::Result<T, E> {
+    const RESTORE: &str =
+        "SET SESSION wait_timeout = @outbox_wait_timeout, SESSION innodb_lock_wait_timeout = @outbox_lock_wait_timeout";
     const COMMIT: &str = "COMMIT; SET SESSION wait_timeout = @outbox_wait_timeout,
         SESSION innodb_lock_wait_timeout = @outbox_lock_wait_timeout";
     const ROLLBACK: &str = "ROLLBACK; SET SESSION wait_timeout = @outbox_wait_timeout,
         SESSION innodb_lock_wait_timeout = @outbox_lock_wait_timeout";
-    sqlx::raw_sql(statement(begin)).execute(&mut *conn).await?;
+    if let Err(e) = sqlx::raw_sql(statement(begin)).execute(&mut *conn).await {
+        // Its first statement may have changed the session's limits (a later one refused: a transaction
+        // left open on a pool without autocommit): put them back before the connection goes back to a pool.
+        let _ = sqlx::raw_sql(RESTORE).execute(&mut *conn).await;
+        return Err(e.into());
+    }
     let done = work(&mut *conn).await;
     let failed = match &done {
         Ok(_) => match sqlx::raw_sql(COMMIT).execute(&mut *conn).await {
@@ -887,6 +894,15 @@ mod tests {
                 .await
                 .unwrap();
         assert_eq!((written, open), (0, 0), "the failed transaction was rolled back and ended");
+        // A begin refused after its first statement (1568: a transaction left open on a connection
+        // without autocommit) gives the session its values back too: the server dropped an
+        // application's idle connection after the outbox's few seconds.
+        sqlx::raw_sql("SET autocommit = 0; INSERT INTO written (n) VALUES (2)").execute(&mut *conn).await.unwrap();
+        let refused = super::transaction(&mut conn, &begin, async |tx| sqlx::query(session).execute(tx).await).await;
+        assert!(refused.is_err(), "{refused:?}");
+        let after: (i64, i64) = sqlx::query_as(session).fetch_one(&mut *conn).await.unwrap();
+        assert_eq!(after, (1234, 77), "after a refused begin");
+        sqlx::raw_sql("ROLLBACK; SET autocommit = 1").execute(&mut *conn).await.unwrap();
     }
 
     /// A migrated test database and its outbox (default configuration).
