@@ -107,10 +107,15 @@ async fn take_turn(pool: &SqlitePool) -> Result<OwnedMutexGuard<()>> {
     })
 }
 
-/// The turn (a FIFO lock) of the database file `pool` opens; one per file per process.
+/// The turn (a FIFO lock) of the database file `pool` opens; one per file per process, whatever path
+/// names it (`data/app.db`, `./data/app.db`, `/srv/data/app.db`: pools naming it apart took turns apart,
+/// and their writers met in SQLite's busy handler, which is no queue).
 fn turn_of(pool: &SqlitePool) -> Arc<Mutex<()>> {
     static TURNS: LazyLock<std::sync::Mutex<HashMap<PathBuf, Arc<Mutex<()>>>>> = LazyLock::new(Default::default);
-    let file = pool.connect_options().get_filename().to_path_buf();
+    let options = pool.connect_options();
+    let named = options.get_filename();
+    // A file not there (an in-memory database) keeps its name.
+    let file = std::fs::canonicalize(named).unwrap_or_else(|_| named.to_path_buf());
     // The map is only ever inserted into, so a panic elsewhere cannot leave it inconsistent.
     let mut turns = TURNS.lock().unwrap_or_else(PoisonError::into_inner);
     Arc::clone(turns.entry(file).or_default())
@@ -132,8 +137,9 @@ mod tests {
             let options = super::super::options(&url).unwrap();
             sqlx::sqlite::SqlitePoolOptions::new().max_connections(2).connect_with(options).await.unwrap()
         };
-        let (a, b, other) = (pool(url("a.db")).await, pool(url("a.db")).await, pool(url("b.db")).await);
-        assert!(Arc::ptr_eq(&turn_of(&a), &turn_of(&b)));
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        let (a, b, other) = (pool(url("a.db")).await, pool(url("sub/../a.db")).await, pool(url("b.db")).await);
+        assert!(Arc::ptr_eq(&turn_of(&a), &turn_of(&b)), "one file, named two ways");
         assert!(!Arc::ptr_eq(&turn_of(&a), &turn_of(&other)));
 
         let first = write(&a).await.unwrap();
