@@ -182,6 +182,26 @@ impl RetryPolicy {
         nominal.mul_f64(1.0 - jitter * unit)
     }
 
+    /// The longest a record's attempts can span, from the first one's start to the last one's end,
+    /// each attempt lasting at most `per_attempt` and each retry waiting its nominal delay (a handler's
+    /// retry-after aside). A JetStream stream's duplicate window shorter than this lets a record whose
+    /// first publish was stored, its ack lost, land in the stream twice.
+    pub fn longest_span(&self, per_attempt: Duration) -> Duration {
+        let mut span = per_attempt;
+        let mut previous = None;
+        for n in 1..=self.max_retries {
+            let delay = self.nominal_delay(n);
+            if previous == Some(delay) {
+                // The delays grow until they stop (at the cap, or never for a fixed one): the rest alike.
+                let rest = self.max_retries - n + 1;
+                return span.saturating_add(delay.saturating_add(per_attempt).saturating_mul(rest));
+            }
+            span = span.saturating_add(delay).saturating_add(per_attempt);
+            previous = Some(delay);
+        }
+        span
+    }
+
     /// Whether a record that has now failed `attempts` times may be retried.
     pub fn may_retry(&self, attempts: u32) -> bool {
         attempts <= self.max_retries
@@ -191,6 +211,19 @@ impl RetryPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The default policy's ten retries (0.1 s doubling, capped at a minute: 0.1 … 51.2 s, 102.3 s in
+    /// all) and eleven attempts of 5 s each.
+    #[test]
+    fn the_longest_span_counts_every_delay_and_attempt() {
+        let span = RetryPolicy::default().longest_span(Duration::from_secs(5));
+        assert_eq!(span, MS(102_300) + Duration::from_secs(55));
+        assert_eq!(RetryPolicy::fixed(MS(10), 0).longest_span(MS(3)), MS(3));
+        assert_eq!(RetryPolicy::fixed(MS(10), 3).longest_span(MS(3)), MS(3 + 3 * 13));
+        assert_eq!(RetryPolicy::linear(MS(10), MS(10), 3).longest_span(MS(0)), MS(60));
+        assert_eq!(RetryPolicy::fixed(MS(10), u32::MAX).longest_span(Duration::MAX), Duration::MAX);
+        assert_eq!(RetryPolicy::fixed(MS(10), u32::MAX).longest_span(MS(0)), MS(10) * u32::MAX);
+    }
 
     const MS: fn(u64) -> Duration = Duration::from_millis;
 

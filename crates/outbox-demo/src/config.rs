@@ -55,11 +55,16 @@ impl DemoConfig {
         }
         config.nats.validate().map_err(|e| e.to_string())?;
         config.admin.validate().map_err(|e| e.to_string())?;
-        // A record whose publish was stored but whose ack was lost is published again after a retry
-        // delay, or by the next owner after a takeover; only within the window does the stream drop it.
+        // A record whose publish was stored but whose ack was lost is published again by a later
+        // attempt (perhaps the last of its retries, the ones between failing before they were sent
+        // during an outage), or by the next owner after a takeover; only within the window does the
+        // stream drop it.
         let window = config.nats.stream.duplicate_window;
         for (name, after) in [
-            ("outbox.retry.max_delay", config.outbox.retry.max_delay),
+            (
+                "the retries' span (outbox.retry's delays and a nats.publish_timeout per attempt)",
+                config.outbox.retry.longest_span(config.nats.publish_timeout),
+            ),
             ("cluster.stale_timeout", config.cluster.stale_timeout),
         ] {
             if config.use_nats && after >= window {

@@ -394,11 +394,14 @@ async fn bad_config_and_unreachable_services_are_one_line_errors(pool: PgPool) {
     std::fs::write(&bad, "[cluster]\nheartbeat_interval = \"5s\"\nstale_timeout = \"6s\"\n").unwrap();
     let out = env.run(&["--config", bad.to_str().unwrap(), "status"]);
     assert!(stderr(&out).contains("stale_timeout"), "{}", stderr(&out));
-    std::fs::write(&bad, "[outbox.retry]\nmax_delay = \"1h\"\n[nats]\n").unwrap();
+    // Thirty retries: 102.3 s of delays doubling up to the minute's cap, twenty more of a minute each,
+    // and 31 publish timeouts of 5 s. The stream's 20 minutes hold each delay, not the whole span.
+    std::fs::write(&bad, "[outbox.retry]\nmax_retries = 30\n[nats]\n").unwrap();
     let out = env.run(&["--config", bad.to_str().unwrap(), "status"]);
     assert!(!out.status.success());
     assert!(
-        stderr(&out).contains("nats.stream.duplicate_window (20m) must be longer than outbox.retry.max_delay (1h)"),
+        stderr(&out).contains("nats.stream.duplicate_window (20m) must be longer than the retries' span")
+            && stderr(&out).contains("(24m 17s 300ms)"),
         "{}",
         stderr(&out)
     );
