@@ -131,6 +131,23 @@ async fn a_database_error_that_does_not_pass_is_given_up_after_a_minute(pool: sq
     assert_eq!(consumed, Consumed { applied: 0, duplicates: 0, failed: 1, given_up: 1 });
 }
 
+/// A message given up at `max_deliver` is logged with where to find it (its stream and sequence, its
+/// subject, the outbox key and sequence): that line is its one trace, and it named only the message id,
+/// which JetStream cannot look up.
+#[sqlx::test(migrations = false)]
+async fn a_message_given_up_is_logged_with_where_to_find_it(pool: sqlx::PgPool) {
+    let logs = Captured::start("outbox_nats=error");
+    let refused = async |_: &mut Tx, _: &async_nats::jetstream::Message| -> Result<(), BoxError> {
+        Err("the read model refuses it".into())
+    };
+    let consumed = one_message_delivered(pool, 1, Duration::from_secs(60), refused).await;
+    assert_eq!(consumed, Consumed { applied: 0, duplicates: 0, failed: 1, given_up: 1 });
+    let text = logs.text();
+    for field in ["stream=\"OUTBOX\"", "stream_sequence=1", "subject=outbox.order.placed", "key=\"order-1\"", "seq=1"] {
+        assert!(text.contains(field), "{field} missing from: {text}");
+    }
+}
+
 /// What `apply_once` did with one message, by `apply`, on a consumer that delivers it at most
 /// `deliveries` times, once it has read them all (within `within`).
 async fn one_message_delivered(

@@ -125,7 +125,12 @@ where
                 let delay = redelivery_delay(&message);
                 let delivered = message.info().map_or(1, |info| info.delivered);
                 if max_deliver.is_some_and(|most| delivered >= most) {
-                    error!(source, message = %id, error = %e, delivered,
+                    // The one trace of a message never delivered again: enough to find it in the stream.
+                    let (stream, stream_sequence) =
+                        message.info().map_or(("?", 0), |info| (info.stream, info.stream_sequence));
+                    let (key, seq) = key_and_seq(&message).map_or((None, None), |(k, s)| (Some(k), Some(s)));
+                    error!(source, message = %id, error = %e, delivered, stream, stream_sequence,
+                        subject = %message.subject, key, seq,
                         "applying a message failed on the last delivery the consumer allows (max_deliver); rolled back, and JetStream will not deliver it again");
                     consumed.given_up += 1;
                 } else {
