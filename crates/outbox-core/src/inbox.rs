@@ -3,7 +3,8 @@
 //! a transaction of its own database that also calls [`Inbox::accept`] with the message's source and
 //! id: the first time, `accept` records them and says so; any later time it finds them and says the
 //! message was applied already, so the consumer changes nothing and just acknowledges it. Its table
-//! lives in the outbox schema (migrated with it) and is purged in bounded batches.
+//! lives in the outbox schema (migrated with it); the consumer purges it with [`Inbox::purge`], in
+//! bounded batches (nothing else does: the retention is the consumer's to choose).
 
 use std::time::Duration;
 

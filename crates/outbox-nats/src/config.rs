@@ -134,7 +134,11 @@ pub struct NatsConfig {
     pub connection_name: String,
     /// Subject template: `{event_type}`, `{key}`, `{partition}`.
     pub subject: String,
-    /// The stream to publish into.
+    /// The stream to publish into: the one [`ensure_stream`](crate::ensure_stream) provisions. A
+    /// publish goes wherever its subject leads, and any stream's ack counts as delivered: a subject
+    /// another stream captures (an operator's own, on purpose or by overlap) is delivered there, so keep
+    /// the template's subjects within this stream's unless that is meant. A record's own
+    /// `Nats-Expected-Stream` header pins it to one stream.
     pub stream: StreamSettings,
     /// How long to wait for a publish ack, and, before a publish, for a connection that is down.
     #[serde(with = "humantime_serde")]
