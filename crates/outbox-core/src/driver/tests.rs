@@ -869,7 +869,7 @@ async fn a_migration_waiting_for_a_table_lock_lets_the_others_through(pool: PgPo
             migrations[from].version
         );
         if undone.contains(&"due_heads") {
-            undo.push_str("DROP INDEX outbox.records_ready; DROP INDEX outbox.records_waiting;");
+            undo.push_str("DROP INDEX outbox.records_ready, outbox.records_held, outbox.records_waiting;");
         }
         db.execute_script(AssertSqlSafe(undo)).await.unwrap();
         let waiting = match db {

@@ -638,7 +638,7 @@ mod tests {
         let [.., last] = MIGRATIONS else { panic!("a migration at least") };
         assert_eq!(last.name, "due_heads", "the undo below is the last one's");
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "DROP INDEX outbox.records_ready; DROP INDEX outbox.records_waiting;
+            "DROP INDEX outbox.records_ready, outbox.records_held, outbox.records_waiting;
              DELETE FROM outbox.schema_migrations WHERE version = {}",
             last.version
         )))
