@@ -1123,6 +1123,17 @@ async fn refuse_completing(db: &TestDb, codes: &[&str]) -> (Arc<Sink>, i64) {
     logs();
     let outbox = outbox(db, |_| {}).await;
     let scheduled = commit(&outbox, db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
+    refuse_writes_of(db, scheduled[0].id, codes).await;
+    let sink = Sink::new();
+    let node = start(&outbox, db, recording(&sink)).await;
+    drained(db, LONG).await;
+    node.shutdown().await.unwrap();
+    (sink, db.scalar("SELECT last_value FROM {s}refusals", &[]).await)
+}
+
+/// A trigger that refuses record `id`'s delete or update with SQLSTATE `codes[0]`, then `codes[1]` and
+/// so on, then lets it through.
+async fn refuse_writes_of(db: &TestDb, id: uuid::Uuid, codes: &[&str]) {
     let refusals: String = (1..)
         .zip(codes)
         .map(|(n, code)| format!("WHEN {n} THEN RAISE EXCEPTION 'refused' USING ERRCODE = '{code}';\n"))
@@ -1139,8 +1150,7 @@ async fn refuse_completing(db: &TestDb, codes: &[&str]) -> (Arc<Sink>, i64) {
                     END CASE;
                 END IF;
                 RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
-            END $$",
-            id = scheduled[0].id
+            END $$"
         ),
         &[],
     )
@@ -1150,11 +1160,30 @@ async fn refuse_completing(db: &TestDb, codes: &[&str]) -> (Arc<Sink>, i64) {
         &[],
     )
     .await;
+}
+
+/// A key's first record whose completion the database refuses for good is written FAILED in its
+/// outcome's place; the key's later records, delivered in the same run, stay pending behind it and are
+/// delivered again after it once it is requeued. Completed, as they were, the requeue delivered the
+/// first record after them.
+#[sqlx::test(migrations = false)]
+async fn records_after_one_written_failed_in_its_outcomes_place_wait_behind_it(pool: sqlx::PgPool) {
+    logs();
+    let db = TestDb::postgres(pool);
+    let outbox = outbox(&db, |_| {}).await;
+    let scheduled = commit(&outbox, &db, (0..3).map(|_| NewRecord::new("k", "t", "")).collect()).await;
+    // Its batch refused, then the record alone: FAILED goes through.
+    refuse_writes_of(&db, scheduled[0].id, &["P0001", "P0001"]).await;
     let sink = Sink::new();
-    let node = start(&outbox, db, recording(&sink)).await;
-    drained(db, LONG).await;
+    let node = start(&outbox, &db, recording(&sink)).await;
+    wait_for("the first record FAILED", LONG, || async { failed_count(&db).await == 1 }).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(sink.ranks_of("k"), [1, 2, 3], "delivered once each, in order");
+    assert_eq!(pending(&db).await, 3, "the later records stay pending behind the FAILED one");
+    outbox.requeue(&db, scheduled[0].id).await.unwrap();
+    drained(&db, LONG).await;
     node.shutdown().await.unwrap();
-    (sink, db.scalar("SELECT last_value FROM {s}refusals", &[]).await)
+    assert_eq!(sink.ranks_of("k"), [1, 2, 3, 1, 2, 3], "delivered again in order after the requeue");
 }
 
 /// Calls counted before they are made (in partitions taken over from an owner whose lease ran out) are

@@ -8,7 +8,10 @@
 //! A batch the database rejects for good (not a transient error) is written one outcome at a time, so
 //! one bad outcome never holds back other keys'; an outcome rejected alone is written as FAILED with
 //! the database's reason, where an operator sees it. An outcome left to retry holds back its key's
-//! later outcomes, and the key stays in flight until all of them are written.
+//! later outcomes, and the key stays in flight until all of them are written. With
+//! stop-on-first-failure, a key's outcomes after one written as FAILED in its place are not written:
+//! their records stay pending behind it, as behind any FAILED record, and are delivered again after it
+//! once an operator requeues or skips it.
 
 use tracing::error;
 
@@ -41,6 +44,8 @@ pub(super) async fn complete(outbox: &Outbox, db: &Db, batch: Vec<Outcome>) -> C
     let mut completed = Completed::default();
     let mut retry: Vec<Outcome> = Vec::new();
     let mut last_error = None;
+    // Keys whose outcome was written as FAILED in its place (with stop-on-first-failure).
+    let mut held_back: Vec<String> = Vec::new();
     for outcome in batch {
         // A key's outcomes are written in its order: once one waits for a retry, the key's later ones
         // wait with it (written first, they would leave the earlier record pending behind them).
@@ -48,8 +53,23 @@ pub(super) async fn complete(outbox: &Outbox, db: &Db, batch: Vec<Outcome>) -> C
             retry.push(outcome);
             continue;
         }
+        // Completed behind a FAILED record, they would be delivered before it once it is requeued.
+        if held_back.contains(&outcome.key) {
+            error!(record = %outcome.id, key = %outcome.key, partition = outcome.partition, instance = %outcome.instance,
+                "an earlier record of this key was written as FAILED in its outcome's place; this one stays pending behind it");
+            completed.settled.push(outcome);
+            continue;
+        }
         match write_alone(outbox, db, outcome).await {
             Ok((outcome, written)) => {
+                // A run ends at its first failure, so only a FAILED written in an outcome's place has
+                // outcomes of its key after it in the batch.
+                if outbox.config().stop_on_first_failure
+                    && matches!(outcome.verdict, Verdict::Failed { .. })
+                    && written.ids.contains(&outcome.id)
+                {
+                    held_back.push(outcome.key.clone());
+                }
                 completed.written.merge(written);
                 completed.settled.push(outcome);
             }
