@@ -147,20 +147,9 @@ async fn statements_given_up_on_a_table_lock_end_on_the_server_too(db: TestDb) {
 /// the database ends its wait then too. Before, each one given up went on waiting on the server with a
 /// connection of its own: two renewals a lease and a round per `query_timeout` more, without end.
 async fn renewals_and_rounds_given_up_on_a_table_lock_end_on_the_server_too(db: TestDb) {
-    let outbox = outbox(&db, |c| c.query_timeout = Duration::from_millis(300)).await;
-    let node = start(&outbox, &db, Handlers::new()).await;
-    wait_for("every partition held", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
-    let maintenance = db.lock_table("instances").await;
-    wait_for("a renewal waiting for the table", LONG, || async { db.table_lock_waiters().await >= 1 }).await;
-    // Eight leases (400 ms) and ten time limits.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let waiting = db.table_lock_waiters().await;
     // A renewal and its spare, a round, a fetch, each overlapping its next try for a moment (on MySQL,
     // whose limits are whole seconds, for longer: 4-8 seen). Without the limits: 17 in 3 s and growing.
-    assert!(waiting <= 10, "{waiting} statements wait for the table");
-    maintenance.release().await;
-    wait_for("every partition held again", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
-    tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
+    renewals_and_rounds_given_up_behind(db, Blocker::Table).await;
 }
 
 /// The same behind a lock on the node's own instance row (an operator's transaction left open after
@@ -169,18 +158,47 @@ async fn renewals_and_rounds_given_up_on_a_table_lock_end_on_the_server_too(db: 
 /// server for `innodb_lock_wait_timeout` (50 s by default): 2 more a lease, and once the lock went
 /// each renewal that had waited applied, renewing a lease its node had given up.
 async fn renewals_and_rounds_given_up_on_a_locked_instance_row_end_on_the_server_too(db: TestDb) {
+    // 1 seen on PostgreSQL, 6 on MySQL; without the limits on MySQL, 18 in 3 s and growing.
+    renewals_and_rounds_given_up_behind(db, Blocker::OwnRow).await;
+}
+
+/// What holds up a node's renewals and rounds.
+enum Blocker {
+    /// A lock on the instances table.
+    Table,
+    /// A transaction holding the node's own instance row.
+    OwnRow,
+}
+
+/// A node (`query_timeout` 300 ms) behind `blocker` for 3 s: at most 10 of its statements wait for the
+/// lock at the end, and once it goes the node holds every partition again.
+async fn renewals_and_rounds_given_up_behind(db: TestDb, blocker: Blocker) {
     let outbox = outbox(&db, |c| c.query_timeout = Duration::from_millis(300)).await;
     let node = start(&outbox, &db, Handlers::new()).await;
     wait_for("every partition held", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
-    let console = db.holding("SELECT 1 FROM {s}instances WHERE id = $1 FOR UPDATE", &[node.id().into()]).await;
-    wait_for("a renewal waiting for the row", LONG, || async { db.lock_waiters().await >= 1 }).await;
+    let waiters = async || match blocker {
+        Blocker::Table => db.table_lock_waiters().await,
+        Blocker::OwnRow => db.lock_waiters().await,
+    };
+    enum Held {
+        Table(TableLock),
+        Row(outbox_core::Tx),
+    }
+    let held = match blocker {
+        Blocker::Table => Held::Table(db.lock_table("instances").await),
+        Blocker::OwnRow => {
+            Held::Row(db.holding("SELECT 1 FROM {s}instances WHERE id = $1 FOR UPDATE", &[node.id().into()]).await)
+        }
+    };
+    wait_for("a renewal waiting for the lock", LONG, || async { waiters().await >= 1 }).await;
     // Eight leases (400 ms) and ten time limits.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let waiting = db.lock_waiters().await;
-    // As behind the table lock above (1 seen on PostgreSQL, 6 on MySQL); without the limits on MySQL,
-    // 18 in 3 s and growing.
-    assert!(waiting <= 10, "{waiting} statements wait for the row");
-    console.rollback().await.unwrap();
+    let waiting = waiters().await;
+    assert!(waiting <= 10, "{waiting} statements wait for the lock");
+    match held {
+        Held::Table(lock) => lock.release().await,
+        Held::Row(tx) => tx.rollback().await.unwrap(),
+    }
     wait_for("every partition held again", LONG, || async { node.assignment().borrow().epochs.len() == 256 }).await;
     tokio::time::timeout(LONG, node.shutdown()).await.expect("the node stops").unwrap();
 }

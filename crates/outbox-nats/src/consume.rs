@@ -123,11 +123,11 @@ where
             }
             Err(e) => {
                 let delay = redelivery_delay(&message);
-                let delivered = message.info().map_or(1, |info| info.delivered);
+                let info = message.info().ok();
+                let delivered = info.as_ref().map_or(1, |info| info.delivered);
                 if max_deliver.is_some_and(|most| delivered >= most) {
                     // The one trace of a message never delivered again: enough to find it in the stream.
-                    let (stream, stream_sequence) =
-                        message.info().map_or(("?", 0), |info| (info.stream, info.stream_sequence));
+                    let (stream, stream_sequence) = info.map_or(("?", 0), |info| (info.stream, info.stream_sequence));
                     let (key, seq) = key_and_seq(&message).map_or((None, None), |(k, s)| (Some(k), Some(s)));
                     error!(source, message = %id, error = %e, delivered, stream, stream_sequence,
                         subject = %message.subject, key, seq,

@@ -7,6 +7,8 @@ pub mod conformance;
 mod driver;
 pub mod recorded;
 #[allow(unused_imports)]
+pub use driver::TableLock;
+#[allow(unused_imports)]
 pub use outbox_tests::nats;
 
 use std::collections::BTreeMap;

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::driver::mysql::{begin_statement, render, transaction};
+use outbox_core::driver::mysql::{begin_statement, render, session_seconds, transaction};
 use outbox_core::driver::{json, millis, statement};
 use outbox_core::{Epochs, InstanceId, Partition};
 use sqlx::{Connection, MySqlConnection, MySqlPool};
@@ -170,11 +170,10 @@ impl MySqlStatements {
     /// at most `hold`, the heartbeat's statements wait for a row for at most `limit` (whole seconds).
     pub(super) fn new(schema: &str, hold: Duration, limit: Duration) -> Self {
         let build = |text: &str| -> Arc<str> { render(text, schema).into() };
-        let secs = limit.as_secs() + u64::from(limit.subsec_nanos() > 0);
         Self {
             heartbeat_session: format!(
                 "SET autocommit = 1, SESSION innodb_lock_wait_timeout = {}",
-                secs.clamp(1, 3600)
+                session_seconds(limit)
             )
             .into(),
             begin: begin_statement(hold),

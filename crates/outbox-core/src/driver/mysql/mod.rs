@@ -17,7 +17,7 @@ use tracing::info;
 use uuid::Uuid;
 
 use self::statements::MIGRATIONS_TABLE;
-pub use self::statements::{MySqlStatements, NOW, begin_statement, render};
+pub use self::statements::{MySqlStatements, NOW, begin_statement, render, session_seconds};
 use super::{ConnectOptions, Driver, count, json, millis, statement};
 use crate::error::{Error, Result};
 use crate::migrate::{self, Migration, checksum, recorded_columns, to_apply};

@@ -284,11 +284,16 @@ fn delete_keys() -> String {
     format!("DELETE FROM {{s}}_keys WHERE `key` IN ({list})")
 }
 
+/// `limit` as MySQL's session time limits (`wait_timeout`, `innodb_lock_wait_timeout`) take it: whole
+/// seconds, rounded up, from one to a year.
+pub fn session_seconds(limit: Duration) -> u64 {
+    (limit.as_secs() + u64::from(limit.subsec_nanos() > 0)).clamp(1, 31_536_000)
+}
+
 /// The statement that begins one of the outbox's own transactions ([`transaction`](super::transaction)) for an outbox
 /// whose `query_timeout` is `limit`.
 pub fn begin_statement(limit: Duration) -> Arc<str> {
-    // `wait_timeout` is whole seconds, at most a year.
-    let secs = (limit.as_secs() + u64::from(limit.subsec_nanos() > 0)).clamp(1, 31_536_000);
+    let secs = session_seconds(limit);
     format!(
         "SET @outbox_wait_timeout = @@SESSION.wait_timeout, SESSION wait_timeout = {secs},
              @outbox_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout, SESSION innodb_lock_wait_timeout = {secs};

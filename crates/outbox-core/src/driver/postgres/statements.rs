@@ -436,21 +436,34 @@ mod tests {
 
     use crate::{Config, Outbox};
 
-    async fn plan(pool: &PgPool, sql: &str, partitions: &[i16]) -> String {
-        let explain = format!("EXPLAIN (FORMAT TEXT) {sql}");
-        let cursors: Vec<Option<&str>> = partitions.iter().map(|&p| (p % 2 == 1).then_some("key-500")).collect();
-        let rows: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(explain))
+    /// `text` (the fetch, or a statement around it) with the fetch's arguments bound: `partitions` at
+    /// epoch 1 from `cursors`, for `instance`, no key in flight, 100 heads, 7 records after each, 64 KiB
+    /// a run.
+    fn fetch_bound<'q, O>(
+        text: String,
+        partitions: &'q [i16],
+        cursors: Vec<Option<&'q str>>,
+        instance: uuid::Uuid,
+    ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>
+    where
+        O: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
+    {
+        sqlx::query_as(sqlx::AssertSqlSafe(text))
             .bind(partitions)
             .bind(vec![1_i64; partitions.len()])
             .bind(cursors)
-            .bind(uuid::Uuid::now_v7())
+            .bind(instance)
             .bind(Vec::<String>::new())
             .bind(100_i64)
             .bind(7_i64)
             .bind(65_536_i64)
-            .fetch_all(pool)
-            .await
-            .unwrap();
+    }
+
+    async fn plan(pool: &PgPool, sql: &str, partitions: &[i16]) -> String {
+        let explain = format!("EXPLAIN (FORMAT TEXT) {sql}");
+        let cursors = partitions.iter().map(|&p| (p % 2 == 1).then_some("key-500")).collect();
+        let rows: Vec<(String,)> =
+            fetch_bound(explain, partitions, cursors, uuid::Uuid::now_v7()).fetch_all(pool).await.unwrap();
         rows.into_iter().map(|(line,)| line).collect::<Vec<_>>().join("\n")
     }
 
@@ -509,21 +522,11 @@ mod tests {
         .await
         .unwrap();
         let sql = super::PgStatements::new("outbox", true, true, Duration::from_secs(10));
-        let retried: Vec<(bool,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        let heads = format!(
             "SELECT r.next_attempt_at IS NOT NULL FROM ({}) f JOIN outbox.records r USING (id) WHERE f.walk IS NOT NULL",
             sql.fetch
-        )))
-        .bind(vec![0_i16])
-        .bind(vec![1_i64])
-        .bind(vec![None::<&str>])
-        .bind(instance)
-        .bind(Vec::<String>::new())
-        .bind(100_i64)
-        .bind(7_i64)
-        .bind(65_536_i64)
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+        );
+        let retried: Vec<(bool,)> = fetch_bound(heads, &[0], vec![None], instance).fetch_all(&pool).await.unwrap();
         let came_due = retried.iter().filter(|(r,)| *r).count();
         assert_eq!((came_due, retried.len()), (50, 100), "heads that came due, heads");
     }
@@ -585,23 +588,12 @@ mod tests {
     async fn fetch_once(pool: &PgPool, instance: uuid::Uuid) -> (i64, i64, Vec<i32>) {
         let sql = super::PgStatements::new("outbox", true, true, Duration::from_secs(10));
         let partitions: Vec<i16> = (0..256).collect();
-        macro_rules! bound {
-            ($text:expr) => {
-                sqlx::query_as(sqlx::AssertSqlSafe($text))
-                    .bind(&partitions)
-                    .bind(vec![1_i64; 256])
-                    .bind(vec![None::<&str>; 256])
-                    .bind(instance)
-                    .bind(Vec::<String>::new())
-                    .bind(100_i64)
-                    .bind(7_i64)
-                    .bind(65_536_i64)
-            };
-        }
+        let explain = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", sql.fetch);
         let (plan,): (serde_json::Value,) =
-            bound!(format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", sql.fetch)).fetch_one(pool).await.unwrap();
+            fetch_bound(explain, &partitions, vec![None; 256], instance).fetch_one(pool).await.unwrap();
+        let served = format!("SELECT DISTINCT key FROM ({}) f", sql.fetch);
         let keys: Vec<(String,)> =
-            bound!(format!("SELECT DISTINCT key FROM ({}) f", sql.fetch)).fetch_all(pool).await.unwrap();
+            fetch_bound(served, &partitions, vec![None; 256], instance).fetch_all(pool).await.unwrap();
         let mut keys: Vec<i32> = keys
             .iter()
             .map(|(k,)| k.strip_prefix("key-").unwrap_or_else(|| panic!("{k} fetched")).parse().unwrap())
