@@ -377,6 +377,30 @@ async fn stream_provisioning_creates_checks_and_explains_mismatches() {
     }
 }
 
+/// Workers started together all provision the stream: one creates it, and the others, whose create
+/// lost the race (nats-server 2.9 answers it with a subject overlap, 10065), find it and check it.
+#[tokio::test]
+async fn workers_starting_together_all_find_the_stream_one_of_them_created() {
+    let server = NatsServer::start();
+    let config = config(&server);
+    let mut clients = Vec::new();
+    for _ in 0..6 {
+        clients.push(outbox_nats::connect(&config).await.unwrap());
+    }
+    for round in 0..200 {
+        let settings = StreamSettings {
+            name: format!("TOGETHER{round}"),
+            subjects: vec![format!("together{round}.>")],
+            ..config.stream.clone()
+        };
+        let tries = clients.iter().map(|client| ensure_stream(client, &settings));
+        for result in futures::future::join_all(tries).await {
+            let info = result.unwrap_or_else(|e| panic!("round {round}: {e}"));
+            assert_eq!(info.config.name, settings.name);
+        }
+    }
+}
+
 /// Stream settings the server refuses for good are not worth retrying: subjects another stream
 /// captures (10065), replicas on a server that is not clustered (10074). A start-up loop that retries
 /// what `is_transient` says retried them for ever. A broker out of reach still is worth retrying.

@@ -27,27 +27,27 @@ pub async fn ensure_stream(client: &Client, settings: &StreamSettings) -> Result
         ..Default::default()
     };
     match js.get_stream(&settings.name).await {
-        Ok(mut existing) => {
-            let info = existing.info().await.map_err(|e| failed(e.to_string(), false))?.clone();
-            let differences = differences(&wanted, &info.config);
-            if !differences.is_empty() {
-                return Err(Error::StreamMismatch { stream: name, differences });
+        Ok(existing) => checked(existing, &wanted).await,
+        Err(e) if is_not_found(&e) => match js.create_stream(wanted.clone()).await {
+            Ok(mut created) => {
+                info!(stream = %settings.name, subjects = ?settings.subjects, "created JetStream stream");
+                Ok(created.info().await.map_err(|e| failed(e.to_string(), false))?.clone())
             }
-            Ok(info)
-        }
-        Err(e) if is_not_found(&e) => {
-            let mut created = js.create_stream(wanted).await.map_err(|e| {
-                use jetstream::context::CreateStreamErrorKind as Kind;
-                let refused = match e.kind() {
-                    Kind::JetStream(js) => refuses_for_good(js.error_code()),
-                    Kind::EmptyStreamName | Kind::InvalidStreamName | Kind::DomainAndExternalSet => true,
-                    _ => false,
-                };
-                failed(format!("cannot create: {e}"), refused)
-            })?;
-            info!(stream = %settings.name, subjects = ?settings.subjects, "created JetStream stream");
-            Ok(created.info().await.map_err(|e| failed(e.to_string(), false))?.clone())
-        }
+            // Workers started together race to create it, and the losers' create is refused (nats-server
+            // 2.9 answers a subject overlap with the stream just made): the stream there is checked.
+            Err(e) => match js.get_stream(&settings.name).await {
+                Ok(existing) => checked(existing, &wanted).await,
+                Err(_) => {
+                    use jetstream::context::CreateStreamErrorKind as Kind;
+                    let refused = match e.kind() {
+                        Kind::JetStream(js) => refuses_for_good(js.error_code()),
+                        Kind::EmptyStreamName | Kind::InvalidStreamName | Kind::DomainAndExternalSet => true,
+                        _ => false,
+                    };
+                    Err(failed(format!("cannot create: {e}"), refused))
+                }
+            },
+        },
         Err(e) => {
             use jetstream::context::GetStreamErrorKind as Kind;
             let refused = match e.kind() {
@@ -58,6 +58,17 @@ pub async fn ensure_stream(client: &Client, settings: &StreamSettings) -> Result
             Err(failed(e.to_string(), refused))
         }
     }
+}
+
+/// The existing stream's info, or what in it differs from the configuration.
+async fn checked(mut existing: stream::Stream, wanted: &stream::Config) -> Result<stream::Info> {
+    let failed = |message: String| Error::Stream { stream: wanted.name.clone(), message, refused: false };
+    let info = existing.info().await.map_err(|e| failed(e.to_string()))?.clone();
+    let differences = differences(wanted, &info.config);
+    if !differences.is_empty() {
+        return Err(Error::StreamMismatch { stream: wanted.name.clone(), differences });
+    }
+    Ok(info)
 }
 
 /// Whether the server's answer holds whatever the retries: the settings clash with another stream or
