@@ -47,6 +47,7 @@ every_backend!(
     counted_calls_whose_turns_come_after_a_stop_began_are_not_made,
     a_keys_suspects_are_called_one_after_another_in_one_turn,
     a_process_ending_among_a_keys_suspects_counts_only_the_call_it_ended_in,
+    a_count_fenced_out_cancels_the_calls_of_its_grant,
 );
 
 // A network between: a server's.
@@ -935,6 +936,95 @@ async fn a_process_ending_among_a_keys_suspects_counts_only_the_call_it_ended_in
         [(third, 2, true), (third + 1, 1, true)],
         "counted: the call it ended in, once more; not the next"
     );
+}
+
+/// A count write the database fences out (the partition has a new owner or epoch) stops the partition
+/// under that grant as a fenced completion does: the grant's calls still running are cancelled, not
+/// left to run beside the new owner's until the lease ends. Here `b`'s count waits for its turn behind
+/// a suspect of another partition, the epoch moves meanwhile, and `a` (scheduled after the takeover,
+/// so not counted) is in its call when the count is refused.
+async fn a_count_fenced_out_cancels_the_calls_of_its_grant(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let (p, q) = (partition_of("b"), partition_of("suspect"));
+    let a = (0..).map(|i| format!("a-{i}")).find(|k| partition_of(k) == p).unwrap();
+    assert_ne!(p, q);
+    let me = register_instance(&db).await;
+    for partition in [p, q] {
+        exec!(db, "UPDATE {s}partitions SET owner = $1, epoch = 1 WHERE partition = $2", me, i16::from(partition));
+    }
+    commit(&outbox, &db, vec![NewRecord::new("suspect", "t", ""), NewRecord::new("b", "t", "")]).await;
+    exec!(
+        db,
+        "UPDATE {s}records SET attempts = 1, last_error = $1 WHERE key = 'suspect'",
+        outbox_core::UNFINISHED_CALL
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let takeover = chrono::Utc::now();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    commit(&outbox, &db, vec![NewRecord::new(&a, "t", "")]).await;
+
+    let (open, gate) = watch::channel(false);
+    let (suspect_called, a_called, a_dropped, b_called) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let handlers = Handlers::new().default_route(Route::new(handler_fn({
+        let (suspect_called, a_called, a_dropped, b_called) =
+            (suspect_called.clone(), a_called.clone(), a_dropped.clone(), b_called.clone());
+        let a = a.clone();
+        move |r: outbox_core::Record| {
+            let mut gate = gate.clone();
+            let (suspect_called, a_called, a_dropped, b_called) =
+                (suspect_called.clone(), a_called.clone(), a_dropped.clone(), b_called.clone());
+            let is_a = r.key == a;
+            async move {
+                if r.key == "suspect" {
+                    suspect_called.store(true, Ordering::SeqCst);
+                    gate.wait_for(|&open| open).await.unwrap();
+                } else if is_a {
+                    a_called.store(true, Ordering::SeqCst);
+                    let _dropped = SetOnDrop(a_dropped);
+                    std::future::pending::<()>().await;
+                } else {
+                    b_called.store(true, Ordering::SeqCst);
+                }
+                Ok::<(), HandlerError>(())
+            }
+        }
+    })));
+    let granted = |partitions: &[outbox_core::Partition]| Assignment {
+        lease: Some(Deadline::now().after(LONG)),
+        taken_over: partitions.iter().map(|&p| (p, takeover)).collect(),
+        ..Assignment::new(me, partitions.iter().map(|&p| (p, Epoch(1))).collect())
+    };
+    // The suspect first, so that it holds every turn when b is fetched.
+    let (tx, assignment) = watch::channel(granted(&[q]));
+    let stop = CancellationToken::new();
+    let processor = tokio::spawn(Processor::new(outbox.clone(), db.clone(), handlers, assignment).run(stop.clone()));
+    wait_for("the suspect called", LONG, || async { suspect_called.load(Ordering::SeqCst) }).await;
+    tx.send_replace(granted(&[p, q]));
+    wait_for("a called", LONG, || async { a_called.load(Ordering::SeqCst) }).await;
+    exec!(db, "UPDATE {s}partitions SET epoch = epoch + 1 WHERE partition = $1", i16::from(p));
+    open.send_replace(true);
+    wait_for("the suspect delivered", LONG, || async {
+        count(&db, "SELECT count(*) FROM {s}completed WHERE key = 'suspect'").await == 1
+    })
+    .await;
+    wait_for("a's call cancelled", Duration::from_secs(10), || async { a_dropped.load(Ordering::SeqCst) }).await;
+    assert!(!b_called.load(Ordering::SeqCst), "b was called under a fenced grant");
+    stop.cancel();
+    tokio::time::timeout(LONG, processor).await.expect("the processor stops").unwrap().unwrap();
+}
+
+/// Sets its flag when dropped: with a handler's future, when the call is cancelled.
+struct SetOnDrop(Arc<AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }
 
 /// The in-process sink passes the handler conformance suite (the JetStream handler runs it too).

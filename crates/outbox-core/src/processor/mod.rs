@@ -55,6 +55,7 @@ use tokio::task::{Id as TaskId, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, instrument, warn};
+use uuid::Uuid;
 
 pub use careful::UNFINISHED_CALL;
 pub use deliver::MAX_ERROR_BYTES;
@@ -666,6 +667,9 @@ impl State {
                 // The key stays in flight until they are written (or fenced out).
                 self.outcomes.extend(not_called(run));
             } else {
+                if !written.held.contains(&(partition, instance, epoch)) {
+                    self.fence_out((partition, instance, epoch), head.record.id, &head.record.key);
+                }
                 self.leave_flight(&head.record.key);
             }
         }
@@ -789,13 +793,19 @@ impl State {
         } else if written.held.contains(&outcome.grant()) {
             debug!(record = %outcome.id, key = %outcome.key, partition = outcome.partition,
                 "outcome already settled (an earlier attempt committed, or the record was removed or requeued)");
-        } else if self.fenced.insert(outcome.partition, (outcome.instance, outcome.epoch))
-            != Some((outcome.instance, outcome.epoch))
-        {
-            warn!(partition = outcome.partition, instance = %outcome.instance, epoch = %outcome.epoch,
-                record = %outcome.id, key = %outcome.key,
+        } else {
+            self.fence_out(outcome.grant(), outcome.id, &outcome.key);
+        }
+    }
+
+    /// A write under this grant was fenced out (the partition has a new owner or epoch; `record` of `key`
+    /// the first found so): nothing more is fetched or called under it, and its calls running are
+    /// cancelled, as the new owner may be delivering their keys already.
+    fn fence_out(&mut self, (partition, instance, epoch): (Partition, InstanceId, Epoch), record: Uuid, key: &str) {
+        if self.fenced.insert(partition, (instance, epoch)) != Some((instance, epoch)) {
+            warn!(partition, %instance, %epoch, %record, key,
                 "fenced out: the partition has a new owner or epoch; stopped processing it");
-            self.cancels.cancel(outcome.grant());
+            self.cancels.cancel((partition, instance, epoch));
         }
     }
 
