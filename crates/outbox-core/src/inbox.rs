@@ -100,6 +100,7 @@ impl Inbox {
             let purge = db.purge_inbox(outbox.statements(), retention, limit);
             answered_within(outbox.config().query_timeout, "purging the inbox", purge)
                 .await
+                .map(crate::purge::Batch::deleted)
                 .map_err(|e| outbox.not_migrated(e))
         })
         .await

@@ -22,22 +22,30 @@ impl Outbox {
             let purge = db.purge(self.statements(), retention, limit);
             answered_within(self.config().query_timeout, "purging completed records", purge)
                 .await
+                .map(Batch::deleted)
                 .map_err(|e| self.not_migrated(e))
         })
         .await
     }
 
-    /// Deletes the per-key lock rows of keys with no record left, `batch_size` per statement, until none
-    /// are left; returns how many. A key's row is written again by its next `schedule`, and its sequence
+    /// Deletes the per-key lock rows of keys with no record left, reading `batch_size` of them per
+    /// statement in key order, each once a pass; returns how many. A key's row is written again by its next `schedule`, and its sequence
     /// numbers go on growing: they come from one database-wide sequence, not from the row.
     #[instrument(skip(self, db))]
     pub async fn prune_keys(&self, db: impl Into<Db>, batch_size: usize) -> Result<u64> {
         let db = &db.into();
+        // Where the next batch goes on: the key rows before it were read (keys are never empty).
+        let after = &std::sync::Mutex::new(String::new());
         in_batches(batch_size, |limit| async move {
-            let prune = db.prune_keys(self.statements(), limit);
-            answered_within(self.config().query_timeout, "pruning key rows", prune)
+            let from = after.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+            let prune = db.prune_keys(self.statements(), limit, &from);
+            let pruned = answered_within(self.config().query_timeout, "pruning key rows", prune)
                 .await
-                .map_err(|e| self.not_migrated(e))
+                .map_err(|e| self.not_migrated(e))?;
+            if let Some(last) = pruned.last {
+                *after.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = last;
+            }
+            Ok(Batch { deleted: pruned.deleted, read: pruned.read })
         })
         .await
     }
@@ -90,8 +98,22 @@ pub(crate) fn check_retention(retention: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Runs `batch` (one delete of at most the size it is given, answering how many rows it deleted)
-/// until a run deletes fewer than it was given; returns how many in all. A `batch_size` of 0 is an
+/// What one batch did: rows deleted, and rows read (at most the size it was given; fewer when none
+/// are left).
+pub(crate) struct Batch {
+    pub(crate) deleted: u64,
+    pub(crate) read: u64,
+}
+
+impl Batch {
+    /// A delete that reads only the rows it deletes.
+    pub(crate) fn deleted(rows: u64) -> Batch {
+        Batch { deleted: rows, read: rows }
+    }
+}
+
+/// Runs `batch` (one statement of at most the size it is given) until one reads fewer rows than it
+/// was given; returns how many rows were deleted in all. A `batch_size` of 0 is an
 /// error (it would never finish).
 ///
 /// A batch that does not fit its time (given up at `query_timeout`, or a lock not had in time, as
@@ -102,7 +124,7 @@ pub(crate) fn check_retention(retention: Duration) -> Result<()> {
 pub(crate) async fn in_batches<F, Fut>(batch_size: usize, mut batch: F) -> Result<u64>
 where
     F: FnMut(usize) -> Fut,
-    Fut: Future<Output = Result<u64>>,
+    Fut: Future<Output = Result<Batch>>,
 {
     if batch_size == 0 {
         return Err(Error::Config("a purge's batch_size must be > 0".into()));
@@ -111,8 +133,8 @@ where
     loop {
         match batch(size).await {
             Ok(done) => {
-                total += done;
-                if done < size as u64 {
+                total += done.deleted;
+                if done.read < size as u64 {
                     return Ok(total);
                 }
             }
@@ -133,7 +155,7 @@ mod tests {
         let mut calls = 0;
         let result = super::in_batches(0, |_| {
             calls += 1;
-            async { Ok(0) }
+            async { Ok(super::Batch::deleted(0)) }
         })
         .await;
         assert!(matches!(result, Err(crate::Error::Config(_))), "{result:?}");
@@ -161,8 +183,8 @@ mod tests {
         let purged = super::in_batches(1000, |limit| {
             sizes.push(limit);
             let done = (limit as u64).min(left);
-            let result = if limit > 300 { Err(timeout()) } else { Ok(done) };
-            left -= result.as_ref().map_or(0, |n| *n);
+            let result = if limit > 300 { Err(timeout()) } else { Ok(super::Batch::deleted(done)) };
+            left -= result.as_ref().map_or(0, |n| n.deleted);
             async move { result }
         })
         .await
@@ -173,7 +195,7 @@ mod tests {
         let mut calls = 0;
         let result = super::in_batches(4, |_| {
             calls += 1;
-            async { Err::<u64, _>(timeout()) }
+            async { Err::<super::Batch, _>(timeout()) }
         })
         .await;
         assert!(matches!(result, Err(crate::Error::QueryTimeout { .. })), "{result:?}");

@@ -445,11 +445,22 @@ impl Db {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).purge_inbox(retention, limit).await)
     }
 
-    /// Deletes at most `limit` per-key lock rows of keys with no record left, skipping rows a writer
-    /// holds (a backend that keeps no such rows deletes nothing).
-    pub(crate) async fn prune_keys(&self, statements: &Statements, limit: usize) -> Result<u64> {
-        dispatch!(self, statements, |pool, s| pool_of(pool, s).prune_keys(limit).await)
+    /// Reads at most `limit` per-key lock rows after key `after`, in key order, and deletes those of keys
+    /// with no record left, skipping rows a writer holds (a backend that keeps no such rows reads none).
+    pub(crate) async fn prune_keys(&self, statements: &Statements, limit: usize, after: &str) -> Result<KeysPruned> {
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).prune_keys(limit, after).await)
     }
+}
+
+/// What one batch of [`Db::prune_keys`] did.
+#[derive(Debug, Default)]
+pub(crate) struct KeysPruned {
+    /// Key rows read.
+    pub(crate) read: u64,
+    /// Of them, deleted.
+    pub(crate) deleted: u64,
+    /// The last key read: where the next batch goes on.
+    pub(crate) last: Option<String>,
 }
 
 /// How a connection error names a database server: backend, database (when the URL names one) and

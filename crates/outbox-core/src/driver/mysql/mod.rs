@@ -710,21 +710,27 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
         self.within(async |tx| Ok(query.execute(tx).await?.rows_affected())).await
     }
 
-    pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
+    pub(crate) async fn prune_keys(&self, limit: usize, after: &str) -> Result<super::KeysPruned> {
         self.within(async |tx| {
-            let keys: Vec<String> = sqlx::query_scalar(statement(&self.statements.prunable_keys))
+            let walked: Vec<(String, bool)> = sqlx::query_as(statement(&self.statements.prunable_keys))
+                .bind(after)
                 .bind(count(limit))
                 .fetch_all(&mut *tx)
                 .await?;
-            let mut pruned = 0;
-            for chunk in keys.chunks(statements::DELETE_KEYS_AT_ONCE) {
+            let unused: Vec<&String> = walked.iter().filter(|(_, unused)| *unused).map(|(key, _)| key).collect();
+            let mut deleted = 0;
+            for chunk in unused.chunks(statements::DELETE_KEYS_AT_ONCE) {
                 let mut query = sqlx::query(statement(&self.statements.delete_keys));
                 for i in 0..statements::DELETE_KEYS_AT_ONCE {
-                    query = query.bind(chunk.get(i).or(chunk.last()));
+                    query = query.bind(chunk.get(i).or(chunk.last()).copied());
                 }
-                pruned += query.execute(&mut *tx).await?.rows_affected();
+                deleted += query.execute(&mut *tx).await?.rows_affected();
             }
-            Ok(pruned)
+            Ok(super::KeysPruned {
+                read: walked.len() as u64,
+                deleted,
+                last: walked.last().map(|(key, _)| key.clone()),
+            })
         })
         .await
     }

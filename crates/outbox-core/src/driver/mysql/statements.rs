@@ -263,9 +263,13 @@ const PURGE_INBOX: &str = "DELETE FROM {s}_inbox WHERE accepted_at < UTC_TIMESTA
 ORDER BY accepted_at LIMIT ?";
 
 /// At most `?` key lock rows whose key has no record left, skipping those a writer holds; locked.
-const PRUNABLE_KEYS: &str = "SELECT k.`key` FROM {s}_keys k
-WHERE NOT EXISTS (SELECT 1 FROM {s}_records r WHERE r.`partition` = k.`partition` AND r.`key` = k.`key`)
-LIMIT ? FOR UPDATE SKIP LOCKED";
+/// Up to `?` key rows after key `?`, in key order, locked (skipping those a writer holds), each with
+/// whether its key has no record left. A pass goes on from the last, so it reads each key row once,
+/// as many a statement as the batch's size whatever their records.
+const PRUNABLE_KEYS: &str = "SELECT k.`key`,
+    NOT EXISTS (SELECT 1 FROM {s}_records r WHERE r.`partition` = k.`partition` AND r.`key` = k.`key`) AS unused
+FROM {s}_keys k WHERE k.`key` > ?
+ORDER BY k.`key` LIMIT ? FOR UPDATE SKIP LOCKED";
 
 /// A statement on the failed deliveries of one completion batch.
 fn failing(text: &str) -> String {

@@ -536,9 +536,11 @@ impl Driver<'_, PgPool, PgStatements> {
         bounded(self.pool, self.statements, query).await
     }
 
-    pub(crate) async fn prune_keys(&self, limit: usize) -> Result<u64> {
-        let query = sqlx::query(statement(&self.statements.prune_keys)).bind(count(limit));
-        bounded(self.pool, self.statements, query).await
+    pub(crate) async fn prune_keys(&self, limit: usize, after: &str) -> Result<super::KeysPruned> {
+        let query = sqlx::query_as(statement(&self.statements.prune_keys)).bind(count(limit)).bind(after);
+        let (read, last, deleted): (i64, Option<String>, i64) =
+            within(self.pool, &self.statements.begin, async |tx| Ok(query.fetch_one(tx).await?)).await?;
+        Ok(super::KeysPruned { read: read.try_into().unwrap_or(0), deleted: deleted.try_into().unwrap_or(0), last })
     }
 }
 

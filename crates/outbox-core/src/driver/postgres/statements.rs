@@ -77,10 +77,17 @@ FROM locked l, input i
 RETURNING id, seq";
 
 /// Deletes at most `$1` key lock rows whose key has no record left (skipping those a writer holds).
-const PRUNE_KEYS: &str = "DELETE FROM {s}.keys WHERE key = ANY(ARRAY(
-    SELECT k.key FROM {s}.keys k
-    WHERE NOT EXISTS (SELECT 1 FROM {s}.records r WHERE r.partition = k.partition AND r.key = k.key)
-    LIMIT $1 FOR UPDATE SKIP LOCKED))";
+/// Reads up to `$1` key rows after key `$2`, in key order, and deletes those of keys with no record
+/// left: rows read, the last of them (where the next batch goes on), rows deleted. A statement reads
+/// as many key rows as the batch's size, whatever their records: probed one by one in key order (a
+/// subquery with a limit), where `NOT EXISTS` may become a hash anti-join that reads every record.
+const PRUNE_KEYS: &str = "WITH walked AS MATERIALIZED (
+    SELECT k.key, (SELECT 1 FROM {s}.records r WHERE r.partition = k.partition AND r.key = k.key LIMIT 1) IS NULL AS unused
+    FROM {s}.keys k WHERE k.key > $2 ORDER BY k.key LIMIT $1),
+pruned AS (DELETE FROM {s}.keys WHERE key = ANY(ARRAY(
+    SELECT k.key FROM {s}.keys k WHERE k.key = ANY(ARRAY(SELECT key FROM walked WHERE unused))
+    FOR UPDATE SKIP LOCKED)) RETURNING 1)
+SELECT (SELECT count(*) FROM walked), (SELECT max(key) FROM walked), (SELECT count(*) FROM pruned)";
 
 const RECORD_COLUMNS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.headers, r.attempts, r.requeues, r.created_at, r.deliver_at, {unfinished} AS unfinished, r.failed_at, r.next_attempt_at";
 

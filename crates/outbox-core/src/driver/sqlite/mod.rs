@@ -456,8 +456,8 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
     }
 
     /// SQLite keeps no per-key rows: its single writer serialises the writers of every key.
-    pub(crate) async fn prune_keys(&self, _limit: usize) -> Result<u64> {
-        Ok(0)
+    pub(crate) async fn prune_keys(&self, _limit: usize, _after: &str) -> Result<super::KeysPruned> {
+        Ok(super::KeysPruned::default())
     }
 }
 
