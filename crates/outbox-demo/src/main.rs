@@ -84,9 +84,9 @@ enum Command {
     /// FAILED records: list, requeue, skip.
     #[command(subcommand)]
     Failed(operator::FailedCommand),
-    /// Deletes completed records older than a retention.
+    /// Deletes completed records and the consumer's inbox rows older than a retention.
     Purge {
-        /// Keep completed records younger than this.
+        /// Keep completed records and inbox rows younger than this.
         #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
         older_than: Duration,
     },

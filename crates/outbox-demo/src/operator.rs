@@ -145,5 +145,9 @@ pub async fn purge(ctx: &Context, older_than: Duration) -> Result<(), Failure> {
     println!("purged {n} completed records older than {}", humantime::format_duration(older_than));
     let keys = ctx.outbox.prune_keys(&ctx.db, ctx.config.outbox.purge_batch_size).await?;
     println!("pruned {keys} lock rows of keys with no record left");
+    // The consumer's record of the messages it applied (each key's last sequence, which orders its
+    // events, is kept): a message is redelivered within seconds (the consumer's ack_wait), not hours.
+    let inbox = ctx.outbox.inbox().purge(&ctx.db, older_than, ctx.config.outbox.purge_batch_size).await?;
+    println!("purged {inbox} inbox rows of messages consumed more than {} ago", humantime::format_duration(older_than));
     Ok(())
 }

@@ -303,6 +303,9 @@ struct BackendSql {
     count_skipped: &'static str,
     /// Makes the skipped records' completion 3 hours old.
     age_skipped: &'static str,
+    /// Makes the inbox row of message "old" 3 hours old.
+    age_inbox: &'static str,
+    count_inbox: &'static str,
 }
 
 const POSTGRES: BackendSql = BackendSql {
@@ -316,6 +319,8 @@ const POSTGRES: BackendSql = BackendSql {
     count_failed: "SELECT count(*) FROM outbox.records WHERE failed_at IS NOT NULL",
     count_skipped: "SELECT count(*) FROM outbox.completed WHERE outcome = 'skipped'",
     age_skipped: "UPDATE outbox.completed SET completed_at = now() - interval '3 hours' WHERE outcome = 'skipped'",
+    age_inbox: "UPDATE outbox.inbox SET accepted_at = now() - interval '3 hours' WHERE message_id = 'old'",
+    count_inbox: "SELECT count(*) FROM outbox.inbox",
 };
 
 const MYSQL: BackendSql = BackendSql {
@@ -330,6 +335,8 @@ const MYSQL: BackendSql = BackendSql {
     count_failed: "SELECT count(*) FROM outbox_records WHERE failed_at IS NOT NULL",
     count_skipped: "SELECT count(*) FROM outbox_completed WHERE outcome = 'skipped'",
     age_skipped: "UPDATE outbox_completed SET completed_at = UTC_TIMESTAMP(6) - INTERVAL 3 HOUR WHERE outcome = 'skipped'",
+    age_inbox: "UPDATE outbox_inbox SET accepted_at = UTC_TIMESTAMP(6) - INTERVAL 3 HOUR WHERE message_id = 'old'",
+    count_inbox: "SELECT count(*) FROM outbox_inbox",
 };
 
 /// SQLite names the tables as MySQL does, and its test reads only the plain counts, which are alike.
@@ -366,8 +373,18 @@ async fn failed_records_can_be_listed_requeued_and_skipped_and_purged(
     assert_eq!(count(sql.count_skipped).await, 1);
 
     db.execute(sql.age_skipped, &[]).await.unwrap();
+    // The consumer's inbox: a message applied 3 hours ago and one just now.
+    let inbox = outbox_core::Outbox::new(outbox_core::Config::default()).unwrap().inbox();
+    let mut tx = db.begin().await.unwrap();
+    for message in ["old", "new"] {
+        assert!(inbox.accept(&mut tx, "demo-read-model", message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    db.execute(sql.age_inbox, &[]).await.unwrap();
     let purged = env.ok(&["purge", "--older-than", "2h"]);
     assert!(purged.contains("purged 1 completed records"), "{purged}");
+    assert!(purged.contains("purged 1 inbox rows"), "{purged}");
+    assert_eq!(count(sql.count_inbox).await, 1, "the message applied just now is kept");
 }
 
 #[sqlx::test(migrations = false)]
