@@ -182,7 +182,9 @@ async fn failed_records_page_by_position_without_gaps_or_repeats(db: TestDb) {
     }
 }
 
-/// Payloads are listed only when enabled, and then only to a request with a token.
+/// Payloads are listed only when enabled, and then only to a request with a token that asks for them:
+/// an open page refreshes its FAILED records every 2 s, and with a token typed in it read (and logged
+/// the read of) a page of payloads at each refresh.
 async fn payloads_are_listed_only_when_enabled(db: TestDb) {
     let outbox = outbox(&db, hourly).await;
     failed_records(&outbox, &db, 2).await;
@@ -205,11 +207,21 @@ async fn payloads_are_listed_only_when_enabled(db: TestDb) {
     );
     let (status, body) = call(&shown, "GET", "/api/failed", Some("ops-token-0123456780"), None).await;
     assert_eq!(status, StatusCode::FORBIDDEN, "a token that is not configured is refused: {body}");
-    let request = Request::get("/api/failed").header(header::AUTHORIZATION, format!("Bearer {TOKEN}"));
+    let (status, body) = call(&shown, "GET", "/api/failed", Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let unasked: FailedPage = serde_json::from_value(body).unwrap();
+    assert_eq!(unasked.records.len(), 3);
+    assert!(
+        unasked.records.iter().all(|r| r.payload.is_none() && r.payload_base64.is_none()),
+        "payloads go only to a request that asks for them"
+    );
+    let anyone: FailedPage = get(&shown, "/api/failed?payloads=true").await;
+    assert!(anyone.records.iter().all(|r| r.payload.is_none()), "asking is not enough without a token");
+    let request = Request::get("/api/failed?payloads=true").header(header::AUTHORIZATION, format!("Bearer {TOKEN}"));
     let response = shown.clone().oneshot(request.body(Body::empty()).unwrap()).await.unwrap();
     let cache = response.headers().get(header::CACHE_CONTROL).map(|v| v.to_str().unwrap().to_string());
     assert_eq!(cache.as_deref(), Some("no-store"), "payloads stay out of the browser's cache");
-    let (status, body) = call(&shown, "GET", "/api/failed", Some(TOKEN), None).await;
+    let (status, body) = call(&shown, "GET", "/api/failed?payloads=true", Some(TOKEN), None).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     let page: FailedPage = serde_json::from_value(body).unwrap();
     assert_eq!(page.records.len(), 3);
@@ -226,7 +238,7 @@ async fn payloads_are_listed_only_when_enabled(db: TestDb) {
     let mib = vec![b'x'; 1024 * 1024];
     commit(&outbox, &db, (0..5).map(|_| NewRecord::new("large", "t", mib.clone())).collect()).await;
     exec!(db, "UPDATE {s}records SET failed_at = {now} WHERE key = 'large'");
-    let (mut seen, mut uri, mut pages) = (0, "/api/failed?key=large".to_string(), Vec::new());
+    let (mut seen, mut uri, mut pages) = (0, "/api/failed?key=large&payloads=true".to_string(), Vec::new());
     loop {
         let (status, body) = call(&shown, "GET", &uri, Some(TOKEN), None).await;
         assert_eq!(status, StatusCode::OK, "{body}");
@@ -236,8 +248,10 @@ async fn payloads_are_listed_only_when_enabled(db: TestDb) {
         seen += page.records.len();
         pages.push(page.records.len());
         let Some(next) = page.next else { break };
-        uri =
-            format!("/api/failed?key=large&after_partition={}&after_key=large&after_seq={}", next.partition, next.seq);
+        uri = format!(
+            "/api/failed?key=large&payloads=true&after_partition={}&after_key=large&after_seq={}",
+            next.partition, next.seq
+        );
     }
     assert_eq!((seen, pages), (5, vec![4, 1]), "every record once, four MiB to a page");
 }

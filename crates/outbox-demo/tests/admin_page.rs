@@ -1,6 +1,7 @@
 //! The operator page in a real browser (Debian's Chromium through ChromeDriver, which
 //! `scripts/test.sh` installs when missing): served by a running worker of a two-worker demo, it shows
-//! the 256 partitions and both instances, and requeues a FAILED record through its button.
+//! the 256 partitions and both instances, and requeues a FAILED record through its button; payloads are
+//! read when asked for, not at every refresh.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::{Command, Stdio};
@@ -256,5 +257,64 @@ async fn the_page_stays_usable_with_256_instances_and_10000_failed_records(pool:
     println!(
         "256 instances, 10,000 FAILED: page ready {ready:.2?} after opening; one refresh (status, partitions, a page of FAILED) {refresh} ms"
     );
+    client.close().await.unwrap();
+}
+
+/// Payloads are read when the operator asks for them, not at every refresh: with a token typed in, the
+/// page's refreshes every 2 s read FAILED records without payloads (each payload read is logged and
+/// may carry personal data); ticking "payloads" reads one page of them, shown in the table, once.
+#[sqlx::test(migrations = false)]
+async fn payloads_are_read_once_when_asked_for_not_at_every_refresh(pool: PgPool) {
+    let db = Db::from(pool.clone());
+    let outbox = Outbox::new(Config::default()).unwrap();
+    outbox.migrate(&db).await.unwrap();
+    three_failed_records(&db).await;
+    let config = outbox_cluster::admin::AdminConfig {
+        tokens: [("ops".to_string(), TOKEN.to_string())].into(),
+        show_payloads: true,
+        ..Default::default()
+    };
+    let admin = outbox_cluster::admin::Admin::new(outbox.clone(), db.clone(), config).unwrap();
+    // Counts the requests for the FAILED records, and those asking for payloads.
+    let asked = std::sync::Arc::new(std::sync::Mutex::new((0_usize, 0_usize)));
+    let counted = asked.clone();
+    let router = admin.router().layer(axum::middleware::from_fn(
+        move |request: axum::extract::Request, next: axum::middleware::Next| {
+            let counted = counted.clone();
+            async move {
+                if request.uri().path().ends_with("/api/failed") {
+                    let mut asked = counted.lock().unwrap();
+                    asked.0 += 1;
+                    asked.1 += usize::from(request.uri().query().is_some_and(|q| q.contains("payloads=true")));
+                }
+                next.run(request).await
+            }
+        },
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+
+    let (_driver, client) = browser().await;
+    client.goto(&url).await.unwrap();
+    eventually("three FAILED records shown", || async {
+        client.find_all(Locator::Css("button.requeue")).await.unwrap().len() == 3
+    })
+    .await;
+    client.find(Locator::Id("token")).await.unwrap().send_keys(TOKEN).await.unwrap();
+    let refreshes = asked.lock().unwrap().0;
+    eventually("two refreshes with the token typed in", || async { asked.lock().unwrap().0 >= refreshes + 2 }).await;
+    assert_eq!(asked.lock().unwrap().1, 0, "payloads read without being asked for");
+    assert!(!text(&client, "#failed").await.contains("\"order\""), "a payload shown");
+
+    client.find(Locator::Id("f-payloads")).await.unwrap().click().await.unwrap();
+    eventually("the payloads shown", || async { text(&client, "#failed").await.contains("{\"order\":\"order-1\"}") })
+        .await;
+    let after = asked.lock().unwrap().0;
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    let (failed_reads, payload_reads) = *asked.lock().unwrap();
+    assert_eq!(payload_reads, 1, "one page of payloads, read once");
+    assert_eq!(failed_reads, after, "refreshes leave the page of payloads as it is");
+    assert!(text(&client, "#failed").await.contains("{\"order\":\"order-1\"}"), "still shown");
     client.close().await.unwrap();
 }

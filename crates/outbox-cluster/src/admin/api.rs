@@ -210,9 +210,14 @@ pub(super) struct FailedQuery {
     after_partition: Option<Partition>,
     after_key: Option<String>,
     after_seq: Option<i64>,
+    /// Whether to list payloads (shown at all, and to a request with a token): asked for, not at every
+    /// refresh of an open page.
+    #[serde(default)]
+    payloads: bool,
 }
 
-/// Payloads (when shown at all) go only to a request with a token, and each such read is logged.
+/// Payloads (when shown at all) go only to a request with a token that asks for them, and each such
+/// read is logged.
 pub(super) async fn failed(
     State(admin): State<Admin>,
     reader: Option<Operator>,
@@ -228,7 +233,7 @@ pub(super) async fn failed(
         (Some(partition), Some(key), Some(seq)) => Some(FailedPosition { partition, key, seq }),
         _ => return Err(ApiError::BadRequest("after_partition, after_key and after_seq go together".into())),
     };
-    let payloads = admin.inner.config.show_payloads && reader.is_some();
+    let payloads = admin.inner.config.show_payloads && q.payloads && reader.is_some();
     let filter = FailedFilter {
         key: q.key.filter(|k| !k.is_empty()),
         partition: q.partition,

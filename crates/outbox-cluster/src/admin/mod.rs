@@ -10,7 +10,7 @@
 //!   records, or all), `POST /api/purge`: each needs `Authorization: Bearer <token>` naming one of the configured
 //!   tokens ([`AdminConfig::tokens`]), and is logged with that token's name. Without tokens the page is
 //!   read-only. Payloads, when shown at all ([`AdminConfig::show_payloads`]), go only to a `GET
-//!   /api/failed` with a token. The token travels in a header, never a cookie, so a form on another site cannot use it.
+//!   /api/failed?payloads=true` with a token. The token travels in a header, never a cookie, so a form on another site cannot use it.
 //!
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool, outbox: outbox_core::Outbox) -> Result<(), Box<dyn std::error::Error>> {
@@ -57,7 +57,8 @@ pub struct AdminConfig {
     /// the page is read-only.
     pub tokens: BTreeMap<String, String>,
     /// Whether FAILED records' payloads are shown (they may hold personal data): only to a request that
-    /// carries one of the tokens, and each such read is logged with the token's name.
+    /// carries one of the tokens and asks for them (`payloads=true`; the page asks when the operator
+    /// ticks "payloads", not at every refresh), and each such read is logged with the token's name.
     pub show_payloads: bool,
     /// Host names the page may be reached by, besides IP addresses and `localhost`: a request naming
     /// any other host is refused, so a web page whose name an attacker points at 127.0.0.1 (DNS
