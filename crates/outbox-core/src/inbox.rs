@@ -37,7 +37,10 @@ impl Inbox {
     /// stream that share a source skip each other's messages); `true` if it is new, `false` if
     /// a committed transaction accepted it already, in which case nothing changes. If another
     /// transaction accepted it and has not ended, this waits for that one: `false` if it commits,
-    /// `true` if it rolls back. Apply the message in the same transaction, after a `true`.
+    /// `true` if it rolls back. Apply the message in the same transaction, after a `true`. (On
+    /// PostgreSQL at REPEATABLE READ or SERIALIZABLE, a message another transaction accepted after this
+    /// one began is a serialization failure instead, which [`Error::is_transient`] says to retry: the
+    /// transaction run again answers `false`.)
     ///
     /// An empty or over-long source or id is refused with [`Error::BadInboxId`] before anything is
     /// sent, leaving the transaction usable. A connection outside any transaction (sqlx's, or one the

@@ -23,7 +23,9 @@ use crate::{Outbox, Partition};
 pub const MAX_FAILED_PAGE: i64 = 10_000;
 
 impl Outbox {
-    /// Lists FAILED records in (partition, key, seq) order, at most [`MAX_FAILED_PAGE`] at a time.
+    /// Lists FAILED records in (partition, key, seq) order, at most [`MAX_FAILED_PAGE`] at a time. Keys
+    /// are in the database's order: PostgreSQL's collation for the key column, bytes on MySQL and
+    /// SQLite; a position ([`FailedFilter::after`]) is one from the same database.
     ///
     /// With payloads ([`FailedFilter::payloads`]) a page also ends after the record whose payload takes
     /// the page's payloads to [`FAILED_PAGE_PAYLOAD_BYTES`] (the first record always comes): a page

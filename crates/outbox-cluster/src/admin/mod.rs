@@ -10,7 +10,8 @@
 //!   records, or all), `POST /api/purge`: each needs `Authorization: Bearer <token>` naming one of the configured
 //!   tokens ([`AdminConfig::tokens`]), and is logged with that token's name. Without tokens the page is
 //!   read-only. Payloads, when shown at all ([`AdminConfig::show_payloads`]), go only to a `GET
-//!   /api/failed?payloads=true` with a token. The token travels in a header, never a cookie, so a form on another site cannot use it.
+//!   /api/failed?payloads=true` with a token. Reading needs no token: keys and error texts (which may
+//!   quote a payload's fields) go to whoever reaches the router, so mount it where only operators do. The token travels in a header, never a cookie, so a form on another site cannot use it.
 //!
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool, outbox: outbox_core::Outbox) -> Result<(), Box<dyn std::error::Error>> {

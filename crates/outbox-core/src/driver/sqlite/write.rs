@@ -23,7 +23,9 @@ use crate::error::{Error, Result};
 /// the database file until it commits, rolls back or is dropped. Derefs to the connection.
 #[derive(Debug)]
 pub struct Write<'c> {
-    // Declared (so dropped) before the turn: a dropped write rolls back before the next writer's turn.
+    // Declared (so dropped) before the turn. A dropped write only queues its rollback on the connection's
+    // worker, so the next writer in this process may find the file still locked for a moment and wait
+    // in SQLite's busy handler (up to BUSY_TIMEOUT) rather than in the turns' queue: no write is lost.
     tx: Transaction<'c, Sqlite>,
     _turn: OwnedMutexGuard<()>,
 }
