@@ -29,6 +29,12 @@ every_backend!(
     an_instance_registered_again_counts_its_deliveries_from_zero,
 );
 
+// Table locks: a server's.
+on_backends!(
+    [postgres, mysql]
+    a_backlog_read_given_up_is_not_started_again_at_once,
+);
+
 const TOKEN: &str = "ops-token-0123456789";
 
 fn with_token() -> AdminConfig {
@@ -485,3 +491,27 @@ fn bad_admin_configuration_is_a_typed_error() {
 }
 
 const LONG: Duration = Duration::from_secs(60);
+
+/// A backlog read given up at the page's time limit (10 s) goes on in the database, which has no limit
+/// of its own for it (it counts every record). The next requests do not start another at once: each
+/// piled a count of the whole table onto a database already too slow for one. Here the records table
+/// is locked, so the read waits for it.
+async fn a_backlog_read_given_up_is_not_started_again_at_once(db: TestDb) {
+    let outbox = outbox(&db, |c| {
+        hourly(c);
+        c.query_timeout = Duration::from_secs(120);
+    })
+    .await;
+    let admin = router(&outbox, &db, AdminConfig::default());
+    let lock = db.lock_table("records").await;
+    let (status, body) = call(&admin, "GET", "/api/status", None, None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(db.table_lock_waiters().await, 1, "the read given up waits on in the database");
+    for path in ["/api/status", "/api/partitions"] {
+        let (status, body) = call(&admin, "GET", path, None, None).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(body["error"].as_str().is_some_and(|e| e.contains("the next is tried in")), "{path}: {body}");
+    }
+    assert_eq!(db.table_lock_waiters().await, 1, "no second read started");
+    lock.release().await;
+}

@@ -4,6 +4,8 @@ use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use std::time::Duration;
+
 use tracing::warn;
 
 /// An API error: its status and a JSON `{"error": …}` the page shows.
@@ -18,6 +20,9 @@ pub(super) enum ApiError {
     Unavailable(String),
     /// The database did not answer in time.
     TimedOut,
+    /// The last read of the cluster and its backlog was given up at its time limit; the next is not
+    /// tried until this much later.
+    Resting(std::time::Duration),
     /// The request named a host the page is not known by.
     UnknownHost(String),
     /// A query, path or body axum could not read: its status (400, 415, 422) and reason, in the
@@ -105,6 +110,13 @@ impl IntoResponse for ApiError {
                 warn!("admin request timed out waiting for the database");
                 (StatusCode::SERVICE_UNAVAILABLE, "the outbox database did not answer in time".into())
             }
+            ApiError::Resting(left) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "the last read of the backlog did not finish in time (the database may still be counting); the next is tried in {}",
+                    humantime::format_duration(Duration::from_secs(left.as_secs().max(1)))
+                ),
+            ),
         };
         let mut response = (status, Json(serde_json::json!({ "error": message }))).into_response();
         if status == StatusCode::UNAUTHORIZED {

@@ -4,7 +4,9 @@
 //! However many pages are open, the database answers at most one status and one backlog read per
 //! [`FRESH_FOR`], or per [`BUSY_SHARE`]⁻¹ times the last read's duration if that is longer: the backlog
 //! read counts every record (~120 ms at a million on PostgreSQL here), so a large backlog slows the
-//! refresh rather than loading the database it is about. The history holds a sample per read, at most
+//! refresh rather than loading the database it is about. A read given up at [`READ_TIMEOUT`] goes on in
+//! the database, so none starts again for ten times that, twice as long after each one given up in a
+//! row (up to [`MAX_REST`]). The history holds a sample per read, at most
 //! one per [`SAMPLE_EVERY`], for [`HISTORY`] (the time the page has been watched since the process
 //! started).
 
@@ -30,6 +32,8 @@ const BUSY_SHARE: u32 = 10;
 const SAMPLE_EVERY: Duration = Duration::from_secs(2);
 /// A read that takes longer fails (requests wait behind it; a hung database must not hold them all).
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest rest after reads given up at [`READ_TIMEOUT`].
+const MAX_REST: Duration = Duration::from_secs(15 * 60);
 /// How far back the history goes.
 const HISTORY: Duration = Duration::from_secs(10 * 60);
 
@@ -52,6 +56,10 @@ pub(super) struct Snapshots {
 struct State {
     /// The last read: when it was taken, how long it stays fresh, and what it found.
     last: Option<(Instant, Duration, Arc<Snapshot>)>,
+    /// After a read given up at its time limit: when, and how long no read starts. The database goes on
+    /// counting a read its client gave up (the backlog read has no time limit of its own), so each
+    /// request starting another piled counts of the whole table onto a database already slow.
+    resting: Option<(Instant, Duration)>,
     /// Per instance: its last heartbeat time and count seen, and the rate between the two before.
     counts: HashMap<InstanceId, (DateTime<Utc>, i64, f64)>,
     history: VecDeque<(Instant, Sample)>,
@@ -66,9 +74,22 @@ impl Snapshots {
         {
             return Ok(snapshot.clone());
         }
+        if let Some((since, rest)) = state.resting
+            && since.elapsed() < rest
+        {
+            return Err(ApiError::Resting(rest - since.elapsed()));
+        }
         let started = Instant::now();
         let read = async { Ok::<_, ApiError>((status(db.clone(), outbox).await?, outbox.stats(db.clone()).await?)) };
-        let (cluster, stats) = tokio::time::timeout(READ_TIMEOUT, read).await.map_err(|_| ApiError::TimedOut)??;
+        let Ok(read) = tokio::time::timeout(READ_TIMEOUT, read).await else {
+            // As much rest as keeps the page's share of the database at BUSY_SHARE for a read that took
+            // the time limit, doubled at each read given up in a row.
+            let rest = state.resting.map_or(READ_TIMEOUT * BUSY_SHARE, |(_, rest)| (rest * 2).min(MAX_REST));
+            state.resting = Some((Instant::now(), rest));
+            return Err(ApiError::TimedOut);
+        };
+        let (cluster, stats) = read?;
+        state.resting = None;
         let now = Instant::now();
         let fresh_for = FRESH_FOR.max((now - started) * BUSY_SHARE);
         let rates = state.rates(&cluster);
