@@ -62,9 +62,10 @@ impl Outbox {
     }
 
     /// Requeues every FAILED record (after an outage that failed many); returns how many. Each record
-    /// changes once, so a second call finds only those that failed again. One statement on PostgreSQL
-    /// and MySQL (row locks); on SQLite, whose write lock is the whole database's, batches of a thousand,
-    /// each its own transaction, so heartbeats and deliveries go on between them.
+    /// changes once, so a second call finds only those that failed again. A thousand at a time in
+    /// (partition, key, seq) order, each batch its own transaction: a call given up part way keeps
+    /// what it did (the next call goes on with the rest), and on SQLite, whose write lock is the whole
+    /// database's, heartbeats and deliveries go on between the batches.
     #[instrument(skip_all)]
     pub async fn requeue_all(&self, db: impl Into<Db>) -> Result<u64> {
         self.requeue_where(db.into(), Requeue::All).await

@@ -403,10 +403,28 @@ impl Db {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).failed(filter).await)
     }
 
-    /// Requeues FAILED records (one id, or all of a key) with a fresh retry budget, counting the
+    /// Requeues FAILED records (one id, all of a key, or all) with a fresh retry budget, counting the
     /// requeue; returns how many.
+    ///
+    /// All of them go [`REQUEUE_AT_ONCE`] at a time in (partition, key, seq) order, each batch a
+    /// transaction of its own, after the last one's place: after an outage that failed millions, one
+    /// statement over all of them ran for minutes, and a caller that gave up (an HTTP request timed out
+    /// by a proxy) lost it all, rolled back. Each record is requeued once: one that failed again
+    /// meanwhile waits for the next call.
     pub(crate) async fn requeue(&self, statements: &Statements, which: Requeue<'_>) -> Result<u64> {
-        dispatch!(self, statements, |pool, s| pool_of(pool, s).requeue(which).await)
+        if !matches!(which, Requeue::All) {
+            return dispatch!(self, statements, |pool, s| pool_of(pool, s).requeue(which).await);
+        }
+        let (mut after, mut requeued) = ((-1_i16, String::new(), 0_i64), 0_u64);
+        loop {
+            let batch: RequeuedBatch =
+                dispatch!(self, statements, |pool, s| pool_of(pool, s).requeue_batch(&after, REQUEUE_AT_ONCE).await)?;
+            requeued += batch.requeued;
+            match batch.last {
+                Some(last) if batch.read == REQUEUE_AT_ONCE as u64 => after = last,
+                _ => return Ok(requeued),
+            }
+        }
     }
 
     /// Removes a FAILED record, kept in `completed` as `skipped`; `false` if there is no such record.
@@ -450,6 +468,20 @@ impl Db {
     pub(crate) async fn prune_keys(&self, statements: &Statements, limit: usize, after: &str) -> Result<KeysPruned> {
         dispatch!(self, statements, |pool, s| pool_of(pool, s).prune_keys(limit, after).await)
     }
+}
+
+/// FAILED records requeued per transaction by [`Db::requeue`] of them all.
+pub(crate) const REQUEUE_AT_ONCE: usize = 1000;
+
+/// What one batch of [`Db::requeue`] of all FAILED records did.
+#[derive(Debug)]
+pub(crate) struct RequeuedBatch {
+    /// FAILED records read, in (partition, key, seq) order.
+    pub(crate) read: u64,
+    /// Of them, requeued (one resolved meanwhile is not).
+    pub(crate) requeued: u64,
+    /// The place of the last one read: where the next batch goes on.
+    pub(crate) last: Option<(i16, String, i64)>,
 }
 
 /// What one batch of [`Db::prune_keys`] did.

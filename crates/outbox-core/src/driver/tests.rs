@@ -1037,3 +1037,51 @@ async fn index_lookups(db: &Db) -> i64 {
         }
     }
 }
+
+/// Requeuing every FAILED record goes a batch at a time, each committed: a call given up part way
+/// (here behind a record another transaction holds) keeps the batches before it, and the next call
+/// requeues the rest, each record once. As one statement, a call given up (an HTTP request a proxy
+/// timed out, after an outage that failed millions) rolled back all it had done. (SQLite, whose write
+/// lock is the whole database's, has its own test.)
+#[sqlx::test(migrations = false)]
+async fn requeuing_all_failed_records_keeps_the_batches_done(pool: PgPool) {
+    for db in backends(pool).await {
+        if matches!(db, Db::Sqlite(_)) {
+            continue;
+        }
+        let outbox =
+            migrated(&db, Config { query_timeout: std::time::Duration::from_secs(60), ..Config::default() }).await;
+        let records: Vec<NewRecord> = (0..2_500).map(|k| NewRecord::new(format!("k-{k:04}"), "t", "")).collect();
+        commit(&outbox, &db, &records).await;
+        let table = db.table("outbox", "records");
+        let fail = match db {
+            Db::Postgres(_) => format!("UPDATE {table} SET failed_at = now(), attempts = 3"),
+            _ => format!("UPDATE {table} SET failed_at = UTC_TIMESTAMP(6), attempts = 3"),
+        };
+        db.execute(AssertSqlSafe(fail), &[]).await.unwrap();
+        let count = |sql: String| {
+            let db = db.clone();
+            async move { db.fetch_one::<(i64,)>(AssertSqlSafe(sql), &[]).await.unwrap().0 }
+        };
+        // The 2,101st in the order batches take them (in the third batch), locked by its id.
+        let quote = if matches!(db, Db::Postgres(_)) { "" } else { "`" };
+        let nth = format!(
+            "SELECT id FROM {table} ORDER BY {quote}partition{quote}, {quote}key{quote}, seq LIMIT 1 OFFSET 2100"
+        );
+        let (id,): (uuid::Uuid,) = db.fetch_one(AssertSqlSafe(nth), &[]).await.unwrap();
+        let mut holder = db.begin().await.unwrap();
+        holder
+            .execute(AssertSqlSafe(format!("SELECT id FROM {table} WHERE id = $1 FOR UPDATE")), &[id.into()])
+            .await
+            .unwrap();
+        let given_up = tokio::time::timeout(std::time::Duration::from_secs(3), outbox.requeue_all(&db)).await;
+        assert!(given_up.is_err(), "{}: the call waits behind the record held", db.backend());
+        holder.rollback().await.unwrap();
+        let failed = format!("SELECT count(*) FROM {table} WHERE failed_at IS NOT NULL");
+        assert_eq!(count(failed.clone()).await, 500, "{}: the two batches before it requeued", db.backend());
+        assert_eq!(outbox.requeue_all(&db).await.unwrap(), 500, "{}", db.backend());
+        assert_eq!(count(failed).await, 0, "{}", db.backend());
+        let once = format!("SELECT count(*) FROM {table} WHERE requeues = 1 AND attempts = 0");
+        assert_eq!(count(once).await, 2_500, "{}: each record requeued once", db.backend());
+    }
+}

@@ -675,11 +675,40 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     /// while it waits for one, holding up every schedule and completion as long.
     pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
         let query = match which {
-            Requeue::All => sqlx::query(statement(&self.statements.requeue_all)),
+            Requeue::All => unreachable!("requeued in batches (`Db::requeue`)"),
             Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
             Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
         };
         self.within(async |tx| Ok(query.execute(tx).await?.rows_affected())).await
+    }
+
+    pub(crate) async fn requeue_batch(&self, after: &(i16, String, i64), limit: usize) -> Result<super::RequeuedBatch> {
+        self.within(async |tx| {
+            let (partition, key, seq) = after;
+            let batch: Vec<(Uuid, i16, String, i64)> = sqlx::query_as(statement(&self.statements.requeue_next))
+                .bind(partition)
+                .bind(partition)
+                .bind(key)
+                .bind(key)
+                .bind(seq)
+                .bind(count(limit))
+                .fetch_all(&mut *tx)
+                .await?;
+            let ids: Vec<String> = batch.iter().map(|(id, ..)| id.simple().to_string()).collect();
+            let requeued = if ids.is_empty() {
+                0
+            } else {
+                let listed = serde_json::Value::from(ids).to_string();
+                sqlx::query(statement(&self.statements.requeue_listed))
+                    .bind(listed)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected()
+            };
+            let last = batch.last().map(|(_, partition, key, seq)| (*partition, key.clone(), *seq));
+            Ok(super::RequeuedBatch { read: batch.len() as u64, requeued, last })
+        })
+        .await
     }
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {

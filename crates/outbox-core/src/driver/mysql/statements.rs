@@ -213,9 +213,21 @@ const REQUEUE: &str =
     "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
 WHERE failed_at IS NOT NULL AND (id = ? OR `key` = ?)";
 
-const REQUEUE_ALL: &str =
-    "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
-WHERE failed_at IS NOT NULL";
+/// The next `?` FAILED records after (partition, key, seq) `?`, in that order, locked: their ids and
+/// places (see `Db::requeue`). Walked in the index's order (a sort would read, and lock, every FAILED
+/// record first), the place spelled out, which MySQL reads through the index where it does not a row
+/// comparison.
+const REQUEUE_NEXT: &str =
+    "SELECT id, `partition`, `key`, seq FROM {s}_records FORCE INDEX ({s}_records_partition_key_seq)
+WHERE failed_at IS NOT NULL
+  AND (`partition` > ? OR (`partition` = ? AND (`key` > ? OR (`key` = ? AND seq > ?))))
+ORDER BY `partition`, `key`, seq LIMIT ? FOR UPDATE";
+
+/// Requeues the records of `?` (JSON `[hex id, …]`), each found by its primary key.
+const REQUEUE_LISTED: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$')) j
+STRAIGHT_JOIN {s}_records r FORCE INDEX (PRIMARY) ON r.id = UNHEX(j.id)
+SET r.failed_at = NULL, r.attempts = 0, r.next_attempt_at = NULL, r.requeues = r.requeues + 1
+WHERE r.failed_at IS NOT NULL";
 
 /// Locks a FAILED record for its skip, reading it as a concurrent requeue left it: the copy below reads
 /// without locks (READ COMMITTED), so without this it copied a record a requeue was making pending.
@@ -323,7 +335,8 @@ pub struct MySqlStatements {
     pub(super) fail: Arc<str>,
     pub(super) list_failed: Arc<str>,
     pub(super) requeue: Arc<str>,
-    pub(super) requeue_all: Arc<str>,
+    pub(super) requeue_next: Arc<str>,
+    pub(super) requeue_listed: Arc<str>,
     pub(super) skip_lock: Arc<str>,
     pub(super) skip_keep: Arc<str>,
     pub(super) skip_delete: Arc<str>,
@@ -376,7 +389,8 @@ impl MySqlStatements {
             fail: build(&failing(FAIL)),
             list_failed: build(LIST_FAILED),
             requeue: build(REQUEUE),
-            requeue_all: build(REQUEUE_ALL),
+            requeue_next: build(REQUEUE_NEXT),
+            requeue_listed: build(REQUEUE_LISTED),
             skip_lock: build(SKIP_LOCK),
             skip_keep: build(SKIP_KEEP),
             skip_delete: build(SKIP_DELETE),

@@ -505,12 +505,31 @@ impl Driver<'_, PgPool, PgStatements> {
 
     pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
         let query = match which {
-            Requeue::All => sqlx::query(statement(&self.statements.requeue_all)),
+            Requeue::All => unreachable!("requeued in batches (`Db::requeue`)"),
             Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
             Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
         };
         within(self.pool, &self.statements.begin_operator, async |conn| Ok(query.execute(conn).await?.rows_affected()))
             .await
+    }
+
+    pub(crate) async fn requeue_batch(&self, after: &(i16, String, i64), limit: usize) -> Result<super::RequeuedBatch> {
+        let query = sqlx::query_as(statement(&self.statements.requeue_all))
+            .bind(after.0)
+            .bind(&after.1)
+            .bind(after.2)
+            .bind(count(limit));
+        let row: Option<(i64, i16, String, i64, i64)> =
+            within(self.pool, &self.statements.begin_operator, async |conn| Ok(query.fetch_optional(conn).await?))
+                .await?;
+        Ok(match row {
+            None => super::RequeuedBatch { read: 0, requeued: 0, last: None },
+            Some((read, partition, key, seq, requeued)) => super::RequeuedBatch {
+                read: read.try_into().unwrap_or(0),
+                requeued: requeued.try_into().unwrap_or(0),
+                last: Some((partition, key, seq)),
+            },
+        })
     }
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {

@@ -258,10 +258,19 @@ const REQUEUE: &str =
 WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)
 RETURNING id";
 
-/// Requeues every FAILED record (a statement of its own: the one above seeks by id or key).
-const REQUEUE_ALL: &str =
-    "UPDATE {s}.records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
-WHERE failed_at IS NOT NULL";
+/// The next `$4` FAILED records after (`$1` partition, `$2` key, `$3` seq), in that order (the
+/// index of held records), requeued, each found by its id (a join read every FAILED record each
+/// batch): how many were read, the place of the last, how many requeued (one resolved meanwhile is
+/// not). See `Db::requeue`.
+const REQUEUE_ALL: &str = "WITH batch AS MATERIALIZED (
+    SELECT id, partition, key, seq FROM {s}.records
+    WHERE failed_at IS NOT NULL AND (partition, key, seq) > ($1, $2, $3)
+    ORDER BY partition, key, seq LIMIT $4),
+done AS (
+    UPDATE {s}.records r SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = r.requeues + 1
+    WHERE r.id = ANY(ARRAY(SELECT id FROM batch)) AND r.failed_at IS NOT NULL RETURNING 1)
+SELECT (SELECT count(*) FROM batch), b.partition, b.key, b.seq, (SELECT count(*) FROM done)
+FROM batch b ORDER BY b.partition DESC, b.key DESC, b.seq DESC LIMIT 1";
 
 /// Skips a FAILED record: it leaves the queue, and the `completed` table keeps it as `skipped`.
 const SKIP: &str = "WITH d AS (

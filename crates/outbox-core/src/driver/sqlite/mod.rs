@@ -289,9 +289,6 @@ pub(super) async fn accept_in_order(
     Ok(done.rows_affected() == 1)
 }
 
-/// FAILED records requeued per write transaction by `requeue_all`.
-const REQUEUE_AT_ONCE: usize = 1000;
-
 impl Driver<'_, SqlitePool, SqliteStatements> {
     /// Applies the missing migrations in one write transaction (the write lock serialises migrators).
     pub(crate) async fn migrate(&self) -> Result<()> {
@@ -389,7 +386,7 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
 
     pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
         let query = match which {
-            Requeue::All => return self.requeue_all().await,
+            Requeue::All => unreachable!("requeued in batches (`Db::requeue`)"),
             Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
             Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
         };
@@ -399,30 +396,22 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
         Ok(requeued)
     }
 
-    /// Every FAILED record, [`REQUEUE_AT_ONCE`] at a time in (partition, key, seq) order, each batch a
-    /// write of its own: the write lock is the whole database's, and one statement over every FAILED
-    /// record (many, after an outage) rewrote each row, payload and all, while every writer waited,
-    /// heartbeats too, past their leases. Each record is requeued once: the next batch starts after
-    /// the last one's place, so a record that failed again meanwhile waits for the next call.
-    async fn requeue_all(&self) -> Result<u64> {
-        let (mut after, mut requeued) = ((-1_i16, String::new(), 0_i64), 0_u64);
-        loop {
-            let mut tx = write(self.pool).await?;
-            let batch: Vec<(i16, String, i64)> = sqlx::query_as(statement(&self.statements.requeue_all))
-                .bind(after.0)
-                .bind(&after.1)
-                .bind(after.2)
-                .bind(count(REQUEUE_AT_ONCE))
-                .fetch_all(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            requeued += batch.len() as u64;
-            let full = batch.len() == REQUEUE_AT_ONCE;
-            match batch.into_iter().max() {
-                Some(last) if full => after = last,
-                _ => return Ok(requeued),
-            }
-        }
+    /// The next `limit` FAILED records after `after`, requeued in one write: the write lock is the whole
+    /// database's, and one statement over every FAILED record rewrote each row, payload and all, while
+    /// every writer waited, heartbeats too, past their leases.
+    pub(crate) async fn requeue_batch(&self, after: &(i16, String, i64), limit: usize) -> Result<super::RequeuedBatch> {
+        let mut tx = write(self.pool).await?;
+        let batch: Vec<(i16, String, i64)> = sqlx::query_as(statement(&self.statements.requeue_all))
+            .bind(after.0)
+            .bind(&after.1)
+            .bind(after.2)
+            .bind(count(limit))
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        // Under the write lock every record read is requeued.
+        let n = batch.len() as u64;
+        Ok(super::RequeuedBatch { read: n, requeued: n, last: batch.into_iter().max() })
     }
 
     pub(crate) async fn skip(&self, id: Uuid) -> Result<bool> {
@@ -502,7 +491,7 @@ mod tests {
     #[tokio::test]
     async fn requeue_all_lets_other_writers_in_between_its_batches() {
         let (pool, outbox) = migrated().await;
-        let failed = 5 * super::REQUEUE_AT_ONCE + 7;
+        let failed = 5 * crate::driver::REQUEUE_AT_ONCE + 7;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {failed})
              INSERT INTO outbox_records (id, partition, key, event_type, payload, attempts, failed_at)
