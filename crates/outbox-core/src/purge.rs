@@ -29,8 +29,9 @@ impl Outbox {
     }
 
     /// Deletes the per-key lock rows of keys with no record left, reading `batch_size` of them per
-    /// statement in key order, each once a pass; returns how many. A key's row is written again by its next `schedule`, and its sequence
-    /// numbers go on growing: they come from one database-wide sequence, not from the row.
+    /// statement in key order, each once a pass; returns how many. A key's row is written again by its
+    /// next `schedule`, and its sequence numbers go on growing: they come from one database-wide
+    /// sequence, not from the row.
     #[instrument(skip(self, db))]
     pub async fn prune_keys(&self, db: impl Into<Db>, batch_size: usize) -> Result<u64> {
         let db = &db.into();
@@ -113,8 +114,8 @@ impl Batch {
 }
 
 /// Runs `batch` (one statement of at most the size it is given) until one reads fewer rows than it
-/// was given; returns how many rows were deleted in all. A `batch_size` of 0 is an
-/// error (it would never finish).
+/// was given; returns how many rows were deleted in all. A `batch_size` of 0 is an error (it would
+/// never finish).
 ///
 /// A batch that does not fit its time (given up at `query_timeout`, or a lock not had in time, as
 /// behind the rows a batch given up a moment ago still holds on the server) is tried again at half

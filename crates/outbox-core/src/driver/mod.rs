@@ -412,9 +412,15 @@ impl Db {
     /// by a proxy) lost it all, rolled back. Each record is requeued once: one that failed again
     /// meanwhile waits for the next call.
     pub(crate) async fn requeue(&self, statements: &Statements, which: Requeue<'_>) -> Result<u64> {
-        if !matches!(which, Requeue::All) {
-            return dispatch!(self, statements, |pool, s| pool_of(pool, s).requeue(which).await);
-        }
+        let (id, key) = match which {
+            Requeue::One(id) => (Some(id), None),
+            Requeue::Key(key) => (None, Some(key)),
+            Requeue::All => return self.requeue_all(statements).await,
+        };
+        dispatch!(self, statements, |pool, s| pool_of(pool, s).requeue(id, key).await)
+    }
+
+    async fn requeue_all(&self, statements: &Statements) -> Result<u64> {
         let (mut after, mut requeued) = ((-1_i16, String::new(), 0_i64), 0_u64);
         loop {
             let batch: RequeuedBatch =

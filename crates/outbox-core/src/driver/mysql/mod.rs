@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::migrate::{self, Migration, checksum, recorded_columns, to_apply};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
-    Requeue, Runs, StatsRow, Written, grants_list,
+    Runs, StatsRow, Written, grants_list,
 };
 
 /// The migrations of the MySQL schema, in order (`{s}` is the table prefix, `{bin}` the key collation).
@@ -673,12 +673,9 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
     /// At READ COMMITTED, as the purges below: at the server's REPEATABLE READ a requeue of a key or of
     /// everything scans the records and keeps every row it read, and the gaps between them, locked
     /// while it waits for one, holding up every schedule and completion as long.
-    pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
-        let query = match which {
-            Requeue::All => unreachable!("requeued in batches (`Db::requeue`)"),
-            Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
-            Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
-        };
+    /// Requeues the FAILED record `id`, or those of `key`.
+    pub(crate) async fn requeue(&self, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
+        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key);
         self.within(async |tx| Ok(query.execute(tx).await?.rows_affected())).await
     }
 

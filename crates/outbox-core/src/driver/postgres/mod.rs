@@ -22,7 +22,7 @@ use crate::migrate::{self, Migration, checksum, recorded_columns, to_apply};
 use crate::notice::{Channel, Wakeups};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
-    Requeue, Runs, StatsRow, Written, fits_one_statement,
+    Runs, StatsRow, Written, fits_one_statement,
 };
 
 /// The migrations of the PostgreSQL schema, in order.
@@ -503,12 +503,9 @@ impl Driver<'_, PgPool, PgStatements> {
         within(self.pool, &self.statements.begin_operator, async |conn| Ok(query.fetch_all(conn).await?)).await
     }
 
-    pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
-        let query = match which {
-            Requeue::All => unreachable!("requeued in batches (`Db::requeue`)"),
-            Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
-            Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
-        };
+    /// Requeues the FAILED record `id`, or those of `key`.
+    pub(crate) async fn requeue(&self, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
+        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key);
         within(self.pool, &self.statements.begin_operator, async |conn| Ok(query.execute(conn).await?.rows_affected()))
             .await
     }
@@ -712,7 +709,7 @@ mod tests {
             async move { outbox.prune_keys(&pool, 10).await }
         });
         let waiting =
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM %keys%'";
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'WITH walked AS%'";
         while sqlx::query_scalar::<_, i64>(waiting).fetch_one(&pool).await.unwrap() == 0 {
             assert!(!pruning.is_finished(), "the pruning waits for the table: {:?}", pruning.await);
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::migrate::{Migration, checksum, recorded_columns, to_apply};
 use crate::stored::{
     FAILED_PAGE_PAYLOAD_BYTES, FailedFilter, FailedRecord, FetchedRow, Found, NewRow, Outcome, PartitionStats, Request,
-    Requeue, Runs, StatsRow, Written, fits_one_statement, grants_list,
+    Runs, StatsRow, Written, fits_one_statement, grants_list,
 };
 
 /// The migrations of the SQLite schema, in order (`{s}` is the table prefix).
@@ -384,12 +384,9 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             .await?)
     }
 
-    pub(crate) async fn requeue(&self, which: Requeue<'_>) -> Result<u64> {
-        let query = match which {
-            Requeue::All => unreachable!("requeued in batches (`Db::requeue`)"),
-            Requeue::One(id) => sqlx::query(statement(&self.statements.requeue)).bind(Some(id)).bind(None::<&str>),
-            Requeue::Key(key) => sqlx::query(statement(&self.statements.requeue)).bind(None::<Uuid>).bind(Some(key)),
-        };
+    /// Requeues the FAILED record `id`, or those of `key`.
+    pub(crate) async fn requeue(&self, id: Option<Uuid>, key: Option<&str>) -> Result<u64> {
+        let query = sqlx::query(statement(&self.statements.requeue)).bind(id).bind(key);
         let mut tx = write(self.pool).await?;
         let requeued = query.execute(&mut *tx).await?.rows_affected();
         tx.commit().await?;

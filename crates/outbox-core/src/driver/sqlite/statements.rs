@@ -143,7 +143,7 @@ const REQUEUE: &str =
 WHERE failed_at IS NOT NULL AND (id = $1 OR key = $2)";
 
 /// The next `$4` FAILED records after (`$1` partition, `$2` key, `$3` seq), in that order, requeued;
-/// returns where each was (see `requeue_all`).
+/// returns where each was (see `Db::requeue`).
 const REQUEUE_ALL: &str =
     "UPDATE {s}_records SET failed_at = NULL, attempts = 0, next_attempt_at = NULL, requeues = requeues + 1
 WHERE seq IN (SELECT seq FROM {s}_records WHERE failed_at IS NOT NULL AND (partition, key, seq) > ($1, $2, $3)
