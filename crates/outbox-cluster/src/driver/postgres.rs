@@ -106,10 +106,12 @@ FROM unnest($2::smallint[], $3::bigint[]) AS r(partition, epoch)
 WHERE p.partition = r.partition AND p.epoch = r.epoch AND p.owner = $1
 RETURNING p.partition";
 
-/// Instances with their lease state and partition counts, for status.
-const INSTANCES: &str =
-    "SELECT i.id, i.name, i.started_at, i.heartbeat_at, (i.expires_at > now() AND i.taken_over_at IS NULL) AS live,
-    i.draining, i.delivered, (extract(epoch FROM now() - i.heartbeat_at) * 1000)::bigint AS heartbeat_age_ms,
+/// Instances with their lease state and partition counts, for status. By the clock as the rows are read,
+/// not the transaction's start (`now()`): a heartbeat committed after the transaction began is newer
+/// than that, and was shown in the future.
+const INSTANCES: &str = "SELECT i.id, i.name, i.started_at, i.heartbeat_at,
+    (i.expires_at > clock_timestamp() AND i.taken_over_at IS NULL) AS live, i.draining, i.delivered,
+    (extract(epoch FROM clock_timestamp() - i.heartbeat_at) * 1000)::bigint AS heartbeat_age_ms,
     (SELECT count(*) FROM {s}.partitions p WHERE p.owner = i.id) AS partitions
 FROM {s}.instances i ORDER BY i.started_at";
 

@@ -491,3 +491,25 @@ async fn setting_targets_waits_for_no_partition_it_leaves_alone(pool: PgPool) {
         assert_eq!((rows[7].target, rows[8].target), (Some(a), Some(b)), "{backend}");
     }
 }
+
+/// An instance's heartbeat age is never in the future. The status read runs in a transaction begun
+/// before its statement, and a heartbeat committed in between carried a time later than the
+/// transaction's `now()`: the page showed it "-1 ms" old (and a test of the page failed in CI).
+#[sqlx::test(migrations = false)]
+async fn a_heartbeat_committed_after_the_status_read_began_is_not_in_the_future(pool: PgPool) {
+    let store = stores(pool.clone()).await.remove(0);
+    let id = registered(&store, DAY).await;
+    let statements = super::postgres::PgStatements::new("outbox", Duration::from_secs(10), Duration::from_secs(10));
+    let mut reader = pool.acquire().await.unwrap();
+    let instances = statements
+        .limited(&mut reader, async |conn| {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            // A heartbeat commits after the read's transaction began.
+            super::HeartbeatConnection::default().renew(&store, id, DAY, 0).await.unwrap();
+            statements.instances(conn).await
+        })
+        .await
+        .unwrap();
+    let ages: Vec<i64> = instances.iter().map(|i| i.heartbeat_age_ms).collect();
+    assert!(ages.iter().all(|&age| age >= 0), "heartbeat ages {ages:?}");
+}
