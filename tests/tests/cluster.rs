@@ -836,7 +836,9 @@ async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
 /// instance released the partitions, the next took them as free and delivered at once, while the owner
 /// they were taken from might still be delivering.
 async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
-    let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_millis(100)).await;
+    // The stop waits this long for the partitions it keeps; its first write (marking the instance
+    // draining) must fit in it too, which 100 ms did not on a loaded machine (the stop then failed).
+    let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_secs(1)).await;
     owner_of_all_dead_since_a_minute(&db, 1500).await;
     commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
