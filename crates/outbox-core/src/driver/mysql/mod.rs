@@ -614,22 +614,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
                 sqlx::query(statement(&s.delete)).bind(&done).execute(&mut *tx).await?;
                 written.ids.extend(found.into_iter().map(|(id,)| id));
             }
-            let failures: Vec<_> = written
-                .failures(outcomes)
-                .into_iter()
-                .filter_map(|o| {
-                    let u = o.verdict.still_queued()?;
-                    Some((
-                        o.id.simple().to_string(),
-                        o.requeues,
-                        o.attempts,
-                        u.error,
-                        i32::from(u.failed),
-                        millis(u.delay),
-                    ))
-                })
-                .collect();
-            for failures in json_lists(failures)? {
+            for failures in json_lists(written.failures(outcomes))? {
                 let found: Vec<(Uuid,)> =
                     sqlx::query_as(statement(&s.lock_failing)).bind(&failures).fetch_all(&mut *tx).await?;
                 if !found.is_empty() {

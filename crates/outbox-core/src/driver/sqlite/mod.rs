@@ -335,7 +335,7 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
     }
 
     /// One write transaction: the grants checked in one statement, then the completions of those that
-    /// hold in two set statements (copy, delete), then their failures one statement each.
+    /// hold in two set statements (copy, delete), then their failures in one.
     pub(crate) async fn complete(&self, outcomes: &[Outcome]) -> Result<Written> {
         let s = self.statements;
         let mut tx = write(self.pool).await?;
@@ -351,20 +351,11 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             let deleted: Vec<(Uuid,)> = sqlx::query_as(statement(&s.delete)).bind(&done).fetch_all(&mut *tx).await?;
             written.ids.extend(deleted.into_iter().map(|(id,)| id));
         }
-        for o in written.failures(outcomes) {
-            let Some(u) = o.verdict.still_queued() else { continue };
-            let row = sqlx::query(statement(&s.fail))
-                .bind(o.id)
-                .bind(o.attempts)
-                .bind(u.error)
-                .bind(u.failed)
-                .bind(millis(u.delay))
-                .bind(o.requeues)
-                .fetch_optional(&mut *tx)
-                .await?;
-            if row.is_some() {
-                written.ids.insert(o.id);
-            }
+        let failures = written.failures(outcomes);
+        if !failures.is_empty() {
+            let failed: Vec<(Uuid,)> =
+                sqlx::query_as(statement(&s.fail)).bind(json(&failures)?).fetch_all(&mut *tx).await?;
+            written.ids.extend(failed.into_iter().map(|(id,)| id));
         }
         tx.commit().await?;
         Ok(written)
@@ -587,6 +578,23 @@ mod tests {
             let sorts = plan.lines().filter(|l| l.contains("TEMP B-TREE") && !l.contains("json_group_array(ORDER BY)"));
             assert!(!plan.contains("BLOOM FILTER ON") && sorts.count() == 0, "{plan}");
         }
+    }
+
+    /// A completion's failures are written in one statement that finds each record by its id: the
+    /// list drives the join, so the records are not scanned however many there are.
+    #[tokio::test]
+    async fn failures_are_written_by_id_in_one_statement() {
+        let (pool, _) = migrated().await;
+        let sql = super::SqliteStatements::new("outbox", true, true);
+        let explain = format!("EXPLAIN QUERY PLAN {}", sql.fail);
+        let rows: Vec<(i64, i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(explain))
+            .bind(r#"[["00", 0, 1, "e", 0, 5]]"#)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        let plan = rows.into_iter().map(|(.., detail)| detail).collect::<Vec<_>>().join("\n");
+        assert!(plan.contains("SCAN j VIRTUAL TABLE"), "{plan}");
+        assert!(plan.contains("SEARCH r USING INDEX") && plan.contains("(id=?)"), "{plan}");
     }
 
     /// A batch that fails part way writes nothing, even when the caller commits after the error; and

@@ -114,12 +114,16 @@ FROM json_each($1) j CROSS JOIN {s}_records r ON r.id = unhex(j.value ->> 0)";
 
 const DELETE: &str = "DELETE FROM {s}_records WHERE id IN (SELECT unhex(value ->> 0) FROM json_each($1)) RETURNING id";
 
-/// A retry at now + `$5` ms, or FAILED (`$4`), of a pending record not requeued since it was fetched
-/// (`$6` requeues then): a late retry of this write never undoes an operator's requeue.
-const FAIL: &str = "UPDATE {s}_records SET attempts = $2, last_error = $3,
-    next_attempt_at = CASE WHEN $4 THEN NULL ELSE {now} + $5 END,
-    failed_at = CASE WHEN $4 THEN {now} END
-WHERE id = $1 AND failed_at IS NULL AND requeues = $6 RETURNING id";
+/// For each record of `$1` (JSON `[[hex id, requeues, attempts, error, failed, delay ms], …]`) still
+/// pending and not requeued since it was fetched, a retry at now + the delay, or FAILED: a late retry of
+/// this write never undoes an operator's requeue. One statement for the batch, under the write lock that
+/// every writer waits for (an outage fails every key in flight at once).
+const FAIL: &str = "UPDATE {s}_records AS r SET attempts = j.value ->> 2, last_error = j.value ->> 3,
+    next_attempt_at = CASE WHEN j.value ->> 4 THEN NULL ELSE {now} + (j.value ->> 5) END,
+    failed_at = CASE WHEN j.value ->> 4 THEN {now} END
+FROM json_each($1) j
+WHERE r.id = unhex(j.value ->> 0) AND r.failed_at IS NULL AND r.requeues = j.value ->> 1
+RETURNING id";
 
 /// Lists FAILED records as PostgreSQL's statement does, found again by their rowid (`seq`); `length`
 /// of a payload reads no overflow page.
