@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
@@ -54,11 +54,17 @@ const LONG: Duration = Duration::from_secs(60);
 /// Handlers recording each delivery and checking exclusivity; each call takes two awaits of up to
 /// `step_ms` each (as a handler that connects, then sends a request).
 fn handlers(name: &str, sink: &Arc<Sink>, exclusive: &Arc<Exclusive>, step_ms: u64) -> Handlers {
+    paced_handlers(name, sink, exclusive, Arc::new(AtomicU64::new(step_ms)))
+}
+
+/// As [`handlers`], with steps of up to what `step_ms` holds when the call begins.
+fn paced_handlers(name: &str, sink: &Arc<Sink>, exclusive: &Arc<Exclusive>, step_ms: Arc<AtomicU64>) -> Handlers {
     let (name, sink, exclusive) = (name.to_string(), sink.clone(), exclusive.clone());
     Handlers::new().default_route(Route::new(handler_fn(move |r| {
-        let (name, sink, exclusive) = (name.clone(), sink.clone(), exclusive.clone());
+        let (name, sink, exclusive, step_ms) = (name.clone(), sink.clone(), exclusive.clone(), step_ms.clone());
         async move {
             let _inside = exclusive.enter(&name, r.partition);
+            let step_ms = step_ms.load(Ordering::SeqCst);
             let (connect, request) = (rand::rng().random_range(0..step_ms), rand::rng().random_range(0..step_ms));
             tokio::time::sleep(Duration::from_millis(connect)).await;
             tokio::time::sleep(Duration::from_millis(request)).await;
@@ -758,16 +764,17 @@ async fn a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition(
     assert_first_deliveries_in_order(&sink, 60, 100);
 }
 
-/// Starts `a` with `a_config` (calls of two awaits of up to 100 ms) and `b` (fast, short calls); returns
-/// them once they own half the partitions each.
+/// Starts `a` with `a_config` (calls of two awaits of up to what `a_step_ms` holds) and `b` (fast,
+/// short calls); returns them once they own half the partitions each.
 async fn a_and_b_balanced(
     outbox: &Outbox,
     db: &TestDb,
-    a_config: outbox_cluster::ClusterConfig,
+    (a_config, a_step_ms): (outbox_cluster::ClusterConfig, Arc<AtomicU64>),
     sink: &Arc<Sink>,
     exclusive: &Arc<Exclusive>,
 ) -> (Node, Node) {
-    let a = start_calls(outbox, db, a_config, sink, exclusive, 100).await;
+    let handlers = paced_handlers(&a_config.name, sink, exclusive, a_step_ms);
+    let a = Node::start(outbox.clone(), db, handlers, a_config).await.unwrap();
     let b = start_named(outbox, db, "b", sink, exclusive).await;
     wait_for("two instances balanced", LONG, || async {
         let o = owners(db).await;
@@ -791,13 +798,19 @@ async fn a_partition_handed_on_during_its_quiet_period_stays_quiet(db: TestDb) {
         stale_timeout: Duration::from_secs(12),
         ..fast_cluster()
     };
-    let (a, b) = a_and_b_balanced(&outbox, &db, a_config, &sink, &exclusive).await;
+    // a's calls last up to 2 s until c has partitions: one under way when b takes its partition runs on
+    // past the time c needs to get it if b released it at once. With calls of up to 200 ms throughout,
+    // that call was mostly over, and the test missed such a release 5 runs in 6.
+    let a_step_ms = Arc::new(AtomicU64::new(1000));
+    let (a, b) = a_and_b_balanced(&outbox, &db, (a_config, a_step_ms.clone()), &sink, &exclusive).await;
     let a_id = a.id();
     end_lease(&db, a_id).await;
     // Taken by b, or some by a under its new id when its next heartbeat (fenced, it registers again)
     // comes before b's round: then b never holds all 256, and waiting for that timed out.
     wait_for("a's partitions taken over", LONG, || async { !owners(&db).await.contains_key(&a_id) }).await;
     let c = start_named(&outbox, &db, "c", &sink, &exclusive).await;
+    wait_for("c owning partitions", LONG, || async { owners(&db).await.contains_key(&c.id()) }).await;
+    a_step_ms.store(100, Ordering::SeqCst);
     wait_for("a registered again", LONG, || async { a.id() != a_id }).await;
     producer.await.unwrap();
     drained(&db, LONG).await;
@@ -817,7 +830,7 @@ async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
     let producer = produce(&outbox, &db, 60, 100);
     let a_config = outbox_cluster::ClusterConfig { name: "a".into(), ..fast_cluster() };
-    let (a, b) = a_and_b_balanced(&outbox, &db, a_config, &sink, &exclusive).await;
+    let (a, b) = a_and_b_balanced(&outbox, &db, (a_config, Arc::new(AtomicU64::new(100))), &sink, &exclusive).await;
     exec!(
         db,
         "UPDATE {s}partitions SET owner = $1, epoch = epoch + 1, target_owner = $1 WHERE owner = $2",
