@@ -392,11 +392,6 @@ pub(crate) fn grants_list(outcomes: &[Outcome]) -> Vec<(i16, String, i64)> {
     grants.into_iter().map(|(p, instance, epoch)| (i16::from(p), instance.0.simple().to_string(), epoch.0)).collect()
 }
 
-/// A failure as the SQLite and MySQL statements take it: `[hex id, requeues, attempts, error, failed (0
-/// or 1), delay ms]`.
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
-pub(crate) type Failure<'a> = (String, i32, i32, Option<&'a str>, i32, i64);
-
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
 impl Written {
     /// Records the grants the fence returned.
@@ -411,20 +406,6 @@ impl Written {
     /// Whether `outcome`'s grant held.
     pub(crate) fn holds(&self, outcome: &Outcome) -> bool {
         self.held.contains(&outcome.grant())
-    }
-
-    /// The outcomes that keep their record queued (a retry, FAILED, a call not made) under a grant that
-    /// held.
-    pub(crate) fn failures<'a>(&self, outcomes: &'a [Outcome]) -> Vec<Failure<'a>> {
-        outcomes
-            .iter()
-            .filter(|o| self.holds(o))
-            .filter_map(|o| {
-                let u = o.verdict.still_queued()?;
-                let id = o.id.simple().to_string();
-                Some((id, o.requeues, o.attempts, u.error, i32::from(u.failed), crate::driver::millis(u.delay)))
-            })
-            .collect()
     }
 
     /// The outcomes that complete their record under a grant that held: `[[hex id, attempts, outcome],

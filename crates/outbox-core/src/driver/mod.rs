@@ -1173,6 +1173,26 @@ pub fn json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String> {
     serde_json::to_string(value).map_err(|e| Error::Database(sqlx::Error::Encode(Box::new(e))))
 }
 
+/// A failure as the SQLite and MySQL statements take it: `[hex id, requeues, attempts, error, failed (0
+/// or 1), delay ms]`.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+type Failure<'a> = (String, i32, i32, Option<&'a str>, i32, i64);
+
+/// The outcomes that keep their record queued (a retry, FAILED, a call not made) under a grant that
+/// `written` found held, as the SQLite and MySQL statements take them.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+fn failures<'a>(written: &Written, outcomes: &'a [Outcome]) -> Vec<Failure<'a>> {
+    outcomes
+        .iter()
+        .filter(|o| written.holds(o))
+        .filter_map(|o| {
+            let u = o.verdict.still_queued()?;
+            let id = o.id.simple().to_string();
+            Some((id, o.requeues, o.attempts, u.error, i32::from(u.failed), millis(u.delay)))
+        })
+        .collect()
+}
+
 /// Whether `r`'s last error is that of a counted call that did not finish ([`crate::UNFINISHED_CALL`]),
 /// in SQL every backend reads alike (the text holds no quote or backslash).
 pub(crate) fn unfinished() -> String {

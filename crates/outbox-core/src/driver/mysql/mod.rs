@@ -614,7 +614,7 @@ impl Driver<'_, MySqlPool, MySqlStatements> {
                 sqlx::query(statement(&s.delete)).bind(&done).execute(&mut *tx).await?;
                 written.ids.extend(found.into_iter().map(|(id,)| id));
             }
-            for failures in json_lists(written.failures(outcomes))? {
+            for failures in json_lists(super::failures(&written, outcomes))? {
                 let found: Vec<(Uuid,)> =
                     sqlx::query_as(statement(&s.lock_failing)).bind(&failures).fetch_all(&mut *tx).await?;
                 if !found.is_empty() {

@@ -351,7 +351,7 @@ impl Driver<'_, SqlitePool, SqliteStatements> {
             let deleted: Vec<(Uuid,)> = sqlx::query_as(statement(&s.delete)).bind(&done).fetch_all(&mut *tx).await?;
             written.ids.extend(deleted.into_iter().map(|(id,)| id));
         }
-        let failures = written.failures(outcomes);
+        let failures = super::failures(&written, outcomes);
         if !failures.is_empty() {
             let failed: Vec<(Uuid,)> =
                 sqlx::query_as(statement(&s.fail)).bind(json(&failures)?).fetch_all(&mut *tx).await?;
