@@ -25,6 +25,7 @@ every_backend!(
     a_partition_handed_on_during_its_quiet_period_stays_quiet,
     a_partition_acquired_by_a_lost_reply_stays_quiet,
     a_partition_still_quiet_when_its_owner_stops_stays_quiet,
+    a_partition_taken_from_an_owner_whose_row_was_reaped_stays_quiet,
     a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
@@ -873,6 +874,42 @@ async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
         first >= before_the_takeover + Duration::from_secs(3),
         "the first delivery came {:?} after the takeover began, within its 3 s quiet period",
         first - before_the_takeover
+    );
+    assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
+}
+
+/// The row of a dead owner stays until twice its declared heartbeat has passed since its lease ended,
+/// whatever the leader's stale timeout, so a partition taken from it later still waits out its quiet
+/// period. Before, the leader deleted the row two of its own stale timeouts after the lease (1.2 s here,
+/// against the owner's 3 s heartbeats), and a partition taken over after that was delivered 200 ms later
+/// (twice the taker's heartbeat), while the owner it came from might still be delivering.
+async fn a_partition_taken_from_an_owner_whose_row_was_reaped_stays_quiet(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let dead = owner_of_all_dead_since_a_minute(&db, 3000).await;
+    commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {now} WHERE id = $1", dead);
+    let lease_ended = Instant::now();
+    // Live, with no node behind it, and its id sorting after a's (a leads): half the targets go to it,
+    // and their partitions stay with the dead owner until it goes.
+    let idle = InstanceId(uuid::Uuid::max());
+    exec!(db, "INSERT INTO {s}instances (id, name, expires_at) VALUES ($1, 'idle', {ago:-86400})", idle);
+    let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
+    let a = start_named(&outbox, &db, "a", &sink, &exclusive).await;
+    wait_for("a owning its half", LONG, || async { owners(&db).await.get(&a.id()) == Some(&128) }).await;
+    // Past two of a's stale timeouts since the lease ended, and a has reaped since.
+    tokio::time::sleep_until(lease_ended + Duration::from_secs(2)).await;
+    exec!(db, "DELETE FROM {s}instances WHERE id = $1", idle);
+    wait_for("a owning every partition", LONG, || async { owners(&db).await.get(&a.id()) == Some(&256) }).await;
+    drained(&db, LONG).await;
+    a.shutdown().await.unwrap();
+
+    let deliveries = sink.all();
+    assert_eq!(deliveries.len(), 64, "each record delivered once");
+    let first = deliveries.iter().map(|d| d.at).min().unwrap();
+    assert!(
+        first >= lease_ended + Duration::from_secs(6),
+        "the first delivery came {:?} after the owner's lease ended, within twice its 3 s heartbeat",
+        first - lease_ended
     );
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
 }

@@ -244,7 +244,8 @@ impl Ownership {
     }
 
     /// The leader's housekeeping, once per stale timeout, after the round's own work: forgets the
-    /// instances whose lease expired two stale timeouts ago (their partitions moved on long since). A
+    /// instances whose lease expired two stale timeouts ago (their partitions moved on long since), or
+    /// twice their own heartbeat interval if longer (until then, their quiet periods need it). A
     /// failure only waits for the next time: a row that cannot be deleted (on MySQL, locked by a client
     /// whose host vanished) must not keep the cluster from being rebalanced.
     async fn reap(&self, rounds: &mut Rounds) {

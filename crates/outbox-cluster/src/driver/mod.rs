@@ -146,7 +146,11 @@ impl Store {
         dispatch!(self, "ending the instance's lease", |conn, s| s.end_lease(conn, id, heartbeat).await)
     }
 
-    /// Deletes the instances whose lease expired more than `grace` ago; returns how many.
+    /// Deletes the instances whose lease expired more than `grace` ago, and more than twice the
+    /// heartbeat interval they declared; returns how many. A partition taken from an instance whose row
+    /// is gone gets the taker's own quiet period, so a row deleted sooner would cut short the quiet
+    /// period of its partitions taken over later (a leader with a shorter stale timeout, an acquisition
+    /// held up, a lease ended at a stop with the rest of a period declared).
     pub(crate) async fn reap(&self, grace: Duration) -> Result<u64> {
         dispatch!(self, "reaping expired instances", |conn, s| s.reap(conn, grace).await)
     }

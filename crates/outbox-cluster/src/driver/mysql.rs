@@ -41,16 +41,17 @@ const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
 const END_LEASE: &str =
     "UPDATE {s}_instances SET expires_at = {now}, heartbeat_ms = GREATEST(heartbeat_ms, ?) WHERE id = ?";
 
-/// The instances whose lease expired more than `?` ms ago, read without locks: the reap then deletes
+/// The instances whose lease expired more than `?` ms ago, and more than twice their declared heartbeat
+/// (see `Store::reap`), read without locks: the reap then deletes
 /// them by their ids ([`REAP`]). A `DELETE` that chose its rows itself scanned the table, and at
 /// REPEATABLE READ kept every row it read locked while it waited for one (an owner's row a renewal or
 /// an acquisition held), holding up the renewals of live instances as long.
-const EXPIRED: &str = "SELECT HEX(id) FROM {s}_instances WHERE expires_at < {now} - INTERVAL (? * 1000) MICROSECOND";
+const EXPIRED: &str = "SELECT HEX(id) FROM {s}_instances WHERE expires_at < {now} - INTERVAL (GREATEST(?, 2 * heartbeat_ms) * 1000) MICROSECOND";
 
-/// Deletes the instances of `?` (JSON array of hex ids) whose lease expired more than `?` ms ago.
+/// Deletes the instances of `?` (JSON array of hex ids) whose lease expired as [`EXPIRED`] reads.
 const REAP: &str = "DELETE i FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(32) PATH '$')) t
 STRAIGHT_JOIN {s}_instances i FORCE INDEX (PRIMARY) ON i.id = UNHEX(t.id)
-WHERE i.expires_at < {now} - INTERVAL (? * 1000) MICROSECOND";
+WHERE i.expires_at < {now} - INTERVAL (GREATEST(?, 2 * i.heartbeat_ms) * 1000) MICROSECOND";
 
 /// The instances owning partitions targeted at `?` (bound twice) elsewhere, hex ids in id order, read
 /// without locks; [`LOCK_OWNERS`] then locks them by id. Locking them here, through `IN (SELECT …)`,

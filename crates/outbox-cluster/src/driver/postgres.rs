@@ -44,8 +44,10 @@ const DEREGISTER: &str = "DELETE FROM {s}.instances WHERE id = $1";
 const END_LEASE: &str =
     "UPDATE {s}.instances SET expires_at = now(), heartbeat_ms = greatest(heartbeat_ms, $2) WHERE id = $1";
 
-/// Removes instances whose lease expired more than `$1` ms ago.
-const REAP: &str = "DELETE FROM {s}.instances WHERE expires_at < now() - $1 * interval '1 millisecond'";
+/// Removes instances whose lease expired more than `$1` ms ago, and more than twice their declared
+/// heartbeat (see `Store::reap`).
+const REAP: &str =
+    "DELETE FROM {s}.instances WHERE expires_at < now() - greatest($1, 2 * heartbeat_ms) * interval '1 millisecond'";
 
 /// Acquires the partitions targeted at this instance that are free or whose owner has no live lease by
 /// database time. Each acquisition bumps the epoch, fencing out whatever the previous owner still tries

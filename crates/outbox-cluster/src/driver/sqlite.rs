@@ -41,7 +41,9 @@ const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = $1";
 const END_LEASE: &str =
     "UPDATE {s}_instances SET expires_at = {now}, heartbeat_ms = max(heartbeat_ms, $2) WHERE id = $1";
 
-const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - $1";
+/// Removes instances whose lease expired more than `$1` ms ago, and more than twice their declared
+/// heartbeat (see `Store::reap`).
+const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - max($1, 2 * heartbeat_ms)";
 
 /// Partitions targeted at `$1` that are free or whose owner has no live lease (one whose partitions
 /// were taken has none, whatever its expiry reads), with that owner and its

@@ -77,7 +77,16 @@ async fn a_lease_is_renewed_only_until_it_expires(pool: PgPool) {
         );
 
         assert_eq!(store.reap(Duration::from_secs(3600)).await.unwrap(), 0, "{backend}: within the grace");
-        assert_eq!(store.reap(Duration::ZERO).await.unwrap(), 1, "{backend}: only the expired one");
+        // Both leases ended; one declared heartbeats every 300 ms, the other every hour: a row stays
+        // until twice its heartbeat has passed since.
+        let slow = registered(&store, Lease { heartbeat: Duration::from_secs(3600), ..GONE }).await;
+        tokio::time::sleep(2 * GONE.heartbeat).await;
+        assert_eq!(
+            store.reap(Duration::ZERO).await.unwrap(),
+            1,
+            "{backend}: only the one expired twice its heartbeat ago"
+        );
+        store.deregister(slow).await.unwrap();
         store.drain(id).await.unwrap();
         assert!(store.view().await.unwrap().live.is_empty(), "{backend}: a draining instance takes no part");
         store.deregister(id).await.unwrap();
@@ -319,6 +328,7 @@ async fn a_wait_for_one_instance_row_holds_up_no_other_renewal(pool: PgPool) {
         // Ids grow with time: a scan in id order meets the bystander's row first.
         let bystander = registered(&store, DAY).await;
         let expired = registered(&store, GONE).await;
+        tokio::time::sleep(2 * GONE.heartbeat).await;
         let (owner, taker) = (registered(&store, DAY).await, registered(&store, DAY).await);
         target(&store, [7], owner).await;
         assert_eq!(store.acquire(owner).await.unwrap().len(), 1, "{backend}");
