@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::*;
@@ -55,17 +55,26 @@ const LONG: Duration = Duration::from_secs(60);
 /// Handlers recording each delivery and checking exclusivity; each call takes two awaits of up to
 /// `step_ms` each (as a handler that connects, then sends a request).
 fn handlers(name: &str, sink: &Arc<Sink>, exclusive: &Arc<Exclusive>, step_ms: u64) -> Handlers {
-    paced_handlers(name, sink, exclusive, Arc::new(AtomicU64::new(step_ms)))
+    paced_handlers(name, sink, exclusive, step_ms, Arc::new(AtomicBool::new(false)))
 }
 
-/// As [`handlers`], with steps of up to what `step_ms` holds when the call begins.
-fn paced_handlers(name: &str, sink: &Arc<Sink>, exclusive: &Arc<Exclusive>, step_ms: Arc<AtomicU64>) -> Handlers {
+/// As [`handlers`]; a call first waits while `held` is set (a handler stuck on a slow downstream),
+/// inside the handler as far as `exclusive` is concerned, until it is let go or cancelled.
+fn paced_handlers(
+    name: &str,
+    sink: &Arc<Sink>,
+    exclusive: &Arc<Exclusive>,
+    step_ms: u64,
+    held: Arc<AtomicBool>,
+) -> Handlers {
     let (name, sink, exclusive) = (name.to_string(), sink.clone(), exclusive.clone());
     Handlers::new().default_route(Route::new(handler_fn(move |r| {
-        let (name, sink, exclusive, step_ms) = (name.clone(), sink.clone(), exclusive.clone(), step_ms.clone());
+        let (name, sink, exclusive, held) = (name.clone(), sink.clone(), exclusive.clone(), held.clone());
         async move {
             let _inside = exclusive.enter(&name, r.partition);
-            let step_ms = step_ms.load(Ordering::SeqCst);
+            while held.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
             let (connect, request) = (rand::rng().random_range(0..step_ms), rand::rng().random_range(0..step_ms));
             tokio::time::sleep(Duration::from_millis(connect)).await;
             tokio::time::sleep(Duration::from_millis(request)).await;
@@ -765,16 +774,16 @@ async fn a_lease_that_ends_early_never_lets_two_instances_deliver_one_partition(
     assert_first_deliveries_in_order(&sink, 60, 100);
 }
 
-/// Starts `a` with `a_config` (calls of two awaits of up to what `a_step_ms` holds) and `b` (fast,
-/// short calls); returns them once they own half the partitions each.
+/// Starts `a` with `a_config` (calls of two awaits of up to 100 ms, each first held while `a_held` is
+/// set) and `b` (fast, short calls); returns them once they own half the partitions each.
 async fn a_and_b_balanced(
     outbox: &Outbox,
     db: &TestDb,
-    (a_config, a_step_ms): (outbox_cluster::ClusterConfig, Arc<AtomicU64>),
+    (a_config, a_held): (outbox_cluster::ClusterConfig, Arc<AtomicBool>),
     sink: &Arc<Sink>,
     exclusive: &Arc<Exclusive>,
 ) -> (Node, Node) {
-    let handlers = paced_handlers(&a_config.name, sink, exclusive, a_step_ms);
+    let handlers = paced_handlers(&a_config.name, sink, exclusive, 100, a_held);
     let a = Node::start(outbox.clone(), db, handlers, a_config).await.unwrap();
     let b = start_named(outbox, db, "b", sink, exclusive).await;
     wait_for("two instances balanced", LONG, || async {
@@ -792,34 +801,44 @@ async fn a_partition_handed_on_during_its_quiet_period_stays_quiet(db: TestDb) {
     logs();
     let outbox = outbox(&db, |_| {}).await;
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
-    let producer = produce(&outbox, &db, 60, 100);
+    let producer = produce(&outbox, &db, 200, 30);
     let a_config = outbox_cluster::ClusterConfig {
         name: "a".into(),
-        heartbeat_interval: Duration::from_secs(2),
+        heartbeat_interval: Duration::from_secs(3),
         stale_timeout: Duration::from_secs(12),
         ..fast_cluster()
     };
-    // a's calls last up to 2 s until c has partitions: one under way when b takes its partition runs on
-    // past the time c needs to get it if b released it at once. With calls of up to 200 ms throughout,
-    // that call was mostly over, and the test missed such a release 5 runs in 6.
-    let a_step_ms = Arc::new(AtomicU64::new(1000));
-    let (a, b) = a_and_b_balanced(&outbox, &db, (a_config, a_step_ms.clone()), &sink, &exclusive).await;
+    // a's calls run until a notices the end of its lease and cancels them, at its next heartbeat. They
+    // are under way in 40 of a's partitions or more, which a cannot release, so b takes them over and
+    // hands about a third on to c. The lease ends in the first second after a renewal, at least 2 s
+    // before a notices: time enough for b to take them and for c to join and take some (at once, if b
+    // released them in their quiet period). With calls that ended on their own, at any point of a's
+    // interval, the test missed such a release 3 runs in 9; without the 40 calls, a released its
+    // partitions itself when nothing of them was under way, and nothing was taken over.
+    // (Held only once balanced: a hands partitions over only once their calls are done.)
+    let a_held = Arc::new(AtomicBool::new(false));
+    let (a, b) = a_and_b_balanced(&outbox, &db, (a_config, a_held.clone()), &sink, &exclusive).await;
+    a_held.store(true, Ordering::SeqCst);
+    wait_for("a's calls under way in 40 partitions", LONG, || async { exclusive.partitions_of("a") >= 40 }).await;
     let a_id = a.id();
-    end_lease(&db, a_id).await;
+    // A renewal writes a lease of 6 s (the stale timeout less two intervals): 5 s or more left means
+    // renewed within the last second.
+    let just_renewed = "UPDATE {s}instances SET expires_at = {ago:1} WHERE id = $1 AND expires_at > {ago:-5}";
+    wait_for("a's lease ended just after a renewal", LONG, || async { exec!(db, just_renewed, a_id) == 1 }).await;
     // Taken by b, or some by a under its new id when its next heartbeat (fenced, it registers again)
     // comes before b's round: then b never holds all 256, and waiting for that timed out.
     wait_for("a's partitions taken over", LONG, || async { !owners(&db).await.contains_key(&a_id) }).await;
     let c = start_named(&outbox, &db, "c", &sink, &exclusive).await;
     wait_for("c owning partitions", LONG, || async { owners(&db).await.contains_key(&c.id()) }).await;
-    a_step_ms.store(100, Ordering::SeqCst);
     wait_for("a registered again", LONG, || async { a.id() != a_id }).await;
+    a_held.store(false, Ordering::SeqCst);
     producer.await.unwrap();
     drained(&db, LONG).await;
     for node in [a, b, c] {
         node.shutdown().await.unwrap();
     }
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
-    assert_first_deliveries_in_order(&sink, 60, 100);
+    assert_first_deliveries_in_order(&sink, 200, 30);
 }
 
 /// An acquisition whose reply was lost (committed, then the connection dropped) leaves the instance
@@ -831,7 +850,7 @@ async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
     let producer = produce(&outbox, &db, 60, 100);
     let a_config = outbox_cluster::ClusterConfig { name: "a".into(), ..fast_cluster() };
-    let (a, b) = a_and_b_balanced(&outbox, &db, (a_config, Arc::new(AtomicU64::new(100))), &sink, &exclusive).await;
+    let (a, b) = a_and_b_balanced(&outbox, &db, (a_config, Arc::new(AtomicBool::new(false))), &sink, &exclusive).await;
     exec!(
         db,
         "UPDATE {s}partitions SET owner = $1, epoch = epoch + 1, target_owner = $1 WHERE owner = $2",

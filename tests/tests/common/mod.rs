@@ -280,6 +280,11 @@ impl Exclusive {
     pub fn calls_of(&self, instance: &str) -> usize {
         self.inside.lock().unwrap().values().filter(|(name, _)| name == instance).map(|&(_, calls)| calls).sum()
     }
+
+    /// In how many partitions `instance` is inside a handler call now.
+    pub fn partitions_of(&self, instance: &str) -> usize {
+        self.inside.lock().unwrap().values().filter(|(name, _)| name == instance).count()
+    }
 }
 
 impl Drop for Inside {
