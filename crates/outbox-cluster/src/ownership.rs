@@ -315,28 +315,47 @@ impl Ownership {
     /// or if its row is gone).
     async fn acquire(&self, me: InstanceId) -> Result<Vec<(Taken, Option<Duration>)>> {
         let taken = self.store.acquire(me).await?;
-        Ok(taken
+        let taken: Vec<(Taken, Option<Duration>)> = taken
             .into_iter()
             .map(|t| {
-                let (partition, epoch) = (t.partition, t.epoch);
-                let quiet = t.previous.map(|previous| {
-                    let theirs = Duration::from_millis(
-                        t.previous_heartbeat_ms.and_then(|ms| u64::try_from(ms).ok()).unwrap_or(0),
-                    );
-                    let quiet = 2 * theirs.max(self.config.heartbeat_interval);
-                    info!(partition, %epoch, instance = %me, %previous, reason = "owner lease expired", ?quiet,
-                        "partition stolen; delivering it after the quiet period");
-                    metrics::counter!("outbox_partitions_taken_over_total", "schema" => self.outbox.schema_label())
-                        .increment(1);
-                    quiet
-                });
-                if quiet.is_none() {
-                    info!(partition, %epoch, instance = %me, reason = "free", "partition acquired");
-                }
+                let theirs =
+                    Duration::from_millis(t.previous_heartbeat_ms.and_then(|ms| u64::try_from(ms).ok()).unwrap_or(0));
+                let quiet = t.previous.map(|_| 2 * theirs.max(self.config.heartbeat_interval));
                 (t, quiet)
             })
-            .collect())
+            .collect();
+        // One line per previous owner and quiet period, not one per partition (256 when one instance
+        // takes everything).
+        let mut stolen: BTreeMap<(InstanceId, Duration), Vec<(Partition, Epoch)>> = BTreeMap::new();
+        let mut free = Vec::new();
+        for (t, quiet) in &taken {
+            match (t.previous, quiet) {
+                (Some(previous), Some(quiet)) => {
+                    stolen.entry((previous, *quiet)).or_default().push((t.partition, t.epoch))
+                }
+                _ => free.push((t.partition, t.epoch)),
+            }
+        }
+        for ((previous, quiet), partitions) in &stolen {
+            info!(instance = %me, %previous, reason = "owner lease expired", ?quiet, count = partitions.len(),
+                partitions = %at_epochs(partitions.iter().copied()), "partitions stolen (partition@epoch); delivering them after the quiet period");
+            metrics::counter!("outbox_partitions_taken_over_total", "schema" => self.outbox.schema_label())
+                .increment(partitions.len() as u64);
+        }
+        if !free.is_empty() {
+            info!(instance = %me, reason = "free", count = free.len(), partitions = %at_epochs(free.iter().copied()),
+                "partitions acquired (partition@epoch)");
+        }
+        Ok(taken)
     }
+}
+
+/// Partitions with their epochs, in order, as `3@7, 9@2`, for a log line that names many.
+fn at_epochs(partitions: impl IntoIterator<Item = (Partition, Epoch)>) -> String {
+    let mut partitions: Vec<(Partition, Epoch)> = partitions.into_iter().collect();
+    partitions.sort_unstable();
+    let listed: Vec<String> = partitions.iter().map(|(p, e)| format!("{p}@{e}")).collect();
+    listed.join(", ")
 }
 
 /// The quiet period of a partition owned by an acquisition never heard of: the longest that `config`
@@ -408,8 +427,10 @@ async fn release_partitions(
         warn!(instance = %me, reason, ?partitions, error = %e,
             "releasing partitions failed or went unanswered; nobody delivers them until a release is answered or this instance's lease ends");
     })?;
-    for partition in &freed {
-        info!(partition, instance = %me, reason, "partition released");
+    if !freed.is_empty() {
+        let listed = at_epochs(freed.iter().filter_map(|&p| Some((p, *partitions.get(&p)?))));
+        info!(instance = %me, reason, count = freed.len(), partitions = %listed,
+            "partitions released (partition@epoch)");
     }
     Ok(freed)
 }
@@ -445,10 +466,8 @@ pub(crate) async fn hand_over(
     let ended = match kept.values().max() {
         None => Ok(()),
         Some(&left) => {
-            for (partition, left) in &kept {
-                info!(partition, instance = %me, quiet_left = ?left,
-                    "partition kept at shutdown: in its quiet period; its next owner waits out the rest");
-            }
+            info!(instance = %me, count = kept.len(), partitions = ?kept,
+                "partitions kept at shutdown (partition: quiet period left): their next owners wait out the rest");
             store.end_lease(me, left / 2 + Duration::from_millis(1)).await
         }
     };
