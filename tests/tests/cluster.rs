@@ -345,7 +345,7 @@ async fn slow_registrations(db: &TestDb, seconds: &str) {
 /// meanwhile, and the release sent again takes 3 s to commit, past its time limit.
 #[sqlx::test(migrations = false)]
 async fn a_partition_whose_release_went_unanswered_is_not_delivered_until_it_is_answered(pool: sqlx::PgPool) {
-    logs();
+    let logs = Captured::start("outbox_cluster=warn");
     let db = TestDb::postgres(pool);
     let outbox = outbox(&db, |c| c.query_timeout = Duration::from_secs(1)).await;
     // The leader runs nothing: the test writes the targets. The node's rounds run only when nudged, on
@@ -379,9 +379,11 @@ async fn a_partition_whose_release_went_unanswered_is_not_delivered_until_it_is_
     exec!(db, "UPDATE {s}partitions SET target_owner = $1 WHERE partition = 7", leader);
     let mut lock = db.holding("SELECT 1 FROM {s}partitions WHERE partition = 7 FOR UPDATE", &[]).await;
     nudge().await;
-    wait_for("the release waits for the lock", LONG, || async { db.lock_waiters().await == 1 }).await;
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    // Targeted back while the release waits; the release then runs and takes 3 s to commit.
+    // Read in the log, not as a lock waiter: the wait lasts its 1 s time limit, and a test stalled that
+    // long (a loaded run) never saw it and waited in vain.
+    let given_up = || logs.text().contains("releasing partitions failed or went unanswered");
+    wait_for("the release given up waiting for the lock", LONG, || async { given_up() }).await;
+    // Targeted back; the release, sent again, then takes 3 s to commit.
     lock.execute(
         AssertSqlSafe(db.sql("UPDATE {s}partitions SET target_owner = $1 WHERE partition = 7")),
         &[a.id().into()],
