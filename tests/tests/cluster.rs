@@ -26,6 +26,7 @@ every_backend!(
     a_partition_acquired_by_a_lost_reply_stays_quiet,
     a_partition_still_quiet_when_its_owner_stops_stays_quiet,
     a_partition_taken_from_an_owner_whose_row_was_reaped_stays_quiet,
+    a_partition_whose_new_owner_lapses_in_its_quiet_period_stays_quiet,
     a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
@@ -924,6 +925,29 @@ async fn a_partition_taken_from_an_owner_whose_row_was_reaped_stays_quiet(db: Te
     drained(&db, LONG).await;
     a.shutdown().await.unwrap();
     // Twice the owner's 3 s heartbeats since its lease ended.
+    quiet_until_the_end(&sink, &exclusive, 64, lease_ended + Duration::from_secs(6));
+}
+
+/// A partition taken over keeps its quiet period when its new owner's lease lapses during it: the next
+/// owner (here the same node under a new id) waits out what is left. Before, renewals declared only the
+/// configured heartbeat interval, and the next owner waited twice that (200 ms here) while the owner
+/// the partition was first taken from (3 s heartbeats: a 6 s period) might still be delivering.
+async fn a_partition_whose_new_owner_lapses_in_its_quiet_period_stays_quiet(db: TestDb) {
+    let outbox = outbox(&db, |_| {}).await;
+    let dead = owner_of_all_dead_since_a_minute(&db, 3000).await;
+    commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {now} WHERE id = $1", dead);
+    let lease_ended = Instant::now();
+    let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
+    let a = start_named(&outbox, &db, "a", &sink, &exclusive).await;
+    let a_id = a.id();
+    wait_for("a took every partition", LONG, || async { owners(&db).await.get(&a_id) == Some(&256) }).await;
+    // A few of a's renewals (every 100 ms) since, then its lease lapses.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    end_lease(&db, a_id).await;
+    wait_for("a registered again", LONG, || async { a.id() != a_id }).await;
+    drained(&db, LONG).await;
+    a.shutdown().await.unwrap();
     quiet_until_the_end(&sink, &exclusive, 64, lease_ended + Duration::from_secs(6));
 }
 

@@ -140,18 +140,19 @@ impl Node {
         let run = processor.run(stop_processor.clone());
         let processor = tokio::spawn(watched("processor", &stop_processor).run(async { Ok(run.await?) }));
         let asks_round = Arc::new(AtomicU64::new(0));
+        let held = Arc::new(watch::Sender::new(Held::new()));
         let heartbeat = Heartbeat {
             store: store.clone(),
             config: config.clone(),
             assign: assign.clone(),
             delivered,
             asks_round: asks_round.clone(),
+            held: held.subscribe(),
         };
         let run = heartbeat.run(stop_background.clone());
         background.spawn(watched("heartbeat", &stop_background).run(ended(run)));
         let leaving = CancellationToken::new();
         let holds_none = Arc::new(watch::Sender::new(false));
-        let held = Arc::new(watch::Sender::new(Held::new()));
         // The leader runs the cluster's housekeeping: the purge and the backlog gauges.
         let leads = watch::Sender::new(false);
         let (purge_leads, gauges_leads) = (leads.subscribe(), leads.subscribe());

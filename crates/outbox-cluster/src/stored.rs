@@ -122,7 +122,8 @@ pub(crate) struct Held {
     pub(crate) epoch: Epoch,
 }
 
-/// What a registration or renewal declares: live for `live`, renewed every `heartbeat`.
+/// What a registration or renewal declares: live for `live`, renewed every `heartbeat` (or, while the
+/// instance holds a partition back for a quiet period, half what is left of that period, if longer).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Lease {
     pub(crate) live: Duration,

@@ -30,7 +30,7 @@ ON DUPLICATE KEY UPDATE name = VALUES(name), started_at = {now}, heartbeat_at = 
 /// meanwhile (`taken_over_at`, set by [`MARK_TAKEN_OVER`]), though `{now}` is the statement's start.
 const HEARTBEAT: &str =
     "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + INTERVAL (? * 1000) MICROSECOND,
-    delivered = ?
+    delivered = ?, heartbeat_ms = ?
 WHERE id = ? AND taken_over_at IS NULL AND expires_at > {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
@@ -257,6 +257,7 @@ impl MySqlStatements {
         let renewed = sqlx::query(statement(&self.heartbeat))
             .bind(millis(lease.live))
             .bind(delivered)
+            .bind(millis(lease.heartbeat))
             .bind(id)
             .execute(conn)
             .await?

@@ -26,14 +26,15 @@ ON CONFLICT (id) DO UPDATE SET name = excluded.name, started_at = now(), heartbe
     taken_over_at = NULL
 RETURNING {remaining}";
 
-/// Renews a lease that has not expired by database time, for `$2` ms; returns its remaining time. No
+/// Renews a lease that has not expired by database time, for `$2` ms, declaring heartbeats every `$4` ms
+/// (see `Lease`); returns its remaining time. No
 /// row: the lease had expired (or the instance was reaped), so the instance was declared dead and may
 /// have lost its partitions: it must stop and register again. A lease whose partitions were taken
 /// (`taken_over_at`, set by [`ACQUIRE`]) is not renewed either: a renewal that began before the expiry
 /// and waited for the row behind that acquisition is checked again against the row it wrote (a row
 /// merely locked is not checked again, nor would the clock's time then tell).
 const HEARTBEAT: &str = "UPDATE {s}.instances
-SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond', delivered = $3
+SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond', delivered = $3, heartbeat_ms = $4
 WHERE id = $1 AND taken_over_at IS NULL AND expires_at > now()
 RETURNING {remaining}";
 
@@ -225,6 +226,7 @@ impl PgStatements {
             .bind(id)
             .bind(millis(lease.live))
             .bind(delivered)
+            .bind(millis(lease.heartbeat))
             .fetch_optional(conn)
             .await?;
         Ok(ms.map(remaining))

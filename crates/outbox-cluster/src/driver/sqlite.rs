@@ -31,7 +31,8 @@ RETURNING expires_at - {now}";
 /// Renews a lease that has not expired and whose partitions were not taken (see the PostgreSQL
 /// statement); returns its remaining ms. One writer at a time: a renewal never waits inside a takeover
 /// here, but the stamp keeps the lease ended if the host's clock steps back.
-const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2, delivered = $3
+const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2, delivered = $3,
+    heartbeat_ms = $4
 WHERE id = $1 AND taken_over_at IS NULL AND expires_at > {now} RETURNING expires_at - {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = $1";
@@ -188,6 +189,7 @@ impl SqliteStatements {
             .bind(id)
             .bind(millis(lease.live))
             .bind(delivered)
+            .bind(millis(lease.heartbeat))
             .fetch_optional(&mut *tx)
             .await?;
         tx.commit().await?;

@@ -135,6 +135,9 @@ async fn acquire_takes_free_and_dead_owners_partitions_only_and_bumps_epochs(poo
         assert_eq!(store.acquire(alive).await.unwrap().len(), 2, "{backend}");
         assert_eq!(store.acquire(dead).await.unwrap().len(), 2, "{backend}");
         assert_eq!(store.acquire(also_dead).await.unwrap().len(), 1, "{backend}");
+        // A renewal declares its heartbeat interval afresh (longer while it holds a quiet period back).
+        let declared = Lease { heartbeat: Duration::from_millis(3456), ..DAY };
+        assert!(super::HeartbeatConnection::default().renew(&store, also_dead, declared, 0).await.unwrap().is_some());
         store.end_lease(dead, Duration::from_millis(1)).await.unwrap();
         store.end_lease(also_dead, Duration::from_millis(1)).await.unwrap();
 
@@ -158,7 +161,7 @@ async fn acquire_takes_free_and_dead_owners_partitions_only_and_bumps_epochs(poo
                 (3, Some(dead), Some(1234)),
                 (4, Some(dead), Some(1234)),
                 (5, None, None),
-                (7, Some(also_dead), Some(2345))
+                (7, Some(also_dead), Some(3456))
             ],
             "{backend}"
         );
