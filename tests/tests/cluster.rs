@@ -900,6 +900,15 @@ fn quiet_until_the_end(sink: &Sink, exclusive: &Exclusive, records: usize, quiet
     assert_eq!(*exclusive.violations.lock().unwrap(), Vec::<String>::new());
 }
 
+/// An owner of every partition, heartbeating every 3 s (a 6 s quiet period), with 64 records, whose
+/// lease ends now; returns when.
+async fn owner_of_64_records_ending_its_lease(outbox: &Outbox, db: &TestDb) -> Instant {
+    let dead = owner_of_all_dead_since_a_minute(db, 3000).await;
+    commit(outbox, db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
+    exec!(db, "UPDATE {s}instances SET expires_at = {now} WHERE id = $1", dead);
+    Instant::now()
+}
+
 /// The row of a dead owner stays until twice its declared heartbeat has passed since its lease ended,
 /// whatever the leader's stale timeout, so a partition taken from it later still waits out its quiet
 /// period. Before, the leader deleted the row two of its own stale timeouts after the lease (1.2 s here,
@@ -907,10 +916,7 @@ fn quiet_until_the_end(sink: &Sink, exclusive: &Exclusive, records: usize, quiet
 /// (twice the taker's heartbeat), while the owner it came from might still be delivering.
 async fn a_partition_taken_from_an_owner_whose_row_was_reaped_stays_quiet(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
-    let dead = owner_of_all_dead_since_a_minute(&db, 3000).await;
-    commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {now} WHERE id = $1", dead);
-    let lease_ended = Instant::now();
+    let lease_ended = owner_of_64_records_ending_its_lease(&outbox, &db).await;
     // Live, with no node behind it, and its id sorting after a's (a leads): half the targets go to it,
     // and their partitions stay with the dead owner until it goes.
     let idle = InstanceId(uuid::Uuid::max());
@@ -934,10 +940,7 @@ async fn a_partition_taken_from_an_owner_whose_row_was_reaped_stays_quiet(db: Te
 /// the partition was first taken from (3 s heartbeats: a 6 s period) might still be delivering.
 async fn a_partition_whose_new_owner_lapses_in_its_quiet_period_stays_quiet(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
-    let dead = owner_of_all_dead_since_a_minute(&db, 3000).await;
-    commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
-    exec!(db, "UPDATE {s}instances SET expires_at = {now} WHERE id = $1", dead);
-    let lease_ended = Instant::now();
+    let lease_ended = owner_of_64_records_ending_its_lease(&outbox, &db).await;
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
     let a = start_named(&outbox, &db, "a", &sink, &exclusive).await;
     let a_id = a.id();
