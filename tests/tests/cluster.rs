@@ -27,6 +27,7 @@ every_backend!(
     a_partition_still_quiet_when_its_owner_stops_stays_quiet,
     a_partition_taken_from_an_owner_whose_row_was_reaped_stays_quiet,
     a_partition_whose_new_owner_lapses_in_its_quiet_period_stays_quiet,
+    a_partition_whose_new_owner_lapses_before_it_renews_stays_quiet,
     a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
@@ -846,7 +847,8 @@ async fn a_partition_handed_on_during_its_quiet_period_stays_quiet(db: TestDb) {
 
 /// An acquisition whose reply was lost (committed, then the connection dropped) leaves the instance
 /// owning partitions it never heard it took, from an owner that may still be delivering: they are held
-/// back for a quiet period too. Here b is made the owner of a's partitions behind both their backs.
+/// back for the quiet period the acquisition stored. Here b is made the owner of a's partitions behind
+/// both their backs, quiet for a second.
 async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
     logs();
     let outbox = outbox(&db, |_| {}).await;
@@ -856,7 +858,8 @@ async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
     let (a, b) = a_and_b_balanced(&outbox, &db, (a_config, Arc::new(AtomicBool::new(false))), &sink, &exclusive).await;
     exec!(
         db,
-        "UPDATE {s}partitions SET owner = $1, epoch = epoch + 1, target_owner = $1 WHERE owner = $2",
+        "UPDATE {s}partitions SET owner = $1, epoch = epoch + 1, target_owner = $1, quiet_until = {ago:-1}
+         WHERE owner = $2",
         b.id(),
         a.id()
     );
@@ -870,9 +873,10 @@ async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
 
 /// An instance takes every partition from an owner whose lease ran out and that heartbeated every
 /// 1.5 s (a 3 s quiet period), and stops before the period is over (its `shutdown_timeout` is shorter):
-/// the next instance delivers nothing before the period ends, then everything. Before, the stopping
-/// instance released the partitions, the next took them as free and delivered at once, while the owner
-/// they were taken from might still be delivering.
+/// the next instance delivers nothing before the period ends, then everything. The stopping instance
+/// releases the partitions, and the next takes them free with the rest of the period. Before the period
+/// was kept with the partition, it delivered them at once, while the owner they were taken from might
+/// still be delivering.
 async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
     // The stop waits this long for the partitions it keeps; its first write (marking the instance
     // draining) must fit in it too, which 100 ms did not on a loaded machine (the stop then failed).
@@ -939,17 +943,37 @@ async fn a_partition_taken_from_an_owner_whose_row_was_reaped_stays_quiet(db: Te
 /// configured heartbeat interval, and the next owner waited twice that (200 ms here) while the owner
 /// the partition was first taken from (3 s heartbeats: a 6 s period) might still be delivering.
 async fn a_partition_whose_new_owner_lapses_in_its_quiet_period_stays_quiet(db: TestDb) {
-    let outbox = outbox(&db, |_| {}).await;
-    let lease_ended = owner_of_64_records_ending_its_lease(&outbox, &db).await;
+    // A few of the new owner's renewals (every 100 ms) since the takeover, then its lease lapses.
+    new_owner_lapsing_in_the_quiet_period(&db, fast_cluster(), Duration::from_millis(500)).await;
+}
+
+/// As above, the new owner's lease lapsing before its first renewal after the takeover: it renews
+/// every second from its registration, and its lease ends as soon as it owns every partition. Before,
+/// a renewal declared half the quiet period still ahead as its heartbeat interval, and with none since
+/// the takeover the next owner waited twice the configured one (2 s, against 6 s).
+async fn a_partition_whose_new_owner_lapses_before_it_renews_stays_quiet(db: TestDb) {
+    let config = outbox_cluster::ClusterConfig {
+        heartbeat_interval: Duration::from_secs(1),
+        stale_timeout: Duration::from_secs(4),
+        ..fast_cluster()
+    };
+    new_owner_lapsing_in_the_quiet_period(&db, config, Duration::ZERO).await;
+}
+
+/// A node with `config` takes every partition (and 64 records) from an owner whose lease ended (a 6 s
+/// quiet period), and its own lease ends `after` that: nothing is delivered before the period is over.
+async fn new_owner_lapsing_in_the_quiet_period(db: &TestDb, config: outbox_cluster::ClusterConfig, after: Duration) {
+    let outbox = outbox(db, |_| {}).await;
+    let lease_ended = owner_of_64_records_ending_its_lease(&outbox, db).await;
     let (sink, exclusive) = (Sink::new(), Arc::new(Exclusive::default()));
-    let a = start_named(&outbox, &db, "a", &sink, &exclusive).await;
+    let config = outbox_cluster::ClusterConfig { name: "a".into(), ..config };
+    let a = start_calls(&outbox, db, config, &sink, &exclusive, 3).await;
     let a_id = a.id();
-    wait_for("a took every partition", LONG, || async { owners(&db).await.get(&a_id) == Some(&256) }).await;
-    // A few of a's renewals (every 100 ms) since, then its lease lapses.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    end_lease(&db, a_id).await;
+    wait_for("a took every partition", LONG, || async { owners(db).await.get(&a_id) == Some(&256) }).await;
+    tokio::time::sleep(after).await;
+    end_lease(db, a_id).await;
     wait_for("a registered again", LONG, || async { a.id() != a_id }).await;
-    drained(&db, LONG).await;
+    drained(db, LONG).await;
     a.shutdown().await.unwrap();
     quiet_until_the_end(&sink, &exclusive, 64, lease_ended + Duration::from_secs(6));
 }
@@ -977,10 +1001,10 @@ async fn a_release_that_fails_names_its_partitions(db: TestDb) {
     b.shutdown().await.unwrap();
 }
 
-/// As above, with one more partition, taken free (no quiet period), whose release the database refuses
-/// at the stop: the stop still ends its lease with a declared heartbeat that covers the rest of the
-/// quiet period. Before, the refused release ended the stop first; the lease ran out as usual (600 ms),
-/// and the next instance waited only twice the stopped one's heartbeat before delivering.
+/// As above, with one more partition, taken free (no quiet period), and the database refusing releases
+/// at the stop: the partitions stay with the stopped instance until its lease runs out (600 ms), and
+/// the next instance, taking them from it, still waits out the rest of the quiet period. Before, it
+/// waited only twice the stopped one's heartbeat before delivering.
 async fn a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop(db: TestDb) {
     quiet_through_a_failed_release_at_stop(
         &db,
@@ -990,16 +1014,17 @@ async fn a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_o
     .await;
 }
 
-/// As above, the release waiting for a row lock past the stop's budget (`query_timeout`, 1 s) instead:
-/// the lease is ended before the release is sent. Before, the stop was given up inside the release.
+/// As above, the release waiting for a row lock past the stop's budget (`query_timeout`, 1 s) instead
+/// (given up, it may still commit: the next instance then takes the partitions free, with the rest of
+/// their period).
 async fn a_partition_still_quiet_stays_quiet_when_the_release_of_the_others_waits_out_the_stop(db: TestDb) {
     let lock = async || db.holding("SELECT 1 FROM {s}partitions WHERE partition = 0 FOR UPDATE", &[]).await;
     quiet_through_a_failed_release_at_stop(&db, lock, async |lock| lock.rollback().await.unwrap()).await;
 }
 
 /// A node takes 255 partitions from an owner whose lease ran out and that heartbeated every 1.5 s (a
-/// 3 s quiet period) and one more free, and stops while `fail_release` makes the free one's release
-/// fail (`mend`, given what it returned, ends that); the next node delivers nothing of the others
+/// 3 s quiet period) and one more free, and stops while `fail_release` makes the release of the free
+/// one fail (`mend`, given what it returned, ends that); the next node delivers nothing of the others
 /// before the period ends.
 async fn quiet_through_a_failed_release_at_stop<T>(
     db: &TestDb,

@@ -13,8 +13,9 @@
 //!   instance then stops fetching the partitions targeted elsewhere, releases them the moment none of
 //!   their records is in flight (release-before-acquire), and acquires the partitions targeted at it
 //!   that are free or whose owner's lease has expired; the latter it hands to the processor only after a
-//!   quiet period of two heartbeat intervals (the previous owner's, or its own if longer). Each step
-//!   nudges the instances that must take the next one, so a handover does not wait for their rounds;
+//!   quiet period of two heartbeat intervals (the previous owner's, or its own if longer), whose end is
+//!   kept with the partition, so that whoever holds it next waits out the rest too. Each step nudges
+//!   the instances that must take the next one, so a handover does not wait for their rounds;
 //! - **processor**, **purge** and **backlog gauges** from `outbox-core`; the purge and the gauges run
 //!   on the leader only (each works on the whole database).
 //!
@@ -61,7 +62,7 @@ use tracing::{error, info, warn};
 use crate::config::ClusterConfig;
 use crate::driver::Store;
 use crate::error::{Error, Result};
-use crate::ownership::{self, Held, Ownership};
+use crate::ownership::{self, Ownership};
 use crate::registry::{self, Heartbeat};
 
 /// A running node. Dropping it without [`Node::shutdown`] stops nothing; call `shutdown` (or
@@ -72,8 +73,6 @@ pub struct Node {
     assignment: watch::Receiver<Assignment>,
     leaving: CancellationToken,
     holds_none: watch::Receiver<bool>,
-    held: watch::Receiver<Held>,
-    config: ClusterConfig,
     /// Cancelled when a task ended unasked (see [`Watched`]), whose fault is kept in `fault`.
     failed: CancellationToken,
     fault: Arc<OnceLock<String>>,
@@ -140,14 +139,12 @@ impl Node {
         let run = processor.run(stop_processor.clone());
         let processor = tokio::spawn(watched("processor", &stop_processor).run(async { Ok(run.await?) }));
         let asks_round = Arc::new(AtomicU64::new(0));
-        let held = Arc::new(watch::Sender::new(Held::new()));
         let heartbeat = Heartbeat {
             store: store.clone(),
             config: config.clone(),
             assign: assign.clone(),
             delivered,
             asks_round: asks_round.clone(),
-            held: held.subscribe(),
         };
         let run = heartbeat.run(stop_background.clone());
         background.spawn(watched("heartbeat", &stop_background).run(ended(run)));
@@ -159,12 +156,11 @@ impl Node {
         let ownership = Ownership {
             outbox: outbox.clone(),
             store: store.clone(),
-            config: config.clone(),
+            config,
             assign,
             busy,
             leaving: leaving.clone(),
             holds_none: holds_none.clone(),
-            held: held.clone(),
             asks_round,
             leads,
         };
@@ -181,8 +177,6 @@ impl Node {
             assignment,
             leaving,
             holds_none: holds_none.subscribe(),
-            held: held.subscribe(),
-            config,
             failed,
             fault,
             stop_processor,
@@ -208,7 +202,7 @@ impl Node {
     /// the service's grace period to their sum. A handler call that blocks its thread is the exception:
     /// it cannot be cancelled, and the stop waits for it (see `Processor::run`). What it could not hand over in that time moves on when
     /// the lease runs out, as after a crash. A partition taken from a dead owner and still in its quiet
-    /// period is left to its next owner to take as from a dead owner, after the rest of the period.
+    /// period is released too: its next owner waits out the rest of the period.
     /// Every task is stopped whatever a step returns, and waited for within the same budget, so that
     /// the process may exit once it returns (a registration still under way past the budget, on a
     /// database that slow, is taken back when it lands if the process lives on); the first error is
@@ -262,8 +256,7 @@ impl Node {
         // anything is released.
         let processed = (&mut self.processor).await.map_err(|e| Error::Task(e.to_string())).and_then(|r| r);
         self.stop_background.cancel();
-        let held = self.held.clone();
-        let (outbox, store, config, background) = (&self.outbox, &self.store, &self.config, &self.background);
+        let (outbox, store, background) = (&self.outbox, &self.store, &self.background);
         let assignment = &self.assignment;
         let release = async {
             // A round or renewal under way ends first, so that nothing is acquired behind the release,
@@ -271,8 +264,7 @@ impl Node {
             // acquires meanwhile stays with the instance, and moves on as from a dead one).
             let _ = tokio::time::timeout(last / 2, background.wait()).await;
             let id = assignment.borrow().instance;
-            let held = held.borrow().clone();
-            ownership::hand_over(store, id, &held, config).await
+            ownership::hand_over(store, id).await
         };
         let released_by = tokio::time::Instant::now() + last;
         let handed_over = tokio::time::timeout_at(released_by, release)
@@ -282,7 +274,7 @@ impl Node {
         let id = self.id();
         let handed_over = match handed_over {
             Ok(moved) => {
-                info!(instance = %id, "instance stopped and deregistered (or, holding partitions in a quiet period, its lease ended)");
+                info!(instance = %id, "instance stopped and deregistered");
                 // In what is left of the same budget; past it, the leader's next round does the same.
                 let told = ownership::tell_next_owners(outbox, store, id, &moved);
                 if tokio::time::timeout_at(released_by, told).await.is_err() {

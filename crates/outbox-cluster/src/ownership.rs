@@ -24,7 +24,7 @@ use crate::config::ClusterConfig;
 use crate::driver::Store;
 use crate::error::Result;
 use crate::rebalance::{self, Targets};
-use crate::stored::{PartitionRow, Taken, View};
+use crate::stored::{PartitionRow, Taken, View, quiet};
 
 /// The ownership task of one node.
 pub(crate) struct Ownership {
@@ -39,8 +39,6 @@ pub(crate) struct Ownership {
     pub(crate) leaving: CancellationToken,
     /// Whether this instance owns nothing, as of its last round or release.
     pub(crate) holds_none: Arc<watch::Sender<bool>>,
-    /// What the rounds know this instance owns, as of its last round or release (see [`hand_over`]).
-    pub(crate) held: Arc<watch::Sender<Held>>,
     /// Bumped by the heartbeat to ask for a round (see `Heartbeat::asks_round`).
     pub(crate) asks_round: Arc<AtomicU64>,
     /// Whether this instance leads the cluster (and is not leaving), as of its last round, and only
@@ -50,10 +48,6 @@ pub(crate) struct Ownership {
 
 /// Partitions taken from a dead owner, each at its epoch with the end of its quiet period.
 type Quiet = BTreeMap<Partition, (Epoch, Instant)>;
-
-/// The partitions an instance's rounds know it owns, each at its epoch, with the end of its quiet
-/// period if it is held back for one: those handed to the processor, being given up, or quiet.
-pub(crate) type Held = BTreeMap<Partition, (Epoch, Option<Instant>)>;
 
 /// What the ownership task carries from one round to the next, for one instance id.
 struct Rounds {
@@ -188,7 +182,7 @@ impl Ownership {
         // of records scheduled before then before making them.
         let mut taken_over_at: BTreeMap<Partition, DateTime<Utc>> =
             rows.iter().filter_map(|r| Some((r.partition, r.taken_over_at?))).collect();
-        self.hold_back_unheard(rounds, &owned);
+        self.hold_back_unheard(rounds, &owned, &rows);
         if rows.iter().any(|r| mine(&r.partition) && r.owner != Some(id)) {
             for (taken, quiet) in self.acquire(id).await? {
                 owned.insert(taken.partition, taken.epoch);
@@ -260,40 +254,33 @@ impl Ownership {
 
     /// Holds back the partitions `owned` that this instance never heard it acquired: an acquisition
     /// whose reply was lost (committed, then the connection dropped). Their previous owner, unknown, may
-    /// still be delivering, so they get the longest quiet period this instance's settings imply.
-    fn hold_back_unheard(&self, rounds: &mut Rounds, owned: &Epochs) {
-        let quiet = unheard_quiet(&self.config);
-        for (partition, epoch) in unheard(&self.held(rounds), owned) {
+    /// still be delivering: they wait out the quiet period that acquisition stored, as `rows` show it.
+    fn hold_back_unheard(&self, rounds: &mut Rounds, owned: &Epochs, rows: &[PartitionRow]) {
+        let held = self.held(rounds);
+        for (partition, epoch) in unheard(&held, owned) {
+            let Some(quiet) = rows.iter().find(|r| r.partition == partition).and_then(|r| r.quiet) else { continue };
             warn!(partition, %epoch, instance = %rounds.instance, ?quiet,
-                "owning a partition whose acquisition was never confirmed; delivering it after a quiet period");
+                "owning a partition whose acquisition was never confirmed; delivering it after its quiet period");
             rounds.quiet.insert(partition, (epoch, Instant::now() + quiet));
         }
     }
 
-    /// What the rounds know this instance owns.
-    fn held(&self, rounds: &Rounds) -> Held {
+    /// What the rounds know this instance owns, each at its epoch: the partitions handed to the
+    /// processor, being given up, or quiet.
+    fn held(&self, rounds: &Rounds) -> Epochs {
         let assignment = self.assign.borrow();
-        let assigned = assignment.epochs.iter().map(|(&p, &e)| (p, (e, None)));
-        let giving_up = rounds.giving_up.iter().map(|(&p, &(e, _))| (p, (e, None)));
-        let quiet = rounds.quiet.iter().map(|(&p, &(e, until))| (p, (e, Some(until))));
-        assigned.chain(giving_up).chain(quiet).collect()
+        let giving_up = rounds.giving_up.iter().map(|(&p, &(e, _))| (p, e));
+        let quiet = rounds.quiet.iter().map(|(&p, &(e, _))| (p, e));
+        assignment.epochs.iter().map(|(&p, &e)| (p, e)).chain(giving_up).chain(quiet).collect()
     }
 
     /// Releases the partitions given up that have nothing in flight any more (read after the
-    /// assignment without them was sent, so none of their records can be dispatched) and are not in a
-    /// quiet period (released, the next owner would take one as free, with no quiet period of its own,
-    /// while the dead owner may still be delivering), and nudges the instances they go to.
+    /// assignment without them was sent, so none of their records can be dispatched), and nudges the
+    /// instances they go to. One in its quiet period goes too: its next owner waits out the rest.
     async fn release_drained(&self, rounds: &mut Rounds) -> Result<()> {
-        // Published before the release, which may fail: what a round acquired is known at a stop all
-        // the same (what is released after is no longer owned, so listing it misleads no one).
-        self.held.send_replace(self.held(rounds));
         let busy = self.busy.borrow().clone();
-        let release: Epochs = rounds
-            .giving_up
-            .iter()
-            .filter(|(p, _)| !busy.contains(p) && !rounds.quiet.contains_key(p))
-            .map(|(&p, &(epoch, _))| (p, epoch))
-            .collect();
+        let release: Epochs =
+            rounds.giving_up.iter().filter(|(p, _)| !busy.contains(p)).map(|(&p, &(epoch, _))| (p, epoch)).collect();
         if !release.is_empty() {
             let released = release_partitions(&self.store, rounds.instance, &release, "rebalance").await;
             let freed = released.inspect_err(|_| rounds.unanswered.extend(&release))?;
@@ -301,6 +288,7 @@ impl Ownership {
             let to = freed.iter().filter_map(|p| rounds.giving_up.get(p).and_then(|&(_, to)| to));
             let to: BTreeSet<InstanceId> = to.collect();
             rounds.giving_up.retain(|p, _| !release.contains_key(p));
+            rounds.quiet.retain(|p, _| !release.contains_key(p));
             nudge(&self.outbox, &self.store, rounds.instance, to).await;
         }
         // Nothing handed to the processor, held back or being given up.
@@ -309,42 +297,31 @@ impl Ownership {
         Ok(())
     }
 
-    /// Acquires the partitions targeted at `me` that are free or whose owner is dead; returns each with,
-    /// if taken from an owner whose lease expired, its quiet period: deliver nothing of it for the time
-    /// the previous owner needs to notice and stop (two of its heartbeat intervals, or of ours if longer
-    /// or if its row is gone).
+    /// Acquires the partitions targeted at `me` that are free or whose owner is dead; returns each with
+    /// what is left of its quiet period, if it is in one (see [`Store::acquire`]): deliver nothing of it
+    /// until then.
     async fn acquire(&self, me: InstanceId) -> Result<Vec<(Taken, Option<Duration>)>> {
-        let taken = self.store.acquire(me).await?;
-        let taken: Vec<(Taken, Option<Duration>)> = taken
-            .into_iter()
-            .map(|t| {
-                let theirs =
-                    Duration::from_millis(t.previous_heartbeat_ms.and_then(|ms| u64::try_from(ms).ok()).unwrap_or(0));
-                let quiet = t.previous.map(|_| 2 * theirs.max(self.config.heartbeat_interval));
-                (t, quiet)
-            })
-            .collect();
-        // One line per previous owner and quiet period, not one per partition (256 when one instance
-        // takes everything).
-        let mut stolen: BTreeMap<(InstanceId, Duration), Vec<(Partition, Epoch)>> = BTreeMap::new();
-        let mut free = Vec::new();
+        let taken = self.store.acquire(me, self.config.heartbeat_interval).await?;
+        let taken: Vec<(Taken, Option<Duration>)> =
+            taken.into_iter().map(|t| (t, t.quiet_ms.and_then(quiet))).collect();
+        // One line per previous owner (or none: free) and quiet period, not one per partition (256 when
+        // one instance takes everything).
+        let mut lines: BTreeMap<_, Vec<(Partition, Epoch)>> = BTreeMap::new();
         for (t, quiet) in &taken {
-            match (t.previous, quiet) {
-                (Some(previous), Some(quiet)) => {
-                    stolen.entry((previous, *quiet)).or_default().push((t.partition, t.epoch))
+            lines.entry((t.previous, *quiet)).or_default().push((t.partition, t.epoch));
+        }
+        for ((previous, quiet), partitions) in &lines {
+            let (count, listed) = (partitions.len(), at_epochs(partitions.iter().copied()));
+            match previous {
+                Some(previous) => {
+                    info!(instance = %me, %previous, reason = "owner lease expired", ?quiet, count, partitions = %listed,
+                        "partitions stolen (partition@epoch); delivering them after the quiet period");
+                    metrics::counter!("outbox_partitions_taken_over_total", "schema" => self.outbox.schema_label())
+                        .increment(count as u64);
                 }
-                _ => free.push((t.partition, t.epoch)),
+                None => info!(instance = %me, reason = "free", ?quiet, count, partitions = %listed,
+                    "partitions acquired (partition@epoch); delivering them after what is left of their quiet period, if any"),
             }
-        }
-        for ((previous, quiet), partitions) in &stolen {
-            info!(instance = %me, %previous, reason = "owner lease expired", ?quiet, count = partitions.len(),
-                partitions = %at_epochs(partitions.iter().copied()), "partitions stolen (partition@epoch); delivering them after the quiet period");
-            metrics::counter!("outbox_partitions_taken_over_total", "schema" => self.outbox.schema_label())
-                .increment(partitions.len() as u64);
-        }
-        if !free.is_empty() {
-            info!(instance = %me, reason = "free", count = free.len(), partitions = %at_epochs(free.iter().copied()),
-                "partitions acquired (partition@epoch)");
         }
         Ok(taken)
     }
@@ -356,12 +333,6 @@ fn at_epochs(partitions: impl IntoIterator<Item = (Partition, Epoch)>) -> String
     partitions.sort_unstable();
     let listed: Vec<String> = partitions.iter().map(|(p, e)| format!("{p}@{e}")).collect();
     listed.join(", ")
-}
-
-/// The quiet period of a partition owned by an acquisition never heard of: the longest that `config`
-/// implies, its previous owner unknown.
-fn unheard_quiet(config: &ClusterConfig) -> Duration {
-    (2 * config.heartbeat_interval).max(config.stale_timeout)
 }
 
 async fn sleep_until_opt(deadline: Option<Instant>) {
@@ -436,57 +407,22 @@ async fn release_partitions(
 }
 
 /// A graceful exit: releases the partitions `me` owns and deregisters `me`; returns the partitions
-/// moved on, whose next owners [`tell_next_owners`] then speeds up. A partition still in its quiet
-/// period (per `held`: the exit did not wait for it), or owned by an acquisition the rounds never heard
-/// of (its reply lost, and no round since), is not released: its next owner would take it as free and
-/// deliver at once, while the owner it was taken from may still be delivering. It stays with `me`,
-/// whose lease ends first, with a declared heartbeat of half what is left of the period: the next owner
-/// takes it as from a dead owner, quiet as long, however the release of the others goes (refused, or
-/// waiting for a lock past the stop's budget), and with the periods the rounds know of if what `me`
-/// owns cannot be read.
-pub(crate) async fn hand_over(
-    store: &Store,
-    me: InstanceId,
-    held: &Held,
-    config: &ClusterConfig,
-) -> Result<Vec<Partition>> {
-    let owned = store.owned(me).await;
-    let now = Instant::now();
-    let mut kept: BTreeMap<Partition, Duration> =
-        held.iter().filter_map(|(&p, &(_, until))| Some((p, until.filter(|&until| until > now)? - now))).collect();
-    if let Ok(owned) = &owned {
-        kept.retain(|p, _| owned.contains_key(p));
-    }
-    for (partition, epoch) in owned.iter().flat_map(|owned| unheard(held, owned)) {
-        let quiet = unheard_quiet(config);
-        warn!(partition, %epoch, instance = %me, ?quiet,
-            "owning a partition whose acquisition was never confirmed at shutdown; its next owner waits a quiet period");
-        kept.insert(partition, quiet);
-    }
-    let ended = match kept.values().max() {
-        None => Ok(()),
-        Some(&left) => {
-            info!(instance = %me, count = kept.len(), partitions = ?kept,
-                "partitions kept at shutdown (partition: quiet period left): their next owners wait out the rest");
-            store.end_lease(me, left / 2 + Duration::from_millis(1)).await
-        }
-    };
-    let mut owned = owned?;
-    owned.retain(|p, _| !kept.contains_key(p));
+/// moved on, whose next owners [`tell_next_owners`] then speeds up. One still in its quiet period (the
+/// exit did not wait for it), or owned by an acquisition the rounds never heard of, goes too: the
+/// period is stored with it, and its next owner waits out the rest.
+pub(crate) async fn hand_over(store: &Store, me: InstanceId) -> Result<Vec<Partition>> {
+    let owned = store.owned(me).await?;
     // Usually empty: the leaving rounds handed everything over already.
     let freed =
         if owned.is_empty() { Vec::new() } else { release_partitions(store, me, &owned, "graceful shutdown").await? };
-    ended?;
-    if kept.is_empty() {
-        store.deregister(me).await?;
-    }
-    Ok(freed.into_iter().chain(kept.into_keys()).collect())
+    store.deregister(me).await?;
+    Ok(freed)
 }
 
 /// The partitions of `owned` that `held` does not hold at the same epoch: acquired by an acquisition
 /// whose reply was lost.
-fn unheard<'a>(held: &'a Held, owned: &'a Epochs) -> impl Iterator<Item = (Partition, Epoch)> + 'a {
-    owned.iter().filter(|(p, epoch)| held.get(p).is_none_or(|(e, _)| e != *epoch)).map(|(&p, &e)| (p, e))
+fn unheard<'a>(held: &'a Epochs, owned: &'a Epochs) -> impl Iterator<Item = (Partition, Epoch)> + 'a {
+    owned.iter().filter(|(p, epoch)| held.get(p) != Some(*epoch)).map(|(&p, &e)| (p, e))
 }
 
 /// After a graceful exit: points the targets at the remaining instances and nudges the new targets of
@@ -518,44 +454,41 @@ mod tests {
     use outbox_core::Partition;
     use sqlx::PgPool;
 
-    use super::{Held, hand_over};
-    use crate::config::ClusterConfig;
+    use super::hand_over;
     use crate::driver::tests::{DAY, registered, stores, target};
+    use crate::stored::Lease;
 
-    /// An instance stops owning partitions its rounds never heard it acquired (the acquisition's reply
-    /// lost, and no round since): it keeps them, its lease ended, so that the next owner takes them as
-    /// from a dead owner and waits a quiet period, while it releases the one it knew of. Released, the
-    /// next owner took them as free and delivered at once, while their previous owner might still be
-    /// delivering.
+    /// An instance stopping in the quiet period of partitions it took from a dead owner releases them
+    /// with the rest: the next owner takes them free, and waits out what is left of the period. Before,
+    /// they stayed with the stopping instance, its lease ended with the rest of the period declared as
+    /// its heartbeat interval, and one the rounds never heard it acquired got a quiet period guessed
+    /// from this instance's settings alone.
     #[sqlx::test(migrations = false)]
-    async fn partitions_owned_unheard_at_shutdown_go_on_as_from_a_dead_owner(pool: PgPool) {
-        let config = ClusterConfig {
-            heartbeat_interval: Duration::from_millis(100),
-            stale_timeout: Duration::from_millis(600),
-            ..ClusterConfig::default()
-        };
+    async fn partitions_in_a_quiet_period_at_shutdown_go_on_with_the_rest_of_it(pool: PgPool) {
         let partitions: Vec<Partition> = (0..6).collect();
         for store in stores(pool).await {
             let backend = store.db().backend();
+            let dead = registered(&store, Lease { heartbeat: Duration::from_secs(30), ..DAY }).await;
+            target(&store, 0..5, dead).await;
+            assert_eq!(store.acquire(dead, DAY.heartbeat).await.unwrap().len(), 5, "{backend}");
+            crate::driver::tests::end_lease(&store, dead).await;
             let me = registered(&store, DAY).await;
             target(&store, partitions.clone(), me).await;
-            let taken = store.acquire(me).await.unwrap();
-            let known = taken.iter().find(|t| t.partition == 5).unwrap();
-            let held: Held = [(5, (known.epoch, None))].into();
-            let mut moved = hand_over(&store, me, &held, &config).await.unwrap();
+            assert_eq!(store.acquire(me, DAY.heartbeat).await.unwrap().len(), 6, "{backend}");
+            let mut moved = hand_over(&store, me).await.unwrap();
             moved.sort();
-            assert_eq!(moved, partitions, "{backend}: released or kept, each has its next owner told");
+            assert_eq!(moved, partitions, "{backend}: every partition released, its next owner told");
+            assert!(store.instances().await.unwrap().iter().all(|i| i.id != me), "{backend}: deregistered");
 
             let next = registered(&store, DAY).await;
             target(&store, partitions.clone(), next).await;
-            let taken = store.acquire(next).await.unwrap();
-            let mut from: Vec<(Partition, Option<_>, bool)> = taken
-                .iter()
-                .map(|t| (t.partition, t.previous, t.previous_heartbeat_ms.is_some_and(|ms| ms >= 300)))
-                .collect();
-            from.sort();
-            let expected: Vec<_> = (0..5).map(|p| (p, Some(me), true)).chain([(5, None, false)]).collect();
-            assert_eq!(from, expected, "{backend}: (partition, taken from, quiet for at least the unheard period)");
+            let mut taken = store.acquire(next, DAY.heartbeat).await.unwrap();
+            taken.sort_by_key(|t| t.partition);
+            let quiet: Vec<(Partition, Option<_>, bool)> =
+                taken.iter().map(|t| (t.partition, t.previous, t.quiet_ms.is_some_and(|ms| ms > 50_000))).collect();
+            let expected: Vec<_> = (0..5).map(|p| (p, None, true)).chain([(5, None, false)]).collect();
+            assert_eq!(quiet, expected, "{backend}: (partition, taken from, the rest of the 60 s period)");
+            assert!(taken[5].quiet_ms.is_none(), "{backend}: free, never taken over");
         }
     }
 }

@@ -11,14 +11,13 @@ use std::time::Duration;
 
 use outbox_core::{Assignment, Deadline, Epochs, InstanceId};
 use tokio::sync::watch;
-use tokio::time::{Instant, MissedTickBehavior};
+use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::ClusterConfig;
 use crate::driver::{HeartbeatConnection, Store};
 use crate::error::Result;
-use crate::ownership::Held;
 use crate::stored::Lease;
 
 /// The first pause before a failed renewal goes out again; it doubles up to the heartbeat interval.
@@ -49,8 +48,6 @@ pub(crate) struct Heartbeat {
     /// meanwhile (one that joined became the leader and pointed every target at itself), and a round
     /// asked for while it was lapsed was used up.
     pub(crate) asks_round: Arc<AtomicU64>,
-    /// What the ownership rounds hold, with the quiet periods still ahead (see [`Heartbeat::lease`]).
-    pub(crate) held: watch::Receiver<Held>,
 }
 
 impl Heartbeat {
@@ -138,21 +135,6 @@ impl Heartbeat {
         }
     }
 
-    /// What a renewal declares: the configured lease and heartbeat interval, or half the longest quiet
-    /// period still ahead of a partition the rounds hold back, if longer. Should the lease lapse, the
-    /// next owner of that partition takes it as from a dead owner, quiet for twice the declared
-    /// interval: the rest of the period at least, as at a stop ([`crate::ownership::hand_over`]).
-    /// Declaring only the configured interval, a lapse during the period cut it short, to twice that,
-    /// while the owner the partition was taken from might still be delivering.
-    fn lease(&self) -> Lease {
-        let now = Instant::now();
-        let ahead = self.held.borrow().values().filter_map(|&(_, until)| until?.checked_duration_since(now)).max();
-        let lease = lease(&self.config);
-        let heartbeat =
-            ahead.map_or(lease.heartbeat, |ahead| lease.heartbeat.max(ahead / 2 + Duration::from_millis(1)));
-        Lease { heartbeat, ..lease }
-    }
-
     /// What is left of the lease the processor goes by.
     fn lease_left(&self) -> Duration {
         let lease = self.assign.borrow().lease;
@@ -173,7 +155,7 @@ impl Heartbeat {
         id: InstanceId,
         delivered: u64,
     ) -> Result<Option<Duration>> {
-        let lease = self.lease();
+        let lease = lease(&self.config);
         let again_after = self.config.heartbeat_interval.min(self.lease_left() / 2);
         let mut spare = HeartbeatConnection::default();
         let (answer, spare_answered) = {

@@ -31,20 +31,22 @@ pub struct InstanceInfo {
 }
 
 /// One partition's ownership row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PartitionRow {
     /// Partition.
-    #[sqlx(try_from = "i16")]
     pub partition: Partition,
     /// Current owner, if any.
     pub owner: Option<InstanceId>,
     /// Fencing epoch.
     pub epoch: Epoch,
     /// Where the rebalancer wants it.
-    #[sqlx(rename = "target_owner")]
     pub target: Option<InstanceId>,
     /// When it was last taken from an owner that did not give it up (database time), if ever.
     pub taken_over_at: Option<DateTime<Utc>>,
+    /// What is left of its quiet period (database time), if it is in one: it was taken from an owner
+    /// whose lease ran out, which may still be delivering it, and none of its owners delivers it until
+    /// the period ends.
+    pub quiet: Option<Duration>,
 }
 
 /// What an ownership round reads, in one statement: every partition's row and the instances taking
@@ -66,6 +68,7 @@ pub(crate) struct ViewRow {
     epoch: Option<Epoch>,
     target_owner: Option<InstanceId>,
     taken_over_at: Option<DateTime<Utc>>,
+    quiet_ms: Option<i64>,
 }
 
 impl View {
@@ -80,6 +83,7 @@ impl View {
                     epoch: row.epoch.ok_or_else(|| sqlx::Error::Decode("partition row without an epoch".into()))?,
                     target: row.target_owner,
                     taken_over_at: row.taken_over_at,
+                    quiet: row.quiet_ms.and_then(quiet),
                 }),
                 (None, None) => return Err(sqlx::Error::Decode("view row with neither partition nor instance".into())),
             }
@@ -99,8 +103,8 @@ pub(crate) struct Taken {
     pub(crate) epoch: Epoch,
     /// The owner it was taken from (`None`: it was free).
     pub(crate) previous: Option<InstanceId>,
-    /// That owner's heartbeat interval in ms, if its row is still there.
-    pub(crate) previous_heartbeat_ms: Option<i64>,
+    /// The ms of its quiet period, if it has one (see `Store::acquire`).
+    pub(crate) quiet_ms: Option<i64>,
     /// When it was last taken from an owner (now, if `previous` is one), by database time. That owner
     /// may have ended in the middle of a handler call: every later owner counts the calls of records
     /// scheduled before then before making them.
@@ -122,8 +126,7 @@ pub(crate) struct Held {
     pub(crate) epoch: Epoch,
 }
 
-/// What a registration or renewal declares: live for `live`, renewed every `heartbeat` (or, while the
-/// instance holds a partition back for a quiet period, half what is left of that period, if longer).
+/// What a registration or renewal declares: live for `live`, renewed every `heartbeat`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Lease {
     pub(crate) live: Duration,
@@ -135,4 +138,9 @@ pub(crate) struct Lease {
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn remaining(ms: i64) -> Duration {
     Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+/// A quiet period of `ms` as the statements return it; `None` if it has none left.
+pub(crate) fn quiet(ms: i64) -> Option<Duration> {
+    u64::try_from(ms).ok().filter(|&ms| ms > 0).map(Duration::from_millis)
 }

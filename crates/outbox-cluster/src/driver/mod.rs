@@ -139,18 +139,11 @@ impl Store {
         dispatch!(self, "deregistering the instance", |conn, s| s.deregister(conn, id).await)
     }
 
-    /// Ends `id`'s lease now, keeping its row with a heartbeat interval of at least `heartbeat`: the
-    /// next owner of each partition it still owns takes it as from a dead owner, quiet for at least
-    /// twice that.
-    pub(crate) async fn end_lease(&self, id: InstanceId, heartbeat: Duration) -> Result<()> {
-        dispatch!(self, "ending the instance's lease", |conn, s| s.end_lease(conn, id, heartbeat).await)
-    }
-
     /// Deletes the instances whose lease expired more than `grace` ago, and more than twice the
     /// heartbeat interval they declared; returns how many. A partition taken from an instance whose row
     /// is gone gets the taker's own quiet period, so a row deleted sooner would cut short the quiet
     /// period of its partitions taken over later (a leader with a shorter stale timeout, an acquisition
-    /// held up, a lease ended at a stop with the rest of a period declared).
+    /// held up).
     pub(crate) async fn reap(&self, grace: Duration) -> Result<u64> {
         dispatch!(self, "reaping expired instances", |conn, s| s.reap(conn, grace).await)
     }
@@ -158,8 +151,14 @@ impl Store {
     /// Takes the partitions targeted at `me` that are free or whose owner's lease has expired by
     /// database time, each in one compare-and-set that bumps its epoch (so whatever the previous owner
     /// still writes is fenced out). A partition another writer holds locked is left for the next round.
-    pub(crate) async fn acquire(&self, me: InstanceId) -> Result<Vec<Taken>> {
-        dispatch!(self, "acquiring partitions", |conn, s| s.acquire(conn, me).await)
+    /// One taken from an owner whose lease expired starts a quiet period of twice that owner's declared
+    /// heartbeat interval or `me`'s `heartbeat`, whichever is longer (`me`'s if the owner's row is
+    /// gone): the time that owner needs to notice and stop. Its end is stored with the partition, so
+    /// every later acquisition, of the partition free or from a dead owner, gets at least what is left
+    /// of it: released, handed on or lapsed with the instance that took it, the partition is delivered
+    /// by nobody until the period ends. Each partition taken comes with what is left of its period.
+    pub(crate) async fn acquire(&self, me: InstanceId, heartbeat: Duration) -> Result<Vec<Taken>> {
+        dispatch!(self, "acquiring partitions", |conn, s| s.acquire(conn, me, heartbeat).await)
     }
 
     /// The partitions the database shows `me` owning, with their epochs.
@@ -172,7 +171,7 @@ impl Store {
         dispatch!(self, "releasing partitions", |conn, s| s.release(conn, me, partitions).await)
     }
 
-    /// Every partition's owner, epoch and target, and the instances taking part in the assignment
+    /// Every partition's owner, epoch, target and quiet period, and the instances taking part in the assignment
     /// (lease live by database time, not draining), in one statement: what a round reads.
     pub(crate) async fn view(&self) -> Result<View> {
         dispatch!(self, "reading the partitions", |conn, s| s.view(conn).await)

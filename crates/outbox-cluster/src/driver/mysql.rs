@@ -30,16 +30,10 @@ ON DUPLICATE KEY UPDATE name = VALUES(name), started_at = {now}, heartbeat_at = 
 /// meanwhile (`taken_over_at`, set by [`MARK_TAKEN_OVER`]), though `{now}` is the statement's start.
 const HEARTBEAT: &str =
     "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + INTERVAL (? * 1000) MICROSECOND,
-    delivered = ?, heartbeat_ms = ?
+    delivered = ?
 WHERE id = ? AND taken_over_at IS NULL AND expires_at > {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = ?";
-
-/// Ends the lease of the instance `?` (bound last) now and keeps its row, declaring a heartbeat interval
-/// of at least `?` ms: the partitions it still owns are taken by their next owner as from a dead owner,
-/// quiet for twice that.
-const END_LEASE: &str =
-    "UPDATE {s}_instances SET expires_at = {now}, heartbeat_ms = GREATEST(heartbeat_ms, ?) WHERE id = ?";
 
 /// The instances whose lease expired more than `?` ms ago, and more than twice their declared heartbeat
 /// (see `Store::reap`), read without locks: the reap then deletes
@@ -68,12 +62,15 @@ const LOCK_OWNERS: &str = "SELECT i.id FROM JSON_TABLE(?, '$[*]' COLUMNS (owner 
 STRAIGHT_JOIN {s}_instances i FORCE INDEX (PRIMARY) ON i.id = UNHEX(t.owner)
 FOR UPDATE";
 
-/// Partitions targeted at `?` (bound three times) that are free or whose owner has no live lease (one
-/// whose partitions were taken has none, whatever its expiry reads), with
-/// that owner and its heartbeat interval (if its row is still there), and the takeover time they will
-/// have; rows a fenced write holds are skipped. None while the acquirer's own lease has ended.
-const ACQUIRABLE: &str = "SELECT p.`partition`, p.owner AS previous,
-    (SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner) AS previous_heartbeat_ms, p.epoch + 1 AS epoch,
+/// Partitions targeted at `?` (bound three times, after the acquirer's heartbeat interval `?`) that are
+/// free or whose owner has no live lease (one whose partitions were taken has none, whatever its expiry
+/// reads), with that owner, the ms of the quiet period taking it starts (see the PostgreSQL statement)
+/// and the takeover time they will have; rows a fenced write holds are skipped. None while the
+/// acquirer's own lease has ended.
+const ACQUIRABLE: &str = "SELECT p.`partition`, p.owner AS previous, p.epoch + 1 AS epoch,
+    NULLIF(GREATEST(0, IFNULL((TIMESTAMPDIFF(MICROSECOND, {now}, p.quiet_until) + 999) DIV 1000, 0),
+        IF(p.owner IS NULL, 0,
+            2 * GREATEST(IFNULL((SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner), 0), ?))), 0) AS quiet_ms,
     IF(p.owner IS NULL, p.taken_over_at, UTC_TIMESTAMP(6)) AS taken_over_at
 FROM {s}_partitions p
 WHERE p.target_owner = ? AND NOT (p.owner <=> ?)
@@ -82,13 +79,16 @@ WHERE p.target_owner = ? AND NOT (p.owner <=> ?)
   AND EXISTS (SELECT 1 FROM {s}_instances me WHERE me.id = ? AND me.expires_at > {now} AND me.taken_over_at IS NULL)
 FOR UPDATE SKIP LOCKED";
 
-/// Takes the (locked) partitions of `?` (JSON array of `[partition, 1 if taken from an owner]`) for `?`,
-/// bumping their epochs, and stamps those taken from an owner with the takeover time `?` that
-/// [`ACQUIRABLE`] read. Joins, here and below, go from the list to each row by its primary key (`IN
-/// (SELECT …)`, or a plan that scans, would read, and lock, every partition).
-const TAKE: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$[0]', stolen INT PATH '$[1]')) t
+/// Takes the (locked) partitions of `?` (JSON array of `[partition, 1 if taken from an owner, quiet
+/// ms]`) for `?`, bumping their epochs, each quiet until that many ms from now, and stamps those taken
+/// from an owner with the takeover time `?` that [`ACQUIRABLE`] read. Joins, here and below, go from
+/// the list to each row by its primary key (`IN (SELECT …)`, or a plan that scans, would read, and
+/// lock, every partition).
+const TAKE: &str =
+    "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (x SMALLINT PATH '$[0]', stolen INT PATH '$[1]', quiet BIGINT PATH '$[2]')) t
 STRAIGHT_JOIN {s}_partitions p FORCE INDEX (PRIMARY) ON p.`partition` = t.x
-SET p.owner = ?, p.epoch = p.epoch + 1, p.changed_at = {now}, p.taken_over_at = IF(t.stolen = 1, ?, p.taken_over_at)";
+SET p.owner = ?, p.epoch = p.epoch + 1, p.changed_at = {now}, p.taken_over_at = IF(t.stolen = 1, ?, p.taken_over_at),
+    p.quiet_until = IF(t.quiet > 0, {now} + INTERVAL (t.quiet * 1000) MICROSECOND, NULL)";
 
 /// Stamps the owners of `?` (JSON array of hex ids) whose partitions [`TAKE`] took at `?`: their leases
 /// end for good (see [`HEARTBEAT`]).
@@ -96,12 +96,14 @@ const MARK_TAKEN_OVER: &str = "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (owner CHAR(3
 STRAIGHT_JOIN {s}_instances i FORCE INDEX (PRIMARY) ON i.id = UNHEX(t.owner)
 SET i.taken_over_at = IFNULL(i.taken_over_at, ?)";
 
-/// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
-/// part in the assignment (lease live by database time and never taken over, not draining), each id
-/// in `owner`.
-const VIEW: &str = "SELECT `partition`, owner, epoch, target_owner, taken_over_at FROM {s}_partitions
+/// What an ownership round reads: every partition's row with the ms left of its quiet period, then
+/// (`partition` NULL) the instances taking part in the assignment (lease live by database time and
+/// never taken over, not draining), each id in `owner`.
+const VIEW: &str = "SELECT `partition`, owner, epoch, target_owner, taken_over_at,
+    IF(quiet_until > {now}, (TIMESTAMPDIFF(MICROSECOND, {now}, quiet_until) + 999) DIV 1000, NULL) AS quiet_ms
+FROM {s}_partitions
 UNION ALL
-SELECT NULL, id, NULL, NULL, NULL FROM {s}_instances
+SELECT NULL, id, NULL, NULL, NULL, NULL FROM {s}_instances
 WHERE expires_at > {now} AND taken_over_at IS NULL AND NOT draining";
 
 /// The targets of `?` (JSON `[[partition, hex owner], …]`) that differ from the stored ones. Not a
@@ -148,7 +150,6 @@ pub(super) struct MySqlStatements {
     register: Arc<str>,
     heartbeat: Arc<str>,
     deregister: Arc<str>,
-    end_lease: Arc<str>,
     expired: Arc<str>,
     reap: Arc<str>,
     owners: Arc<str>,
@@ -181,7 +182,6 @@ impl MySqlStatements {
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),
             deregister: build(DEREGISTER),
-            end_lease: build(END_LEASE),
             expired: build(EXPIRED),
             reap: build(REAP),
             owners: build(OWNERS),
@@ -257,7 +257,6 @@ impl MySqlStatements {
         let renewed = sqlx::query(statement(&self.heartbeat))
             .bind(millis(lease.live))
             .bind(delivered)
-            .bind(millis(lease.heartbeat))
             .bind(id)
             .execute(conn)
             .await?
@@ -267,16 +266,6 @@ impl MySqlStatements {
 
     pub(super) async fn deregister(&self, conn: &mut MySqlConnection, id: InstanceId) -> Result<()> {
         sqlx::query(statement(&self.deregister)).bind(id).execute(conn).await?;
-        Ok(())
-    }
-
-    pub(super) async fn end_lease(
-        &self,
-        conn: &mut MySqlConnection,
-        id: InstanceId,
-        heartbeat: Duration,
-    ) -> Result<()> {
-        sqlx::query(statement(&self.end_lease)).bind(millis(heartbeat)).bind(id).execute(conn).await?;
         Ok(())
     }
 
@@ -290,17 +279,24 @@ impl MySqlStatements {
         Ok(reap.execute(conn).await?.rows_affected())
     }
 
-    pub(super) async fn acquire(&self, conn: &mut MySqlConnection, me: InstanceId) -> Result<Vec<Taken>> {
+    pub(super) async fn acquire(
+        &self,
+        conn: &mut MySqlConnection,
+        me: InstanceId,
+        heartbeat: Duration,
+    ) -> Result<Vec<Taken>> {
         let owners: Vec<String> =
             sqlx::query_scalar(statement(&self.owners)).bind(me).bind(me).fetch_all(&mut *conn).await?;
         if !owners.is_empty() {
             sqlx::query(statement(&self.lock_owners)).bind(json(&owners)?).execute(&mut *conn).await?;
         }
-        let taken: Vec<Taken> =
-            sqlx::query_as(statement(&self.acquirable)).bind(me).bind(me).bind(me).fetch_all(&mut *conn).await?;
+        let acquirable = sqlx::query_as(statement(&self.acquirable)).bind(millis(heartbeat)).bind(me).bind(me).bind(me);
+        let taken: Vec<Taken> = acquirable.fetch_all(&mut *conn).await?;
         if !taken.is_empty() {
-            let partitions: Vec<(i16, u8)> =
-                taken.iter().map(|t| (i16::from(t.partition), u8::from(t.previous.is_some()))).collect();
+            let partitions: Vec<(i16, u8, i64)> = taken
+                .iter()
+                .map(|t| (i16::from(t.partition), u8::from(t.previous.is_some()), t.quiet_ms.unwrap_or(0)))
+                .collect();
             let at = taken.iter().find(|t| t.previous.is_some()).and_then(|t| t.taken_over_at);
             let take = sqlx::query(statement(&self.take)).bind(json(&partitions)?).bind(me).bind(at);
             take.execute(&mut *conn).await?;
@@ -407,6 +403,7 @@ mod tests {
         let mut other = pool.acquire().await.unwrap();
         transaction(&mut own, &statements.begin, async |round| {
             let found: Vec<Taken> = sqlx::query_as(statement(&statements.acquirable))
+                .bind(100)
                 .bind(a)
                 .bind(a)
                 .bind(a)

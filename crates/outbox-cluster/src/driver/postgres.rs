@@ -26,24 +26,18 @@ ON CONFLICT (id) DO UPDATE SET name = excluded.name, started_at = now(), heartbe
     taken_over_at = NULL
 RETURNING {remaining}";
 
-/// Renews a lease that has not expired by database time, for `$2` ms, declaring heartbeats every `$4` ms
-/// (see `Lease`); returns its remaining time. No
+/// Renews a lease that has not expired by database time, for `$2` ms; returns its remaining time. No
 /// row: the lease had expired (or the instance was reaped), so the instance was declared dead and may
 /// have lost its partitions: it must stop and register again. A lease whose partitions were taken
 /// (`taken_over_at`, set by [`ACQUIRE`]) is not renewed either: a renewal that began before the expiry
 /// and waited for the row behind that acquisition is checked again against the row it wrote (a row
 /// merely locked is not checked again, nor would the clock's time then tell).
 const HEARTBEAT: &str = "UPDATE {s}.instances
-SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond', delivered = $3, heartbeat_ms = $4
+SET heartbeat_at = now(), expires_at = now() + $2 * interval '1 millisecond', delivered = $3
 WHERE id = $1 AND taken_over_at IS NULL AND expires_at > now()
 RETURNING {remaining}";
 
 const DEREGISTER: &str = "DELETE FROM {s}.instances WHERE id = $1";
-
-/// Ends `$1`'s lease now and keeps its row, declaring a heartbeat interval of at least `$2` ms: the
-/// partitions it still owns are taken by their next owner as from a dead owner, quiet for twice that.
-const END_LEASE: &str =
-    "UPDATE {s}.instances SET expires_at = now(), heartbeat_ms = greatest(heartbeat_ms, $2) WHERE id = $1";
 
 /// Removes instances whose lease expired more than `$1` ms ago, and more than twice their declared
 /// heartbeat (see `Store::reap`).
@@ -58,16 +52,20 @@ const REAP: &str =
 /// goes on delivering them. An owner whose partitions are taken is stamped `taken_over_at`, which ends
 /// its lease for good (see [`HEARTBEAT`]); the lock is the update's own, so two acquisitions from one
 /// owner queue rather than deadlock.
-/// A partition taken from an owner is stamped `taken_over_at` too (see `Taken`). An acquirer whose own
-/// lease has ended takes nothing: its id is one nothing delivers under.
-/// Returns (partition, epoch, previous owner, the previous owner's heartbeat interval in ms if its row
-/// is still there, the partition's last takeover time).
+/// A partition taken from an owner is stamped `taken_over_at` too (see `Taken`), and quiet for twice
+/// the owner's heartbeat interval or the acquirer's (`$2` ms), whichever is longer (the acquirer's
+/// alone if the owner's row is gone), or what is left of an earlier period if longer still:
+/// `quiet_until` keeps its end. An acquirer whose own lease has ended takes nothing: its id is one
+/// nothing delivers under.
+/// Returns (partition, epoch, previous owner, ms left of its quiet period if any, the partition's last
+/// takeover time).
 const ACQUIRE: &str = "WITH owners AS MATERIALIZED (
     SELECT i.id, i.expires_at, i.heartbeat_ms, i.taken_over_at FROM {s}.instances i
     WHERE i.id IN (SELECT p.owner FROM {s}.partitions p WHERE p.target_owner = $1 AND p.owner <> $1)
     FOR NO KEY UPDATE
 ), taken AS (
-    SELECT p.partition, p.owner, o.heartbeat_ms
+    SELECT p.partition, p.owner, greatest(0, ceil(extract(epoch FROM p.quiet_until - now()) * 1000),
+        CASE WHEN p.owner IS NOT NULL THEN 2 * greatest(o.heartbeat_ms, $2) END)::bigint AS quiet_ms
     FROM {s}.partitions p LEFT JOIN owners o ON o.id = p.owner
     WHERE p.target_owner = $1 AND p.owner IS DISTINCT FROM $1
       AND (p.owner IS NULL OR o.id IS NULL OR o.expires_at <= now() OR o.taken_over_at IS NOT NULL)
@@ -78,16 +76,19 @@ const ACQUIRE: &str = "WITH owners AS MATERIALIZED (
     FROM taken WHERE i.id = taken.owner
 )
 UPDATE {s}.partitions p SET owner = $1, epoch = p.epoch + 1, changed_at = now(),
-    taken_over_at = CASE WHEN taken.owner IS NULL THEN p.taken_over_at ELSE now() END
+    taken_over_at = CASE WHEN taken.owner IS NULL THEN p.taken_over_at ELSE now() END,
+    quiet_until = CASE WHEN taken.quiet_ms > 0 THEN now() + taken.quiet_ms * interval '1 millisecond' END
 FROM taken WHERE p.partition = taken.partition
-RETURNING p.partition, p.epoch, taken.owner AS previous, taken.heartbeat_ms AS previous_heartbeat_ms, p.taken_over_at";
+RETURNING p.partition, p.epoch, taken.owner AS previous, nullif(taken.quiet_ms, 0) AS quiet_ms, p.taken_over_at";
 
-/// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
-/// part in the assignment (lease live by database time and never taken over, not draining), each id
-/// in `owner`.
-const VIEW: &str = "SELECT partition, owner, epoch, target_owner, taken_over_at FROM {s}.partitions
+/// What an ownership round reads: every partition's row with the ms left of its quiet period, then
+/// (`partition` NULL) the instances taking part in the assignment (lease live by database time and
+/// never taken over, not draining), each id in `owner`.
+const VIEW: &str = "SELECT partition, owner, epoch, target_owner, taken_over_at,
+    CASE WHEN quiet_until > now() THEN ceil(extract(epoch FROM quiet_until - now()) * 1000)::bigint END AS quiet_ms
+FROM {s}.partitions
 UNION ALL
-SELECT NULL, id, NULL, NULL, NULL FROM {s}.instances
+SELECT NULL, id, NULL, NULL, NULL, NULL FROM {s}.instances
 WHERE expires_at > now() AND taken_over_at IS NULL AND NOT draining";
 
 /// Writes the targets that changed. `$1` partitions, `$2` target owners.
@@ -124,7 +125,6 @@ pub(super) struct PgStatements {
     register: Arc<str>,
     heartbeat: Arc<str>,
     deregister: Arc<str>,
-    end_lease: Arc<str>,
     reap: Arc<str>,
     acquire: Arc<str>,
     owned: Arc<str>,
@@ -150,7 +150,6 @@ impl PgStatements {
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),
             deregister: build(DEREGISTER),
-            end_lease: build(END_LEASE),
             reap: build(REAP),
             acquire: build(ACQUIRE),
             owned: build(OWNED),
@@ -226,7 +225,6 @@ impl PgStatements {
             .bind(id)
             .bind(millis(lease.live))
             .bind(delivered)
-            .bind(millis(lease.heartbeat))
             .fetch_optional(conn)
             .await?;
         Ok(ms.map(remaining))
@@ -237,17 +235,17 @@ impl PgStatements {
         Ok(())
     }
 
-    pub(super) async fn end_lease(&self, conn: &mut PgConnection, id: InstanceId, heartbeat: Duration) -> Result<()> {
-        sqlx::query(statement(&self.end_lease)).bind(id).bind(millis(heartbeat)).execute(conn).await?;
-        Ok(())
-    }
-
     pub(super) async fn reap(&self, conn: &mut PgConnection, grace: Duration) -> Result<u64> {
         Ok(sqlx::query(statement(&self.reap)).bind(millis(grace)).execute(conn).await?.rows_affected())
     }
 
-    pub(super) async fn acquire(&self, conn: &mut PgConnection, me: InstanceId) -> Result<Vec<Taken>> {
-        Ok(sqlx::query_as(statement(&self.acquire)).bind(me).fetch_all(conn).await?)
+    pub(super) async fn acquire(
+        &self,
+        conn: &mut PgConnection,
+        me: InstanceId,
+        heartbeat: Duration,
+    ) -> Result<Vec<Taken>> {
+        Ok(sqlx::query_as(statement(&self.acquire)).bind(me).bind(millis(heartbeat)).fetch_all(conn).await?)
     }
 
     pub(super) async fn owned(&self, conn: &mut PgConnection, me: InstanceId) -> Result<Epochs> {

@@ -31,26 +31,22 @@ RETURNING expires_at - {now}";
 /// Renews a lease that has not expired and whose partitions were not taken (see the PostgreSQL
 /// statement); returns its remaining ms. One writer at a time: a renewal never waits inside a takeover
 /// here, but the stamp keeps the lease ended if the host's clock steps back.
-const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2, delivered = $3,
-    heartbeat_ms = $4
+const HEARTBEAT: &str = "UPDATE {s}_instances SET heartbeat_at = {now}, expires_at = {now} + $2, delivered = $3
 WHERE id = $1 AND taken_over_at IS NULL AND expires_at > {now} RETURNING expires_at - {now}";
 
 const DEREGISTER: &str = "DELETE FROM {s}_instances WHERE id = $1";
-
-/// Ends `$1`'s lease now and keeps its row, declaring a heartbeat interval of at least `$2` ms: the
-/// partitions it still owns are taken by their next owner as from a dead owner, quiet for twice that.
-const END_LEASE: &str =
-    "UPDATE {s}_instances SET expires_at = {now}, heartbeat_ms = max(heartbeat_ms, $2) WHERE id = $1";
 
 /// Removes instances whose lease expired more than `$1` ms ago, and more than twice their declared
 /// heartbeat (see `Store::reap`).
 const REAP: &str = "DELETE FROM {s}_instances WHERE expires_at < {now} - max($1, 2 * heartbeat_ms)";
 
 /// Partitions targeted at `$1` that are free or whose owner has no live lease (one whose partitions
-/// were taken has none, whatever its expiry reads), with that owner and its
-/// heartbeat interval (if its row is still there); none while `$1`'s own lease has ended.
-const ACQUIRABLE: &str = "SELECT p.partition, p.owner,
-    (SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner) AS heartbeat_ms
+/// were taken has none, whatever its expiry reads), with that owner and the ms of the quiet period
+/// taking it starts (0: none; see the PostgreSQL statement, `$2` the acquirer's heartbeat interval);
+/// none while `$1`'s own lease has ended.
+const ACQUIRABLE: &str = "SELECT p.partition, p.owner, max(0, coalesce(p.quiet_until - {now}, 0),
+    CASE WHEN p.owner IS NULL THEN 0
+    ELSE 2 * max(coalesce((SELECT i.heartbeat_ms FROM {s}_instances i WHERE i.id = p.owner), 0), $2) END) AS quiet_ms
 FROM {s}_partitions p
 WHERE p.target_owner = $1 AND p.owner IS NOT $1
   AND (p.owner IS NULL OR NOT EXISTS (
@@ -62,20 +58,23 @@ WHERE p.target_owner = $1 AND p.owner IS NOT $1
 const MARK_TAKEN_OVER: &str = "UPDATE {s}_instances SET taken_over_at = coalesce(taken_over_at, {now})
 WHERE id IN (SELECT unhex(value) FROM json_each($1))";
 
-/// Takes the partitions `$2` (JSON `[partition, …]`) in one statement (see [`SET_TARGETS`]); one taken
-/// from an owner is stamped `taken_over_at` (see `Taken`).
+/// Takes the partitions of `$2` (JSON `[[partition, quiet ms], …]`) in one statement (see
+/// [`SET_TARGETS`]), each quiet until that many ms from now; one taken from an owner is stamped
+/// `taken_over_at` (see `Taken`).
 const TAKE: &str = "UPDATE {s}_partitions SET owner = $1, epoch = epoch + 1, changed_at = {now},
-    taken_over_at = CASE WHEN owner IS NULL THEN taken_over_at ELSE {now} END
-WHERE partition IN (SELECT value FROM json_each($2))
+    taken_over_at = CASE WHEN owner IS NULL THEN taken_over_at ELSE {now} END,
+    quiet_until = CASE WHEN t.value ->> 1 > 0 THEN {now} + (t.value ->> 1) END
+FROM json_each($2) t WHERE partition = t.value ->> 0
 RETURNING partition, epoch, {time:taken_over_at} AS taken_over_at";
 
-/// What an ownership round reads: every partition's row, then (`partition` NULL) the instances taking
-/// part in the assignment (lease live by database time and never taken over, not draining), each id
-/// in `owner`.
-const VIEW: &str =
-    "SELECT partition, owner, epoch, target_owner, {time:taken_over_at} AS taken_over_at FROM {s}_partitions
+/// What an ownership round reads: every partition's row with the ms left of its quiet period, then
+/// (`partition` NULL) the instances taking part in the assignment (lease live by database time and
+/// never taken over, not draining), each id in `owner`.
+const VIEW: &str = "SELECT partition, owner, epoch, target_owner, {time:taken_over_at} AS taken_over_at,
+    CASE WHEN quiet_until > {now} THEN quiet_until - {now} END AS quiet_ms
+FROM {s}_partitions
 UNION ALL
-SELECT NULL, id, NULL, NULL, NULL FROM {s}_instances
+SELECT NULL, id, NULL, NULL, NULL, NULL FROM {s}_instances
 WHERE expires_at > {now} AND taken_over_at IS NULL AND NOT draining";
 
 /// Writes the targets that changed, in one statement: `$1` is JSON `[[partition, hex owner], …]`. One
@@ -108,7 +107,6 @@ pub(super) struct SqliteStatements {
     register: Arc<str>,
     heartbeat: Arc<str>,
     deregister: Arc<str>,
-    end_lease: Arc<str>,
     reap: Arc<str>,
     acquirable: Arc<str>,
     take: Arc<str>,
@@ -127,7 +125,7 @@ struct Acquirable {
     #[sqlx(try_from = "i16")]
     partition: Partition,
     owner: Option<InstanceId>,
-    heartbeat_ms: Option<i64>,
+    quiet_ms: i64,
 }
 
 impl SqliteStatements {
@@ -138,7 +136,6 @@ impl SqliteStatements {
             register: build(REGISTER),
             heartbeat: build(HEARTBEAT),
             deregister: build(DEREGISTER),
-            end_lease: build(END_LEASE),
             reap: build(REAP),
             acquirable: build(ACQUIRABLE),
             take: build(TAKE),
@@ -189,7 +186,6 @@ impl SqliteStatements {
             .bind(id)
             .bind(millis(lease.live))
             .bind(delivered)
-            .bind(millis(lease.heartbeat))
             .fetch_optional(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -202,12 +198,6 @@ impl SqliteStatements {
         Ok(tx.commit().await?)
     }
 
-    pub(super) async fn end_lease(&self, pool: &SqlitePool, id: InstanceId, heartbeat: Duration) -> Result<()> {
-        let mut tx = write(pool).await?;
-        sqlx::query(statement(&self.end_lease)).bind(id).bind(millis(heartbeat)).execute(&mut *tx).await?;
-        Ok(tx.commit().await?)
-    }
-
     pub(super) async fn reap(&self, pool: &SqlitePool, grace: Duration) -> Result<u64> {
         let mut tx = write(pool).await?;
         let reaped = sqlx::query(statement(&self.reap)).bind(millis(grace)).execute(&mut *tx).await?.rows_affected();
@@ -216,10 +206,10 @@ impl SqliteStatements {
     }
 
     /// The single writer makes finding and taking one atomic step, as `FOR UPDATE` does on PostgreSQL.
-    pub(super) async fn acquire(&self, pool: &SqlitePool, me: InstanceId) -> Result<Vec<Taken>> {
+    pub(super) async fn acquire(&self, pool: &SqlitePool, me: InstanceId, heartbeat: Duration) -> Result<Vec<Taken>> {
         let mut tx = write(pool).await?;
         let candidates: Vec<Acquirable> =
-            sqlx::query_as(statement(&self.acquirable)).bind(me).fetch_all(&mut *tx).await?;
+            sqlx::query_as(statement(&self.acquirable)).bind(me).bind(millis(heartbeat)).fetch_all(&mut *tx).await?;
         if candidates.is_empty() {
             // Ended here: dropped, its rollback would be queued while the turn passed on at once, and
             // the next writer's `BEGIN IMMEDIATE` could find the file still locked and sleep.
@@ -231,7 +221,7 @@ impl SqliteStatements {
         if !owners.is_empty() {
             sqlx::query(statement(&self.mark_taken_over)).bind(json(&owners)?).execute(&mut *tx).await?;
         }
-        let partitions: Vec<i16> = candidates.iter().map(|c| i16::from(c.partition)).collect();
+        let partitions: Vec<(i16, i64)> = candidates.iter().map(|c| (i16::from(c.partition), c.quiet_ms)).collect();
         let rows: Vec<(i16, Epoch, Option<DateTime<Utc>>)> =
             sqlx::query_as(statement(&self.take)).bind(me).bind(json(&partitions)?).fetch_all(&mut *tx).await?;
         tx.commit().await?;
@@ -245,7 +235,7 @@ impl SqliteStatements {
                     partition: c.partition,
                     epoch,
                     previous: c.owner,
-                    previous_heartbeat_ms: c.heartbeat_ms,
+                    quiet_ms: Some(c.quiet_ms).filter(|&ms| ms > 0),
                     taken_over_at,
                 })
             })

@@ -43,6 +43,16 @@ pub(crate) async fn target(store: &Store, partitions: impl IntoIterator<Item = P
     store.set_targets(&partitions.into_iter().map(|p| (p, to)).collect()).await.unwrap();
 }
 
+/// Ends `id`'s lease now, keeping its row.
+pub(crate) async fn end_lease(store: &Store, id: InstanceId) {
+    let ended = match store.db() {
+        Db::Postgres(_) => "UPDATE outbox.instances SET expires_at = now() WHERE id = $1",
+        Db::MySql(_) => "UPDATE outbox_instances SET expires_at = UTC_TIMESTAMP(6) WHERE id = $1",
+        _ => "UPDATE outbox_instances SET expires_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) - 1 WHERE id = $1",
+    };
+    assert_eq!(store.db().execute(ended, &[id.into()]).await.unwrap(), 1, "{}", store.db().backend());
+}
+
 fn epochs_of(store_rows: &[crate::stored::PartitionRow], partitions: &[Partition]) -> Epochs {
     store_rows.iter().filter(|r| partitions.contains(&r.partition)).map(|r| (r.partition, r.epoch)).collect()
 }
@@ -132,14 +142,11 @@ async fn acquire_takes_free_and_dead_owners_partitions_only_and_bumps_epochs(poo
         target(&store, [1, 2], alive).await;
         target(&store, [3, 4], dead).await;
         target(&store, [7], also_dead).await;
-        assert_eq!(store.acquire(alive).await.unwrap().len(), 2, "{backend}");
-        assert_eq!(store.acquire(dead).await.unwrap().len(), 2, "{backend}");
-        assert_eq!(store.acquire(also_dead).await.unwrap().len(), 1, "{backend}");
-        // A renewal declares its heartbeat interval afresh (longer while it holds a quiet period back).
-        let declared = Lease { heartbeat: Duration::from_millis(3456), ..DAY };
-        assert!(super::HeartbeatConnection::default().renew(&store, also_dead, declared, 0).await.unwrap().is_some());
-        store.end_lease(dead, Duration::from_millis(1)).await.unwrap();
-        store.end_lease(also_dead, Duration::from_millis(1)).await.unwrap();
+        assert_eq!(store.acquire(alive, DAY.heartbeat).await.unwrap().len(), 2, "{backend}");
+        assert_eq!(store.acquire(dead, DAY.heartbeat).await.unwrap().len(), 2, "{backend}");
+        assert_eq!(store.acquire(also_dead, DAY.heartbeat).await.unwrap().len(), 1, "{backend}");
+        end_lease(&store, dead).await;
+        end_lease(&store, also_dead).await;
 
         // Targets: only those that differ are written and reported.
         let mut targets: crate::rebalance::Targets = [1, 2, 3, 4, 5, 7].into_iter().map(|p| (p, me)).collect();
@@ -150,18 +157,18 @@ async fn acquire_takes_free_and_dead_owners_partitions_only_and_bumps_epochs(poo
         assert!(store.set_targets(&targets).await.unwrap().is_empty(), "{backend}: nothing changed");
 
         let before = store.view().await.unwrap().partitions;
-        let mut taken = store.acquire(me).await.unwrap();
+        let mut taken = store.acquire(me, DAY.heartbeat).await.unwrap();
         taken.sort_by_key(|t| t.partition);
-        let got: Vec<_> = taken.iter().map(|t| (t.partition, t.previous, t.previous_heartbeat_ms)).collect();
-        // 1 and 2 belong to a live owner; 3, 4 and 7 to two dead ones, taken in one acquisition; 5 is
-        // free; 6 is targeted elsewhere.
+        let got: Vec<_> = taken.iter().map(|t| (t.partition, t.previous, t.quiet_ms)).collect();
+        // 1 and 2 belong to a live owner; 3, 4 and 7 to two dead ones, taken in one acquisition, each
+        // quiet for twice its heartbeat interval; 5 is free; 6 is targeted elsewhere.
         assert_eq!(
             got,
             [
-                (3, Some(dead), Some(1234)),
-                (4, Some(dead), Some(1234)),
+                (3, Some(dead), Some(2468)),
+                (4, Some(dead), Some(2468)),
                 (5, None, None),
-                (7, Some(also_dead), Some(3456))
+                (7, Some(also_dead), Some(4690))
             ],
             "{backend}"
         );
@@ -175,21 +182,76 @@ async fn acquire_takes_free_and_dead_owners_partitions_only_and_bumps_epochs(poo
         for t in &taken {
             let row = after.iter().find(|r| r.partition == t.partition).unwrap();
             assert_eq!(row.taken_over_at, t.taken_over_at, "{backend}: partition {} as stored", t.partition);
+            let (stored, returned) = (row.quiet.map(|q| q.as_millis()), t.quiet_ms.map(i128::from));
+            let stored_ok = match returned {
+                Some(ms) => stored.is_some_and(|left| (ms - 1_000..=ms).contains(&i128::try_from(left).unwrap())),
+                None => stored.is_none(),
+            };
+            assert!(stored_ok, "{backend}: partition {}: {stored:?} left of {returned:?}", t.partition);
         }
-        assert!(store.acquire(me).await.unwrap().is_empty(), "{backend}: nothing left to take");
+        assert!(store.acquire(me, DAY.heartbeat).await.unwrap().is_empty(), "{backend}: nothing left to take");
         let owned = store.owned(me).await.unwrap();
         assert_eq!(owned, taken.iter().map(|t| (t.partition, t.epoch)).collect(), "{backend}");
 
-        // An owner's row reaped: its partitions (1 and 2, targeted at `me` above) are taken, without
-        // its heartbeat interval.
+        // An owner's row reaped: its partitions (1 and 2, targeted at `me` above) are taken, quiet for
+        // twice the acquirer's heartbeat interval.
         store.deregister(alive).await.unwrap();
-        let mut taken = store.acquire(me).await.unwrap();
+        let mut taken = store.acquire(me, Duration::from_millis(900)).await.unwrap();
         taken.sort_by_key(|t| t.partition);
         assert_eq!(
-            taken.iter().map(|t| (t.partition, t.previous, t.previous_heartbeat_ms)).collect::<Vec<_>>(),
-            [(1, Some(alive), None), (2, Some(alive), None)],
+            taken.iter().map(|t| (t.partition, t.previous, t.quiet_ms)).collect::<Vec<_>>(),
+            [(1, Some(alive), Some(1800)), (2, Some(alive), Some(1800))],
             "{backend}"
         );
+    }
+}
+
+/// A quiet period outlives the instance that took the partition: whoever takes it next, from that
+/// instance's lapsed lease (before it ever renewed) or free once it was released, gets what is left of
+/// the period, however short its own or that instance's heartbeat. Before, the next owner waited twice
+/// the heartbeat interval of the instance it took the partition from, while the owner the period was
+/// for might still be delivering. Once the period is over, nobody waits.
+#[sqlx::test(migrations = false)]
+async fn a_quiet_period_outlives_the_instance_that_took_the_partition(pool: PgPool) {
+    let brief = Lease { heartbeat: Duration::from_millis(10), ..DAY };
+    for store in stores(pool).await {
+        let backend = store.db().backend();
+        let first = registered(&store, Lease { heartbeat: Duration::from_secs(30), ..DAY }).await;
+        target(&store, [1, 2], first).await;
+        assert_eq!(store.acquire(first, brief.heartbeat).await.unwrap().len(), 2, "{backend}");
+        end_lease(&store, first).await;
+        let taker = registered(&store, brief).await;
+        target(&store, [1, 2], taker).await;
+        let taken = store.acquire(taker, brief.heartbeat).await.unwrap();
+        assert!(taken.iter().all(|t| t.quiet_ms == Some(60_000)), "{backend}: {taken:?}");
+        end_lease(&store, taker).await;
+
+        let (next, last) = (registered(&store, brief).await, registered(&store, brief).await);
+        target(&store, [1, 2], next).await;
+        let taken = store.acquire(next, brief.heartbeat).await.unwrap();
+        let rest = |taken: &[crate::stored::Taken], from: Option<InstanceId>| -> Vec<bool> {
+            taken.iter().map(|t| t.previous == from && t.quiet_ms.is_some_and(|ms| ms > 50_000)).collect()
+        };
+        assert_eq!(rest(&taken, Some(taker)), [true, true], "{backend}: from a lapsed taker: {taken:?}");
+        store.release(next, &taken.iter().map(|t| (t.partition, t.epoch)).collect()).await.unwrap();
+        target(&store, [1, 2], last).await;
+        let taken = store.acquire(last, brief.heartbeat).await.unwrap();
+        assert_eq!(rest(&taken, None), [true, true], "{backend}: released: {taken:?}");
+
+        // A period that is over: taken from a dead owner that heartbeated every 50 ms, then released.
+        let quick = registered(&store, Lease { heartbeat: Duration::from_millis(50), ..DAY }).await;
+        target(&store, [3], quick).await;
+        store.acquire(quick, brief.heartbeat).await.unwrap();
+        end_lease(&store, quick).await;
+        target(&store, [3], last).await;
+        let taken = store.acquire(last, brief.heartbeat).await.unwrap();
+        assert_eq!(taken.iter().map(|t| t.quiet_ms).collect::<Vec<_>>(), [Some(100)], "{backend}");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(store.view().await.unwrap().partitions[3].quiet, None, "{backend}: over");
+        store.release(last, &taken.iter().map(|t| (t.partition, t.epoch)).collect()).await.unwrap();
+        target(&store, [3], next).await;
+        let taken = store.acquire(next, brief.heartbeat).await.unwrap();
+        assert_eq!(taken.iter().map(|t| (t.previous, t.quiet_ms)).collect::<Vec<_>>(), [(None, None)], "{backend}");
     }
 }
 
@@ -199,7 +261,7 @@ async fn release_frees_only_what_is_still_held_at_its_epoch(pool: PgPool) {
         let backend = store.db().backend();
         let (me, other) = (registered(&store, DAY).await, registered(&store, DAY).await);
         target(&store, [7, 8, 9], me).await;
-        store.acquire(me).await.unwrap();
+        store.acquire(me, DAY.heartbeat).await.unwrap();
         let rows = store.view().await.unwrap().partitions;
         let mut held = epochs_of(&rows, &[7, 8, 9]);
         held.insert(8, Epoch(held[&8].0 - 1)); // a stale epoch
@@ -233,7 +295,7 @@ async fn an_acquisition_waits_for_a_renewal_in_flight(pool: PgPool) {
         let short = Lease { live: Duration::from_millis(500), heartbeat: Duration::from_millis(100) };
         let (owner, taker) = (registered(&store, short).await, registered(&store, DAY).await);
         target(&store, [7, 8], owner).await;
-        assert_eq!(store.acquire(owner).await.unwrap().len(), 2, "{backend}");
+        assert_eq!(store.acquire(owner, DAY.heartbeat).await.unwrap().len(), 2, "{backend}");
         target(&store, [7, 8], taker).await;
         let (written, renewal_written) = tokio::sync::oneshot::channel();
         let (commit, committing) = tokio::sync::oneshot::channel::<()>();
@@ -254,7 +316,7 @@ async fn an_acquisition_waits_for_a_renewal_in_flight(pool: PgPool) {
         tokio::time::sleep(Duration::from_millis(700)).await;
         let acquiring = tokio::spawn({
             let store = store.clone();
-            async move { store.acquire(taker).await.unwrap() }
+            async move { store.acquire(taker, DAY.heartbeat).await.unwrap() }
         });
         tokio::time::sleep(Duration::from_millis(300)).await;
         commit.send(()).unwrap();
@@ -288,14 +350,14 @@ async fn a_renewal_that_waited_out_its_lease_behind_a_takeover_revives_nothing(p
             (registered(&store, short).await, registered(&store, DAY).await, registered(&store, DAY).await);
         target(&store, [7], owner).await;
         target(&store, [8], other).await;
-        assert_eq!(store.acquire(owner).await.unwrap().len(), 1, "{backend}");
-        assert_eq!(store.acquire(other).await.unwrap().len(), 1, "{backend}");
+        assert_eq!(store.acquire(owner, DAY.heartbeat).await.unwrap().len(), 1, "{backend}");
+        assert_eq!(store.acquire(other, DAY.heartbeat).await.unwrap().len(), 1, "{backend}");
         target(&store, [7, 8], taker).await;
         let mut holder = store.db().begin().await.unwrap();
         holder.execute(hold, &[other.into()]).await.unwrap();
         let acquisition = tokio::spawn({
             let store = store.clone();
-            async move { store.acquire(taker).await.unwrap() }
+            async move { store.acquire(taker, DAY.heartbeat).await.unwrap() }
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
         let renewal = tokio::spawn({
@@ -334,7 +396,7 @@ async fn a_wait_for_one_instance_row_holds_up_no_other_renewal(pool: PgPool) {
         tokio::time::sleep(2 * GONE.heartbeat).await;
         let (owner, taker) = (registered(&store, DAY).await, registered(&store, DAY).await);
         target(&store, [7], owner).await;
-        assert_eq!(store.acquire(owner).await.unwrap().len(), 1, "{backend}");
+        assert_eq!(store.acquire(owner, DAY.heartbeat).await.unwrap().len(), 1, "{backend}");
         target(&store, [7], taker).await;
         for waiting in ["reap", "acquisition"] {
             let mut holder = store.db().begin().await.unwrap();
@@ -343,7 +405,7 @@ async fn a_wait_for_one_instance_row_holds_up_no_other_renewal(pool: PgPool) {
             let waiter = tokio::spawn(async move {
                 match waiting {
                     "reap" => store2.reap(Duration::ZERO).await.map(|n| vec![n as usize]),
-                    _ => store2.acquire(taker).await.map(|t| vec![t.len()]),
+                    _ => store2.acquire(taker, DAY.heartbeat).await.map(|t| vec![t.len()]),
                 }
             });
             tokio::time::sleep(Duration::from_millis(300)).await;
@@ -374,10 +436,10 @@ async fn a_lease_whose_partitions_were_taken_stays_ended(pool: PgPool) {
         let short = Lease { live: Duration::from_millis(300), heartbeat: Duration::from_millis(100) };
         let (owner, taker) = (registered(&store, short).await, registered(&store, DAY).await);
         target(&store, [7, 8], owner).await;
-        assert_eq!(store.acquire(owner).await.unwrap().len(), 2, "{backend}");
+        assert_eq!(store.acquire(owner, DAY.heartbeat).await.unwrap().len(), 2, "{backend}");
         tokio::time::sleep(Duration::from_millis(400)).await;
         target(&store, [7], taker).await;
-        let taken = store.acquire(taker).await.unwrap();
+        let taken = store.acquire(taker, DAY.heartbeat).await.unwrap();
         assert_eq!(taken.iter().map(|t| t.previous).collect::<Vec<_>>(), [Some(owner)], "{backend}");
         let clock_back = match store.db() {
             Db::Postgres(_) => "UPDATE outbox.instances SET expires_at = now() + interval '1 hour' WHERE id = $1",
@@ -389,7 +451,11 @@ async fn a_lease_whose_partitions_were_taken_stays_ended(pool: PgPool) {
         assert_eq!(renewed, None, "{backend}: the lease of an owner whose partitions were taken was renewed");
         assert!(!store.view().await.unwrap().live.contains(&owner), "{backend}: counted live");
         target(&store, [8], taker).await;
-        assert_eq!(store.acquire(taker).await.unwrap().len(), 1, "{backend}: its other partition not taken");
+        assert_eq!(
+            store.acquire(taker, DAY.heartbeat).await.unwrap().len(),
+            1,
+            "{backend}: its other partition not taken"
+        );
     }
 }
 
@@ -402,11 +468,15 @@ async fn an_instance_whose_lease_ended_acquires_nothing(pool: PgPool) {
     for store in stores(pool).await {
         let backend = store.db().backend();
         let (gone, ended) = (registered(&store, GONE).await, registered(&store, DAY).await);
-        store.end_lease(ended, Duration::from_millis(1)).await.unwrap();
+        end_lease(&store, ended).await;
         target(&store, [3], gone).await;
         target(&store, [4], ended).await;
-        assert_eq!(store.acquire(gone).await.unwrap().len(), 0, "{backend}: taken under a lease run out");
-        assert_eq!(store.acquire(ended).await.unwrap().len(), 0, "{backend}: taken under a lease ended");
+        assert_eq!(
+            store.acquire(gone, DAY.heartbeat).await.unwrap().len(),
+            0,
+            "{backend}: taken under a lease run out"
+        );
+        assert_eq!(store.acquire(ended, DAY.heartbeat).await.unwrap().len(), 0, "{backend}: taken under a lease ended");
     }
 }
 

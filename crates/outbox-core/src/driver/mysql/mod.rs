@@ -79,6 +79,15 @@ pub const MIGRATIONS: &[Migration] = &[
         // that reads flags knows this migration).
         older_versions_run: true,
     },
+    Migration {
+        version: 8,
+        name: "quiet_periods",
+        sql: include_str!("../../../../../migrations/mysql/0008_quiet_periods.sql"),
+        earlier: &[],
+        // Adds a column older libraries ignore. Alone on the schema they run as before; beside newer
+        // ones (a rolling deploy) they neither set nor honour it.
+        older_versions_run: true,
+    },
 ];
 
 /// How long a migrator waits for another one of the same schema (`GET_LOCK`).

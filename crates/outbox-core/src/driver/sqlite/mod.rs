@@ -103,6 +103,15 @@ pub const MIGRATIONS: &[Migration] = &[
         // that reads flags knows this migration).
         older_versions_run: true,
     },
+    Migration {
+        version: 11,
+        name: "quiet_periods",
+        sql: include_str!("../../../../../migrations/sqlite/0011_quiet_periods.sql"),
+        earlier: &[],
+        // Adds a column older libraries ignore. Alone on the schema they run as before; beside newer
+        // ones (a rolling deploy) they neither set nor honour it.
+        older_versions_run: true,
+    },
 ];
 
 /// The most a statement's string argument carries: SQLite's largest string (`SQLITE_MAX_LENGTH`, a
