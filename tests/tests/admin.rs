@@ -134,6 +134,15 @@ async fn the_page_shows_the_cluster_its_backlog_and_delivered_counts(db: TestDb)
     let partitions: Vec<PartitionView> = get(&admin, "/api/partitions").await;
     let bad0 = &partitions[usize::from(outbox_core::partition_of("bad-0"))];
     assert!(bad0.pending >= 1 && bad0.oldest_pending_ms.unwrap() >= 120_000, "{bad0:?}");
+    assert!(partitions.iter().all(|p| p.quiet_ms.is_none()), "none taken over");
+
+    // A partition in its quiet period shows what is left of it.
+    exec!(db, "UPDATE {s}partitions SET quiet_until = {ago:-60} WHERE partition = 7");
+    let admin = router(&outbox, &db, AdminConfig::default());
+    let partitions: Vec<PartitionView> = get(&admin, "/api/partitions").await;
+    let quiet: Vec<(u8, bool)> =
+        partitions.iter().filter_map(|p| Some((p.partition, (50_000..=60_000).contains(&p.quiet_ms?)))).collect();
+    assert_eq!(quiet, [(7, true)]);
 }
 
 async fn failed_records_page_by_position_without_gaps_or_repeats(db: TestDb) {

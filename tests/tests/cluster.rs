@@ -28,7 +28,7 @@ every_backend!(
     a_partition_taken_from_an_owner_whose_row_was_reaped_stays_quiet,
     a_partition_whose_new_owner_lapses_in_its_quiet_period_stays_quiet,
     a_partition_whose_new_owner_lapses_before_it_renews_stays_quiet,
-    a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop,
+    a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_at_stop,
     a_handover_does_not_wait_for_the_rounds,
     a_node_that_owns_nothing_stops_without_waiting,
     a_stop_given_up_part_way_stops_every_task,
@@ -47,7 +47,7 @@ every_backend!(
 on_backends!(
     [postgres, mysql]
     a_lease_renewed_after_it_lapsed_is_followed_by_a_round,
-    a_partition_still_quiet_stays_quiet_when_the_release_of_the_others_waits_out_the_stop,
+    a_partition_still_quiet_stays_quiet_when_the_release_waits_out_the_stop,
     a_stop_while_the_database_answers_nobody_ends_in_bounded_time,
     an_acquisition_whose_host_vanished_kills_no_other_instance,
 );
@@ -878,8 +878,8 @@ async fn a_partition_acquired_by_a_lost_reply_stays_quiet(db: TestDb) {
 /// was kept with the partition, it delivered them at once, while the owner they were taken from might
 /// still be delivering.
 async fn a_partition_still_quiet_when_its_owner_stops_stays_quiet(db: TestDb) {
-    // The stop waits this long for the partitions it keeps; its first write (marking the instance
-    // draining) must fit in it too, which 100 ms did not on a loaded machine (the stop then failed).
+    // Shorter than the quiet period; the stop's first write (marking the instance draining) must fit in
+    // it, which 100 ms did not on a loaded machine (the stop then failed).
     let outbox = outbox(&db, |c| c.shutdown_timeout = Duration::from_secs(1)).await;
     owner_of_all_dead_since_a_minute(&db, 1500).await;
     commit(&outbox, &db, (0..64).map(|k| NewRecord::new(format!("k-{k}"), "t", "")).collect()).await;
@@ -1005,7 +1005,7 @@ async fn a_release_that_fails_names_its_partitions(db: TestDb) {
 /// at the stop: the partitions stay with the stopped instance until its lease runs out (600 ms), and
 /// the next instance, taking them from it, still waits out the rest of the quiet period. Before, it
 /// waited only twice the stopped one's heartbeat before delivering.
-async fn a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_others_at_stop(db: TestDb) {
+async fn a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_at_stop(db: TestDb) {
     quiet_through_a_failed_release_at_stop(
         &db,
         async || db.refuse_releases().await,
@@ -1017,15 +1017,15 @@ async fn a_partition_still_quiet_stays_quiet_when_its_owner_cannot_release_the_o
 /// As above, the release waiting for a row lock past the stop's budget (`query_timeout`, 1 s) instead
 /// (given up, it may still commit: the next instance then takes the partitions free, with the rest of
 /// their period).
-async fn a_partition_still_quiet_stays_quiet_when_the_release_of_the_others_waits_out_the_stop(db: TestDb) {
+async fn a_partition_still_quiet_stays_quiet_when_the_release_waits_out_the_stop(db: TestDb) {
     let lock = async || db.holding("SELECT 1 FROM {s}partitions WHERE partition = 0 FOR UPDATE", &[]).await;
     quiet_through_a_failed_release_at_stop(&db, lock, async |lock| lock.rollback().await.unwrap()).await;
 }
 
 /// A node takes 255 partitions from an owner whose lease ran out and that heartbeated every 1.5 s (a
-/// 3 s quiet period) and one more free, and stops while `fail_release` makes the release of the free
-/// one fail (`mend`, given what it returned, ends that); the next node delivers nothing of the others
-/// before the period ends.
+/// 3 s quiet period) and one more free, and stops while `fail_release` makes its releases fail (the
+/// database refuses them, or the free one's row lock holds them up; `mend`, given what it returned,
+/// ends that); the next node delivers nothing of the others before the period ends.
 async fn quiet_through_a_failed_release_at_stop<T>(
     db: &TestDb,
     fail_release: impl AsyncFnOnce() -> T,

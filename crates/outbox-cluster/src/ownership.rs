@@ -46,7 +46,8 @@ pub(crate) struct Ownership {
     pub(crate) leads: watch::Sender<bool>,
 }
 
-/// Partitions taken from a dead owner, each at its epoch with the end of its quiet period.
+/// Partitions in a quiet period (taken from a dead owner, or later in the period), each at its epoch
+/// with the period's end.
 type Quiet = BTreeMap<Partition, (Epoch, Instant)>;
 
 /// What the ownership task carries from one round to the next, for one instance id.
@@ -55,11 +56,11 @@ struct Rounds {
     /// Partitions taken out of the processor's assignment, to release once none of their records is in
     /// flight: each at its epoch, with the instance it is targeted at.
     giving_up: BTreeMap<Partition, (Epoch, Option<InstanceId>)>,
-    /// Partitions taken from a dead owner, held back from the processor until their quiet period ends.
+    /// Partitions in a quiet period, held back from the processor until it ends.
     quiet: Quiet,
     /// Partitions of a release that went unanswered (given up at its time limit, or its answer lost),
     /// each at the epoch it was sent for: it may still commit, and the next owner then takes the
-    /// partition as free, with no quiet period. Until a release of them is answered they stay out of the
+    /// partition as free, with no quiet period of its own (only what is left of one stored). Until a release of them is answered they stay out of the
     /// processor's assignment, even if targeted here again, and are released again.
     unanswered: Epochs,
     /// When this instance, as the leader, last reaped expired instance rows.
@@ -107,7 +108,7 @@ impl Ownership {
             let whole_round = tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => true,
-                // A stolen partition's quiet period is over: hand it to the processor now.
+                // A partition's quiet period is over: hand it to the processor now.
                 () = sleep_until_opt(quiet_ends) => {
                     rounds.quiet_seen = Instant::now();
                     true

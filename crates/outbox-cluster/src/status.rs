@@ -1,5 +1,5 @@
 //! What an operator wants to see: instances with their last heartbeat, and partition → owner, epoch,
-//! target.
+//! target, quiet period.
 
 use outbox_core::{Db, Outbox};
 

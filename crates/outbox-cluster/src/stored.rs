@@ -126,7 +126,8 @@ pub(crate) struct Held {
     pub(crate) epoch: Epoch,
 }
 
-/// What a registration or renewal declares: live for `live`, renewed every `heartbeat`.
+/// What a registration or renewal asks for: live for `live`; a registration also declares its heartbeat
+/// interval, `heartbeat`, which sets the quiet period of partitions taken from it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Lease {
     pub(crate) live: Duration,

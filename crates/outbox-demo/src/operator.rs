@@ -73,17 +73,27 @@ pub async fn status(ctx: &Context) -> Result<(), Failure> {
         println!("  (none)");
     }
     println!("partitions per owner (epochs)");
-    let mut by_owner: BTreeMap<String, Vec<(u8, Epoch)>> = BTreeMap::new();
+    let mut by_owner: BTreeMap<String, Vec<(u8, Epoch, Option<Duration>)>> = BTreeMap::new();
     for p in &cluster.partitions {
         let owner =
             p.owner.map_or("(free)".to_string(), |id| names.get(&id).cloned().unwrap_or_else(|| id.to_string()));
-        by_owner.entry(owner).or_default().push((p.partition, p.epoch));
+        by_owner.entry(owner).or_default().push((p.partition, p.epoch, p.quiet));
     }
     for (owner, parts) in &by_owner {
-        let (lo, hi) = parts.iter().fold((i64::MAX, i64::MIN), |(lo, hi), &(_, e)| (lo.min(e.0), hi.max(e.0)));
-        let first: Vec<String> = parts.iter().take(8).map(|(p, _)| p.to_string()).collect();
+        let (lo, hi) = parts.iter().fold((i64::MAX, i64::MIN), |(lo, hi), &(_, e, _)| (lo.min(e.0), hi.max(e.0)));
+        let first: Vec<String> = parts.iter().take(8).map(|(p, ..)| p.to_string()).collect();
         let more = if parts.len() > 8 { ", …" } else { "" };
-        println!("  {owner:<16} {:>3} partitions  epochs {lo}..={hi}  [{}{more}]", parts.len(), first.join(", "));
+        // Taken from an owner whose lease ran out: delivered by nobody until the period ends.
+        let quiet: Vec<Duration> = parts.iter().filter_map(|&(.., quiet)| quiet).collect();
+        let quiet = match quiet.iter().max() {
+            Some(longest) => format!("  {} quiet, for up to {longest:.1?} more", quiet.len()),
+            None => String::new(),
+        };
+        println!(
+            "  {owner:<16} {:>3} partitions  epochs {lo}..={hi}  [{}{more}]{quiet}",
+            parts.len(),
+            first.join(", ")
+        );
     }
     let BacklogTotals { pending, scheduled, failed, oldest_pending: oldest } = BacklogTotals::of(&stats);
     println!("backlog");

@@ -97,6 +97,9 @@ pub struct PartitionView {
     pub failed: i64,
     /// Age of the oldest pending record.
     pub oldest_pending_ms: Option<i64>,
+    /// What is left of its quiet period, if it is in one: taken from an owner whose lease ran out, it is
+    /// delivered by nobody until then.
+    pub quiet_ms: Option<i64>,
 }
 
 /// `GET /api/failed`: a page of FAILED records.
@@ -195,6 +198,7 @@ pub(super) async fn partitions(State(admin): State<Admin>) -> ApiResult<Vec<Part
                     scheduled: s.map_or(0, |s| s.scheduled),
                     failed: s.map_or(0, |s| s.failed),
                     oldest_pending_ms: s.and_then(|s| s.oldest_pending).map(millis),
+                    quiet_ms: p.quiet.map(millis),
                 }
             })
             .collect(),
