@@ -112,6 +112,14 @@ pub const MIGRATIONS: &[Migration] = &[
         // ones (a rolling deploy) they neither set nor honour it.
         older_versions_run: true,
     },
+    Migration {
+        version: 12,
+        name: "due_heads",
+        sql: include_str!("../../../../../migrations/sqlite/0012_due_heads.sql"),
+        earlier: &[],
+        // Adds indexes; the index older libraries walk stays.
+        older_versions_run: true,
+    },
 ];
 
 /// The most a statement's string argument carries: SQLite's largest string (`SQLITE_MAX_LENGTH`, a
@@ -570,7 +578,7 @@ mod tests {
             let plan = rows.into_iter().map(|(.., detail)| detail).collect::<Vec<_>>().join("\n");
             // Key to key by index seeks; every other lookup an index seek too: no scan of the records,
             // no sort.
-            let seek = "SEARCH k USING COVERING INDEX outbox_records_partition_key_seq (partition=? AND key>?)";
+            let seek = "SEARCH k USING COVERING INDEX outbox_records_ready (partition=? AND key>?)";
             assert!(plan.contains(seek), "{plan}");
             assert!(plan.contains("RECURSIVE STEP"), "{plan}");
             let scans = |alias: &str| {
@@ -579,7 +587,7 @@ mod tests {
                     words.windows(2).any(|w| w[0].ends_with("SCAN") && w[1] == alias)
                 })
             };
-            for records in ["r", "k", "h", "x"] {
+            for records in ["r", "k", "h", "x", "c"] {
                 assert!(!scans(records), "records ({records}) scanned: {plan}");
             }
             // (A Bloom filter over the skipped keys' list is fine; one built on a table scans it.)
@@ -587,6 +595,95 @@ mod tests {
             let sorts = plan.lines().filter(|l| l.contains("TEMP B-TREE") && !l.contains("json_group_array(ORDER BY)"));
             assert!(!plan.contains("BLOOM FILTER ON") && sorts.count() == 0, "{plan}");
         }
+    }
+
+    /// Keys whose every record waits (here one each, scheduled an hour from now or FAILED: reminders, or
+    /// what a broker's outage left) cost the fetch nothing: beside 20,000 of them, sorting before the
+    /// others in every partition, its walk takes as many steps and serves the same heads. Walking every
+    /// key, it stepped through each of them on every poll (84 ms a poll beside 200,000).
+    #[tokio::test]
+    async fn keys_whose_records_all_wait_cost_the_fetch_nothing() {
+        let (pool, _) = migrated().await;
+        let instance = owning_every_partition(&pool).await;
+        insert(&pool, "key-", 2_000, 10, "NULL", "NULL").await;
+        let (alone_steps, alone) = fetch_every_partition(&pool, instance).await;
+        insert(&pool, "held-", 10_000, 1, "NULL", "1").await;
+        insert(&pool, "later-", 10_000, 1, &format!("{} + 3600000", super::statements::NOW_MS), "NULL").await;
+        let (beside_steps, beside) = fetch_every_partition(&pool, instance).await;
+        assert_eq!(alone.len(), 100, "100 heads");
+        assert_eq!(alone, beside, "the heads served");
+        assert_eq!(alone_steps, beside_steps, "the walk's steps");
+    }
+
+    /// Records whose retry came due take at most half a fetch's batch: 200 keys retrying beside 200 keys
+    /// due at once, in one partition, fill a batch of 100 half and half, though they sort first. Walked
+    /// to in key order, a storm of retries held back the partition's other keys for as long as it lasted.
+    #[tokio::test]
+    async fn retries_that_came_due_leave_half_the_batch_to_the_rest() {
+        let (pool, _) = migrated().await;
+        let instance = owning_every_partition(&pool).await;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 400)
+             INSERT INTO outbox_records (id, partition, key, event_type, payload, attempts, next_attempt_at)
+             SELECT randomblob(16), 0, iif(i % 2 = 0, 'came-due-', 'ready-') || i, 't', x'00', 1,
+                    iif(i % 2 = 0, {} - 60000, NULL)
+             FROM n",
+            super::statements::NOW_MS
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let (_, heads) = fetch_every_partition(&pool, instance).await;
+        let retried = heads.iter().filter(|key| key.starts_with("came-due-"));
+        assert_eq!((retried.count(), heads.len()), (50, 100), "heads that came due, heads");
+    }
+
+    /// A live instance that owns every partition at epoch 1.
+    async fn owning_every_partition(pool: &sqlx::SqlitePool) -> uuid::Uuid {
+        let instance = uuid::Uuid::now_v7();
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO outbox_instances (id, name, expires_at) VALUES ($1, 'test', {} + 86400000)",
+            super::statements::NOW_MS
+        )))
+        .bind(instance)
+        .execute(pool)
+        .await
+        .unwrap();
+        sqlx::query("UPDATE outbox_partitions SET owner = $1, epoch = 1").bind(instance).execute(pool).await.unwrap();
+        instance
+    }
+
+    /// `per_key` records for each of `keys` keys named `prefix` and a number, spread over the partitions,
+    /// each with `next_attempt_at` and `failed_at` as given (SQL).
+    async fn insert(pool: &sqlx::SqlitePool, prefix: &str, keys: u32, per_key: u32, next: &str, failed: &str) {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "WITH RECURSIVE k(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM k WHERE i < {keys}),
+                 s(j) AS (SELECT 1 UNION ALL SELECT j + 1 FROM s WHERE j < {per_key})
+             INSERT INTO outbox_records (id, partition, key, event_type, payload, next_attempt_at, failed_at)
+             SELECT randomblob(16), i % 256, '{prefix}' || i, 't', x'00', {next}, {failed} FROM s, k ORDER BY j, i"
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    /// One fetch of every partition (100 heads, 7 records after each): the rows its walk took, and the
+    /// keys of the heads it served, sorted.
+    async fn fetch_every_partition(pool: &sqlx::SqlitePool, instance: uuid::Uuid) -> (i64, Vec<String>) {
+        use sqlx::Row;
+        let sql = super::SqliteStatements::new("outbox", true, true);
+        let partitions: Vec<(i64, i64, Option<&str>)> = (0..256).map(|p| (p, 1, None)).collect();
+        let partitions = serde_json::to_string(&partitions).unwrap();
+        let cut = sql.fetch.find("\nheads AS (").unwrap();
+        let steps = format!("{} SELECT count(*) FROM walk", sql.fetch[..cut].trim_end_matches(','));
+        let served = format!("SELECT key FROM ({}) WHERE walk IS NOT NULL ORDER BY key", sql.fetch);
+        let mut rows = Vec::new();
+        for text in [steps, served] {
+            let query = sqlx::query(AssertSqlSafe(text)).bind(&partitions).bind("[]").bind(100_i64).bind(7_i64);
+            rows.push(query.bind(instance).fetch_all(pool).await.unwrap());
+        }
+        let steps: i64 = rows[0][0].get(0);
+        (steps, rows[1].iter().map(|row| row.get(0)).collect())
     }
 
     /// A completion's failures are written in one statement that finds each record by its id: the

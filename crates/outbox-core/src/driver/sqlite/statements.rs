@@ -42,11 +42,16 @@ const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {now}))";
 
 /// The fetch (see `Db::fetch`): `$1` a JSON array of `[partition, epoch, start key or null]`, `$2` keys
-/// in flight (JSON), `$3` heads at most, `$4` followers per head, `$5` the instance. The heads come from a
-/// loose index scan written as a recursive walk: partition `i` of `served` (those held and holding
-/// records, in order), its keys one index seek apart, first after the start key, then (`wrapped`) from
-/// the lowest up to it; a row with no key moves on. `found` counts the keys served (`{serve}`); the walk
-/// stops at `$3`, so a key costs a few seeks however many records it has.
+/// in flight (JSON), `$3` heads at most, `$4` followers per head, `$5` the instance. First the records
+/// that waited for a time and came due (`records_waiting`, partition by partition in `served`'s order,
+/// each in its time's order), up to half the batch, so a storm of retries leaves room for the rest.
+/// Then the keys with a record due at once, from a loose index scan of `records_ready` written as a
+/// recursive walk: partition `i` of `served` (those held and holding records, in order), its keys one
+/// index seek apart, first after the start key, then (`wrapped`) from the lowest up to it; a row with
+/// no key moves on. `found` counts the heads taken (`{serve}`); the walk stops at `$3`, so a key costs a
+/// few seeks however many records it has, and a key whose records all wait costs nothing. Each head
+/// only where it is its key's next record: nothing held back before it (`records_held`). Then up to `$4`
+/// records after each head.
 const FETCH: &str = "WITH RECURSIVE served(list, n) AS MATERIALIZED (
     SELECT json_group_array(json_array(a.value ->> 0, a.value ->> 2) ORDER BY a.key), count(*)
     FROM json_each($1) a
@@ -54,19 +59,31 @@ const FETCH: &str = "WITH RECURSIVE served(list, n) AS MATERIALIZED (
     WHERE EXISTS (SELECT 1 FROM {s}_records e WHERE e.partition = a.value ->> 0)
       AND EXISTS (SELECT 1 FROM {s}_instances l WHERE l.id = $5 AND l.expires_at > {now})
 ),
+came_due AS MATERIALIZED (
+    SELECT c.partition, c.key, c.seq FROM json_each((SELECT list FROM served)) s
+    CROSS JOIN {s}_records c INDEXED BY {s}_records_waiting ON c.partition = s.value ->> 0
+        AND c.failed_at IS NULL AND c.next_attempt_at IS NOT NULL AND c.next_attempt_at <= {now}
+    WHERE c.key NOT IN (SELECT value FROM json_each($2))
+      AND NOT EXISTS (SELECT 1 FROM {s}_records x INDEXED BY {s}_records_ready
+                      WHERE x.partition = c.partition AND x.key = c.key AND x.seq < c.seq AND {ready_x})
+      AND NOT EXISTS (SELECT 1 FROM {s}_records x INDEXED BY {s}_records_held
+                      WHERE x.partition = c.partition AND x.key = c.key AND x.seq < c.seq AND {held_x})
+    LIMIT ($3 + 1) / 2
+),
 walk(i, partition, after, key, wrapped, found) AS (
-    SELECT -1, NULL, NULL, NULL, 1, 0
+    SELECT -1, NULL, NULL, NULL, 1, (SELECT count(*) FROM came_due)
     UNION ALL
     SELECT CASE WHEN {next} THEN w.i + 1 ELSE w.i END,
         CASE WHEN {next} THEN {next_partition} ELSE w.partition END,
         CASE WHEN {next} THEN {next_after} ELSE w.after END,
         CASE
             WHEN {next} THEN (SELECT min(k.key) FROM {s}_records k
-                              WHERE k.partition = {next_partition} AND k.key > coalesce({next_after}, ''))
-            WHEN w.key IS NULL THEN (SELECT min(k.key) FROM {s}_records k WHERE k.partition = w.partition AND k.key <= w.after)
+                              WHERE k.partition = {next_partition} AND k.key > coalesce({next_after}, '') AND {ready_k})
+            WHEN w.key IS NULL THEN (SELECT min(k.key) FROM {s}_records k
+                                     WHERE k.partition = w.partition AND k.key <= w.after AND {ready_k})
             WHEN w.wrapped THEN (SELECT min(k.key) FROM {s}_records k
-                                 WHERE k.partition = w.partition AND k.key > w.key AND k.key <= w.after)
-            ELSE (SELECT min(k.key) FROM {s}_records k WHERE k.partition = w.partition AND k.key > w.key)
+                                 WHERE k.partition = w.partition AND k.key > w.key AND k.key <= w.after AND {ready_k})
+            ELSE (SELECT min(k.key) FROM {s}_records k WHERE k.partition = w.partition AND k.key > w.key AND {ready_k})
         END,
         CASE WHEN {next} THEN 0 WHEN w.key IS NULL THEN 1 ELSE w.wrapped END,
         w.found + (w.key IS NOT NULL AND {serve})
@@ -74,8 +91,11 @@ walk(i, partition, after, key, wrapped, found) AS (
     WHERE w.i < (SELECT n FROM served) AND w.found < $3
 ),
 heads AS (
-    SELECT w.partition, w.key, w.found AS walk,
-        (SELECT min(h.seq) FROM {s}_records h WHERE h.partition = w.partition AND h.key = w.key {step_due}) AS seq
+    SELECT partition, key, row_number() OVER () AS walk, seq FROM came_due
+    UNION ALL
+    SELECT w.partition, w.key, w.found + 1,
+        (SELECT min(h.seq) FROM {s}_records h INDEXED BY {s}_records_ready
+         WHERE h.partition = w.partition AND h.key = w.key AND {ready_h})
     FROM walk w WHERE w.key IS NOT NULL AND {serve}
     LIMIT $3
 )
@@ -90,14 +110,21 @@ const NEXT: &str = "(w.key IS NULL AND (w.wrapped OR w.after IS NULL))";
 const NEXT_PARTITION: &str = "(((SELECT list FROM served) -> (w.i + 1)) ->> 0)";
 const NEXT_AFTER: &str = "(((SELECT list FROM served) -> (w.i + 1)) ->> 1)";
 
-/// Whether the walk serves key `w.key` of `w.partition`, with stop-on-first-failure: not skipped, and
-/// its lowest sequence is due.
-const SERVE_HEAD_DUE: &str = "(w.key NOT IN (SELECT value FROM json_each($2)) AND coalesce((SELECT {due}
-    FROM {s}_records r WHERE r.partition = w.partition AND r.key = w.key ORDER BY r.seq LIMIT 1), 0))";
+/// Whether the walk serves key `w.key` of `w.partition`: not in flight, and nothing held back before its
+/// first record due at once (`{held_x}`: with stop-on-first-failure any record held back, without only
+/// one whose time came, which `came_due` serves or leaves for a later fetch).
+const SERVE: &str = "(w.key NOT IN (SELECT value FROM json_each($2)) AND NOT EXISTS (
+    SELECT 1 FROM {s}_records x INDEXED BY {s}_records_held
+    WHERE x.partition = w.partition AND x.key = w.key AND {held_x}
+      AND x.seq < (SELECT min(h.seq) FROM {s}_records h INDEXED BY {s}_records_ready
+                   WHERE h.partition = w.partition AND h.key = w.key AND {ready_h})))";
 
-/// The same without stop-on-first-failure: not skipped, and any of its records is due.
-const SERVE_ANY_DUE: &str = "(w.key NOT IN (SELECT value FROM json_each($2)) AND EXISTS (SELECT 1
-    FROM {s}_records r WHERE r.partition = w.partition AND r.key = w.key AND {due}))";
+/// A record of `{t}` due at once: in `records_ready`.
+const READY: &str = "{t}.failed_at IS NULL AND {t}.next_attempt_at IS NULL";
+
+/// A record of `x` held back (FAILED, or waiting for a time): in `records_held`. Without
+/// stop-on-first-failure only one that keeps a later record back, one whose time came.
+const HELD: &str = "(x.failed_at IS NOT NULL OR x.next_attempt_at IS NOT NULL) {earlier}";
 
 /// The fence: the grants of `$1` (JSON `[[partition, hex owner, epoch], …]`) the partitions' rows still
 /// show.
@@ -211,13 +238,12 @@ pub struct SqliteStatements {
 /// Renders a SQLite statement: `{s}` becomes the table prefix (the configured schema name), `{now}`
 /// SQLite's clock in milliseconds since the Unix epoch (as the outbox tables store times), `{time:COLUMN}`
 /// such a stored time as RFC 3339 text (which sqlx decodes into `DateTime<Utc>`), `{cols}` the record
-/// columns, `{due}` / `{h_due}` the due test of `r` / `h`. For crates that add statements over the
-/// outbox tables (`outbox-cluster`).
+/// columns, `{due}` the due test of `r`. For crates that add statements over the outbox tables
+/// (`outbox-cluster`).
 pub fn render(text: &str, schema: &str) -> Arc<str> {
     let mut text = text
         .replace("{cols}", COLS)
         .replace("{unfinished}", &unfinished())
-        .replace("{h_due}", &DUE.replace("r.", "h."))
         .replace("{due}", DUE)
         .replace("{now}", NOW_MS)
         .replace("{s}", schema);
@@ -236,14 +262,16 @@ impl SqliteStatements {
         let deliver_at = |text: &str, at: &str, after: &str| {
             text.replace("{deliver_at}", &DELIVER_AT.replace("{at}", at).replace("{after}", after))
         };
-        let (step_due, serve) =
-            if stop_on_first_failure { ("", SERVE_HEAD_DUE) } else { ("AND {h_due}", SERVE_ANY_DUE) };
+        let earlier = if stop_on_first_failure { "" } else { "AND x.failed_at IS NULL AND x.next_attempt_at <= {now}" };
         let fetch = FETCH
             .replace("{next_partition}", NEXT_PARTITION)
             .replace("{next_after}", NEXT_AFTER)
             .replace("{next}", NEXT)
-            .replace("{serve}", serve)
-            .replace("{step_due}", step_due);
+            .replace("{serve}", SERVE)
+            .replace("{held_x}", &HELD.replace("{earlier}", earlier))
+            .replace("{ready_x}", &READY.replace("{t}", "x"))
+            .replace("{ready_k}", &READY.replace("{t}", "k"))
+            .replace("{ready_h}", &READY.replace("{t}", "h"));
         Self {
             schema: schema.to_string(),
             insert: build(&deliver_at(INSERT, "$7", "$8")),
