@@ -12,8 +12,9 @@ CREATE INDEX {s}_records_held ON {s}_records (partition, key, seq)
     WHERE failed_at IS NOT NULL OR next_attempt_at IS NOT NULL;
 
 -- Records waiting for a time (a retry's, or the delivery time asked for), by that time: the fetch takes
--- those that came due from here.
-CREATE INDEX {s}_records_waiting ON {s}_records (partition, next_attempt_at)
+-- those that came due from here, and passes over those of keys in flight or behind an earlier record
+-- without reading the table (the key is in the index, the sequence is the rowid).
+CREATE INDEX {s}_records_waiting ON {s}_records (partition, next_attempt_at, key, failed_at)
     WHERE failed_at IS NULL AND next_attempt_at IS NOT NULL;
 
 -- {s}_records_partition_key_seq stays: the fetch reads a head's followers from it, and libraries that

@@ -184,8 +184,9 @@ impl Found {
         }
         found.last_served = last.into_iter().map(|(p, (_, key))| (p, key)).collect();
         if found.runs.len() >= request.limit {
-            // The keys after the last head were not taken, wherever the walk stopped.
-            found.cut_in = last_walk.map(|(_, p)| p);
+            // The keys after the last head were not taken, wherever the walk stopped; with no head of
+            // the walk's (SQLite's records that came due took the batch), before it served anything.
+            found.cut_in = last_walk.map(|(_, p)| p).or_else(|| request.partitions.first().map(|p| p.0));
         } else if let Some((partition, key)) = stopped {
             found.last_served.insert(partition, key);
             found.cut_in = Some(partition);
@@ -640,6 +641,14 @@ mod tests {
         assert_eq!(partitions(filled_in_5.unread(&request(2))), [1, 3, 5, 9]);
         let short = found(vec![head(9, "c", 1)], 2);
         assert!(short.unread(&request(2)).is_empty(), "a batch that did not fill read every partition to its end");
+        // Heads outside the walk (SQLite's records that came due) move no start key; filling the batch
+        // alone, they leave every partition unread, the walk not begun.
+        let came_due = |partition, key| head(partition, key, 0).into_iter().map(|row| FetchedRow { walk: None, ..row });
+        let beside = found(vec![came_due(9, "x").collect(), head(5, "a", 1)], 2);
+        assert_eq!((beside.cut_in, beside.last_served.get(&9)), (Some(5), None));
+        let alone = found(vec![came_due(9, "x").collect(), came_due(3, "y").collect()], 2);
+        assert_eq!(partitions(alone.unread(&request(2))), [1, 3, 5, 9]);
+        assert!(alone.last_served.is_empty());
     }
 
     /// A walk that read all it may ends where it stopped: the next walk of that partition starts after

@@ -42,16 +42,19 @@ const COLS: &str = "r.id, r.partition, r.key, r.seq, r.event_type, r.payload, r.
 const DUE: &str = "(r.failed_at IS NULL AND (r.next_attempt_at IS NULL OR r.next_attempt_at <= {now}))";
 
 /// The fetch (see `Db::fetch`): `$1` a JSON array of `[partition, epoch, start key or null]`, `$2` keys
-/// in flight (JSON), `$3` heads at most, `$4` followers per head, `$5` the instance. First the records
-/// that waited for a time and came due (`records_waiting`, partition by partition in `served`'s order,
-/// each in its time's order), up to half the batch, so a storm of retries leaves room for the rest.
-/// Then the keys with a record due at once, from a loose index scan of `records_ready` written as a
-/// recursive walk: partition `i` of `served` (those held and holding records, in order), its keys one
-/// index seek apart, first after the start key, then (`wrapped`) from the lowest up to it; a row with
-/// no key moves on. `found` counts the heads taken (`{serve}`); the walk stops at `$3`, so a key costs a
-/// few seeks however many records it has, and a key whose records all wait costs nothing. Each head
-/// only where it is its key's next record: nothing held back before it (`records_held`). Then up to `$4`
-/// records after each head.
+/// in flight (JSON), `$3` heads at most, `$4` followers per head, `$5` the instance. Two kinds of head:
+/// - Records that waited for a time and came due (`records_waiting`, partition by partition in
+///   `served`'s order, each in its time's order).
+/// - Keys with a record due at once, from a loose index scan of `records_ready` written as a recursive
+///   walk: partition `i` of `served` (those held and holding records, in order), its keys one index
+///   seek apart, first after the start key, then (`wrapped`) from the lowest up to it; a row with no key
+///   moves on. `found` counts the heads taken (`{serve}`), so a key costs a few seeks however many
+///   records it has, and a key whose records all wait costs nothing.
+///
+/// Each head only where it is its key's next record: nothing held back before it (`records_held`). The
+/// walk leaves the batch's room but what came due takes of its first half, so a storm of retries leaves
+/// room for the rest, and what came due takes the room the walk left. Only the walk's heads are numbered
+/// (`walk`): they alone say where it stopped. Then up to `$4` records after each head.
 const FETCH: &str = "WITH RECURSIVE served(list, n) AS MATERIALIZED (
     SELECT json_group_array(json_array(a.value ->> 0, a.value ->> 2) ORDER BY a.key), count(*)
     FROM json_each($1) a
@@ -68,10 +71,10 @@ came_due AS MATERIALIZED (
                       WHERE x.partition = c.partition AND x.key = c.key AND x.seq < c.seq AND {ready_x})
       AND NOT EXISTS (SELECT 1 FROM {s}_records x INDEXED BY {s}_records_held
                       WHERE x.partition = c.partition AND x.key = c.key AND x.seq < c.seq AND {held_x})
-    LIMIT ($3 + 1) / 2
+    LIMIT $3
 ),
 walk(i, partition, after, key, wrapped, found) AS (
-    SELECT -1, NULL, NULL, NULL, 1, (SELECT count(*) FROM came_due)
+    SELECT -1, NULL, NULL, NULL, 1, min((SELECT count(*) FROM came_due), ($3 + 1) / 2)
     UNION ALL
     SELECT CASE WHEN {next} THEN w.i + 1 ELSE w.i END,
         CASE WHEN {next} THEN {next_partition} ELSE w.partition END,
@@ -90,14 +93,16 @@ walk(i, partition, after, key, wrapped, found) AS (
     FROM walk w
     WHERE w.i < (SELECT n FROM served) AND w.found < $3
 ),
-heads AS (
-    SELECT partition, key, row_number() OVER () AS walk, seq FROM came_due
-    UNION ALL
-    SELECT w.partition, w.key, w.found + 1,
+walked AS MATERIALIZED (
+    SELECT w.partition, w.key, w.found + 1 AS walk,
         (SELECT min(h.seq) FROM {s}_records h INDEXED BY {s}_records_ready
-         WHERE h.partition = w.partition AND h.key = w.key AND {ready_h})
-    FROM walk w WHERE w.key IS NOT NULL AND {serve}
-    LIMIT $3
+         WHERE h.partition = w.partition AND h.key = w.key AND {ready_h}) AS seq
+    FROM walk w WHERE w.key IS NOT NULL AND w.found < $3 AND {serve}
+),
+heads AS (
+    SELECT * FROM (SELECT partition, key, NULL AS walk, seq FROM came_due LIMIT $3 - (SELECT count(*) FROM walked))
+    UNION ALL
+    SELECT partition, key, walk, seq FROM walked
 )
 SELECT {cols}, {due} AS due, CASE WHEN r.seq = heads.seq THEN heads.walk END AS walk FROM heads
 JOIN {s}_records r ON r.partition = heads.partition AND r.key = heads.key AND r.seq >= heads.seq
