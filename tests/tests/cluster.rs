@@ -567,12 +567,14 @@ async fn a_stop_given_up_part_way_stops_every_task(db: TestDb) {
 async fn a_lease_renewed_after_it_lapsed_is_followed_by_a_round(db: TestDb) {
     let outbox = outbox(&db, |_| {}).await;
     let config = outbox_cluster::ClusterConfig {
-        // A lease of 4 s. The renewal held up by the lock was sent up to 2 s into it, and a second one
-        // beside it a second later: both were sent within the lease, so both renew it once the lock
+        // A lease of 8 s. The renewal held up by the lock was sent up to 4 s into it, and a second one
+        // beside it two seconds later: both were sent within the lease, so both renew it once the lock
         // goes, if that is within a lease of the first (after which it is given up, and the next
-        // renewal finds the lease expired). The lock must go in the 2 s between.
-        heartbeat_interval: Duration::from_secs(2),
-        stale_timeout: Duration::from_secs(8),
+        // renewal finds the lease expired). The lock must go in the 4 s between, after `b` led and
+        // pointed every target at itself: 2 s (heartbeats of 2 s) were too few once in a full run of
+        // the suite, and `a` registered again under a new id.
+        heartbeat_interval: Duration::from_secs(4),
+        stale_timeout: Duration::from_secs(16),
         rebalance_interval: Duration::from_secs(3600),
         ..fast_cluster()
     };
