@@ -600,7 +600,8 @@ mod tests {
     /// Keys whose every record waits (here one each, scheduled an hour from now or FAILED: reminders, or
     /// what a broker's outage left) cost the fetch nothing: beside 20,000 of them, half sorting before the
     /// others in every partition, its walk takes as many steps and serves the same heads. Walking every
-    /// key, it stepped through each of them on every poll (84 ms a poll beside 200,000).
+    /// key, it stepped through each of them on every poll (a fetch beside 200,000 took 24 ms in a release
+    /// build, beside a million 110 ms; 4 and 6 ms now).
     #[tokio::test]
     async fn keys_whose_records_all_wait_cost_the_fetch_nothing() {
         let (pool, _) = migrated().await;
