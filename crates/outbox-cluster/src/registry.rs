@@ -155,7 +155,7 @@ impl Heartbeat {
         id: InstanceId,
         delivered: u64,
     ) -> Result<Option<Duration>> {
-        let lease = lease(&self.config);
+        let lease = self.config.lease();
         let again_after = self.config.heartbeat_interval.min(self.lease_left() / 2);
         let mut spare = HeartbeatConnection::default();
         let (answer, spare_answered) = {

@@ -206,7 +206,7 @@ pub(crate) struct HeartbeatConnection {
 }
 
 impl HeartbeatConnection {
-    /// Renews the lease of `id` for `lease.live` if it has not expired by database time; returns its
+    /// Renews the lease of `id` for `live` if it has not expired by database time; returns its
     /// remaining time, or `None` when it had expired (the instance was declared dead and must register
     /// again). On SQLite it takes this process's turn at the file, then the write lock, which writers
     /// in other processes may hold.
@@ -214,7 +214,7 @@ impl HeartbeatConnection {
         &mut self,
         store: &Store,
         id: InstanceId,
-        lease: Lease,
+        live: Duration,
         delivered: u64,
     ) -> Result<Option<Duration>> {
         // Reported for the operator's rates; a count past i64 would take 290 years at 1e9/s.
@@ -222,12 +222,12 @@ impl HeartbeatConnection {
         match &store.db {
             #[cfg(feature = "postgres")]
             Db::Postgres(pool) => {
-                store.statements.postgres.heartbeat(pool, &mut self.postgres, id, lease, delivered).await
+                store.statements.postgres.heartbeat(pool, &mut self.postgres, id, live, delivered).await
             }
             #[cfg(feature = "sqlite")]
-            Db::Sqlite(pool) => store.statements.sqlite.heartbeat(pool, &mut self.sqlite, id, lease, delivered).await,
+            Db::Sqlite(pool) => store.statements.sqlite.heartbeat(pool, &mut self.sqlite, id, live, delivered).await,
             #[cfg(feature = "mysql")]
-            Db::MySql(pool) => store.statements.mysql.heartbeat(pool, &mut self.mysql, id, lease, delivered).await,
+            Db::MySql(pool) => store.statements.mysql.heartbeat(pool, &mut self.mysql, id, live, delivered).await,
             other => Err(Error::BackendNotBuilt { backend: other.backend() }),
         }
     }

@@ -239,7 +239,7 @@ impl MySqlStatements {
         pool: &MySqlPool,
         own: &mut Option<MySqlConnection>,
         id: InstanceId,
-        lease: Lease,
+        live: Duration,
         delivered: i64,
     ) -> Result<Option<Duration>> {
         let conn = match own {
@@ -255,13 +255,13 @@ impl MySqlStatements {
             }
         };
         let renewed = sqlx::query(statement(&self.heartbeat))
-            .bind(millis(lease.live))
+            .bind(millis(live))
             .bind(delivered)
             .bind(id)
             .execute(conn)
             .await?
             .rows_affected();
-        Ok((renewed > 0).then_some(lease.live))
+        Ok((renewed > 0).then_some(live))
     }
 
     pub(super) async fn deregister(&self, conn: &mut MySqlConnection, id: InstanceId) -> Result<()> {

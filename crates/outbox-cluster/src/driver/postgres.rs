@@ -209,7 +209,7 @@ impl PgStatements {
         pool: &PgPool,
         own: &mut Option<PgConnection>,
         id: InstanceId,
-        lease: Lease,
+        live: Duration,
         delivered: i64,
     ) -> Result<Option<Duration>> {
         let conn = match own {
@@ -223,7 +223,7 @@ impl PgStatements {
         };
         let ms: Option<i64> = sqlx::query_scalar(statement(&self.heartbeat))
             .bind(id)
-            .bind(millis(lease.live))
+            .bind(millis(live))
             .bind(delivered)
             .fetch_optional(conn)
             .await?;

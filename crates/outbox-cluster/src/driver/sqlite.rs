@@ -174,7 +174,7 @@ impl SqliteStatements {
         pool: &SqlitePool,
         own: &mut Option<SqliteConnection>,
         id: InstanceId,
-        lease: Lease,
+        live: Duration,
         delivered: i64,
     ) -> Result<Option<Duration>> {
         let conn = match own {
@@ -184,7 +184,7 @@ impl SqliteStatements {
         let mut tx = write_on(pool, conn).await?;
         let ms: Option<i64> = sqlx::query_scalar(statement(&self.heartbeat))
             .bind(id)
-            .bind(millis(lease.live))
+            .bind(millis(live))
             .bind(delivered)
             .fetch_optional(&mut *tx)
             .await?;

@@ -65,12 +65,20 @@ async fn a_lease_is_renewed_only_until_it_expires(pool: PgPool) {
         let remaining = store.register(id, "test", DAY).await.unwrap();
         assert!(remaining > Duration::from_secs(86_000) && remaining <= DAY.live, "{backend}: {remaining:?}");
         let mut conn = super::HeartbeatConnection::default();
-        let renewed = conn.renew(&store, id, DAY, 42).await.unwrap();
+        let renewed = conn.renew(&store, id, DAY.live, 42).await.unwrap();
         assert!(renewed.is_some_and(|r| r > Duration::from_secs(86_000)), "{backend}: {renewed:?}");
 
         let dead = registered(&store, GONE).await;
-        assert_eq!(conn.renew(&store, dead, DAY, 0).await.unwrap(), None, "{backend}: an expired lease stays expired");
-        assert_eq!(conn.renew(&store, InstanceId::new(), DAY, 0).await.unwrap(), None, "{backend}: unknown instance");
+        assert_eq!(
+            conn.renew(&store, dead, DAY.live, 0).await.unwrap(),
+            None,
+            "{backend}: an expired lease stays expired"
+        );
+        assert_eq!(
+            conn.renew(&store, InstanceId::new(), DAY.live, 0).await.unwrap(),
+            None,
+            "{backend}: unknown instance"
+        );
 
         let live: BTreeSet<InstanceId> = store.view().await.unwrap().live.into_iter().collect();
         assert_eq!(live, BTreeSet::from([id]), "{backend}");
@@ -112,7 +120,7 @@ async fn an_id_registered_again_is_registered_afresh(pool: PgPool) {
         // same id must not fail on the row, nor leave a second one.
         let id = registered(&store, DAY).await;
         let mut conn = super::HeartbeatConnection::default();
-        conn.renew(&store, id, GONE, 42).await.unwrap();
+        conn.renew(&store, id, GONE.live, 42).await.unwrap();
         store.drain(id).await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
 
@@ -125,7 +133,7 @@ async fn an_id_registered_again_is_registered_afresh(pool: PgPool) {
             "{backend}"
         );
         assert_eq!(store.view().await.unwrap().live, [id], "{backend}");
-        assert!(conn.renew(&store, id, DAY, 0).await.unwrap().is_some(), "{backend}: renewable again");
+        assert!(conn.renew(&store, id, DAY.live, 0).await.unwrap().is_some(), "{backend}: renewable again");
     }
 }
 
@@ -363,7 +371,7 @@ async fn a_renewal_that_waited_out_its_lease_behind_a_takeover_revives_nothing(p
         tokio::time::sleep(Duration::from_millis(100)).await;
         let renewal = tokio::spawn({
             let store = store.clone();
-            async move { super::HeartbeatConnection::default().renew(&store, owner, short, 0).await.unwrap() }
+            async move { super::HeartbeatConnection::default().renew(&store, owner, short.live, 0).await.unwrap() }
         });
         // The owner's lease runs out while the acquisition waits.
         tokio::time::sleep(Duration::from_millis(800)).await;
@@ -411,7 +419,7 @@ async fn a_wait_for_one_instance_row_holds_up_no_other_renewal(pool: PgPool) {
             });
             tokio::time::sleep(Duration::from_millis(300)).await;
             let mut heartbeat = super::HeartbeatConnection::default();
-            let renewal = heartbeat.renew(&store, bystander, DAY, 0);
+            let renewal = heartbeat.renew(&store, bystander, DAY.live, 0);
             let renewed = tokio::time::timeout(Duration::from_secs(3), renewal).await;
             holder.commit().await.unwrap();
             assert!(
@@ -448,7 +456,7 @@ async fn a_lease_whose_partitions_were_taken_stays_ended(pool: PgPool) {
             _ => "UPDATE outbox_instances SET expires_at = expires_at + 3600000 WHERE id = $1",
         };
         assert_eq!(store.db().execute(clock_back, &[owner.into()]).await.unwrap(), 1, "{backend}");
-        let renewed = super::HeartbeatConnection::default().renew(&store, owner, short, 0).await.unwrap();
+        let renewed = super::HeartbeatConnection::default().renew(&store, owner, short.live, 0).await.unwrap();
         assert_eq!(renewed, None, "{backend}: the lease of an owner whose partitions were taken was renewed");
         assert!(!store.view().await.unwrap().live.contains(&owner), "{backend}: counted live");
         target(&store, [8], taker).await;
@@ -589,7 +597,7 @@ async fn a_heartbeat_committed_after_the_status_read_began_is_not_in_the_future(
         .limited(&mut reader, async |conn| {
             tokio::time::sleep(Duration::from_millis(50)).await;
             // A heartbeat commits after the read's transaction began.
-            super::HeartbeatConnection::default().renew(&store, id, DAY, 0).await.unwrap();
+            super::HeartbeatConnection::default().renew(&store, id, DAY.live, 0).await.unwrap();
             statements.instances(conn).await
         })
         .await
