@@ -60,8 +60,9 @@ struct Rounds {
     quiet: Quiet,
     /// Partitions of a release that went unanswered (given up at its time limit, or its answer lost),
     /// each at the epoch it was sent for: it may still commit, and the next owner then takes the
-    /// partition as free, with no quiet period of its own (only what is left of one stored). Until a release of them is answered they stay out of the
-    /// processor's assignment, even if targeted here again, and are released again.
+    /// partition as free, with no quiet period of its own (only what is left of one stored). Until a
+    /// release of them is answered they stay out of the processor's assignment, even if targeted here
+    /// again, and are released again.
     unanswered: Epochs,
     /// When this instance, as the leader, last reaped expired instance rows.
     reaped: Option<Instant>,

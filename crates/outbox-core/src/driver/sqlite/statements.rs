@@ -93,11 +93,12 @@ walk(i, partition, after, key, wrapped, found) AS (
     FROM walk w
     WHERE w.i < (SELECT n FROM served) AND w.found < $3
 ),
+walked_keys AS MATERIALIZED (
+    SELECT w.partition, w.key, w.found + 1 AS walk, {first_ready} AS seq
+    FROM walk w WHERE w.key IS NOT NULL AND w.found < $3
+),
 walked AS MATERIALIZED (
-    SELECT w.partition, w.key, w.found + 1 AS walk,
-        (SELECT min(h.seq) FROM {s}_records h INDEXED BY {s}_records_ready
-         WHERE h.partition = w.partition AND h.key = w.key AND {ready_h}) AS seq
-    FROM walk w WHERE w.key IS NOT NULL AND w.found < $3 AND {serve}
+    SELECT * FROM walked_keys w WHERE {serve_seq}
 ),
 heads AS (
     SELECT * FROM (SELECT partition, key, NULL AS walk, seq FROM came_due LIMIT $3 - (SELECT count(*) FROM walked))
@@ -115,14 +116,17 @@ const NEXT: &str = "(w.key IS NULL AND (w.wrapped OR w.after IS NULL))";
 const NEXT_PARTITION: &str = "(((SELECT list FROM served) -> (w.i + 1)) ->> 0)";
 const NEXT_AFTER: &str = "(((SELECT list FROM served) -> (w.i + 1)) ->> 1)";
 
-/// Whether the walk serves key `w.key` of `w.partition`: not in flight, and nothing held back before its
-/// first record due at once (`{held_x}`: with stop-on-first-failure any record held back, without only
-/// one whose time came, which `came_due` serves or leaves for a later fetch).
+/// Whether the walk serves key `w.key` of `w.partition`, whose first record due at once is `{seq}`: not
+/// in flight, and nothing held back before that record (`{held_x}`: with stop-on-first-failure any
+/// record held back, without only one whose time came, which `came_due` serves or leaves for a later
+/// fetch).
 const SERVE: &str = "(w.key NOT IN (SELECT value FROM json_each($2)) AND NOT EXISTS (
     SELECT 1 FROM {s}_records x INDEXED BY {s}_records_held
-    WHERE x.partition = w.partition AND x.key = w.key AND {held_x}
-      AND x.seq < (SELECT min(h.seq) FROM {s}_records h INDEXED BY {s}_records_ready
-                   WHERE h.partition = w.partition AND h.key = w.key AND {ready_h})))";
+    WHERE x.partition = w.partition AND x.key = w.key AND {held_x} AND x.seq < {seq}))";
+
+/// The first record due at once of key `w.key` of `w.partition` (a probe of `records_ready`).
+const FIRST_READY: &str = "(SELECT min(h.seq) FROM {s}_records h INDEXED BY {s}_records_ready
+    WHERE h.partition = w.partition AND h.key = w.key AND {ready_h})";
 
 /// A record of `{t}` due at once: in `records_ready`.
 const READY: &str = "{t}.failed_at IS NULL AND {t}.next_attempt_at IS NULL";
@@ -272,7 +276,10 @@ impl SqliteStatements {
             .replace("{next_partition}", NEXT_PARTITION)
             .replace("{next_after}", NEXT_AFTER)
             .replace("{next}", NEXT)
-            .replace("{serve}", SERVE)
+            // The walk finds the key's first ready record to decide; `walked` has it as a column.
+            .replace("{serve_seq}", &SERVE.replace("{seq}", "w.seq"))
+            .replace("{serve}", &SERVE.replace("{seq}", FIRST_READY))
+            .replace("{first_ready}", FIRST_READY)
             .replace("{held_x}", &HELD.replace("{earlier}", earlier))
             .replace("{ready_x}", &READY.replace("{t}", "x"))
             .replace("{ready_k}", &READY.replace("{t}", "k"))
